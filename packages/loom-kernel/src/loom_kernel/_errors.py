@@ -1,0 +1,152 @@
+"""The kernel's error tree: every error Loom raises on purpose derives from LoomError."""
+
+from __future__ import annotations
+
+__all__ = [
+    "CanonicalJSONError",
+    "ConflictError",
+    "InvalidArgumentError",
+    "InvalidIdError",
+    "LoomError",
+    "NotFoundError",
+    "SchemaError",
+    "StoreUnavailableError",
+    "StreamDeletedError",
+    "TrimmedError",
+]
+
+
+class LoomError(Exception):
+    """Root of every error the kernel and its stores raise on purpose."""
+
+
+class InvalidArgumentError(LoomError, ValueError):
+    """An argument is malformed (a negative position, an empty batch, a bad kind...)."""
+
+
+class InvalidIdError(InvalidArgumentError):
+    """An id (a stream name, a prefix) breaks the id rules; nothing was read or written.
+
+    Attributes:
+        value: the offending id, as given.
+        reason: which rule it breaks.
+    """
+
+    def __init__(self, value: object, reason: str) -> None:
+        self.value = value
+        self.reason = reason
+        super().__init__(f"invalid id {value!r}: {reason}")
+
+
+class CanonicalJSONError(InvalidArgumentError):
+    """A value cannot be written as canonical JSON (a cycle, NaN, a non-str key, too deep...).
+
+    Attributes:
+        path: where in the value the problem is, as a JSONPath-like string ("$.a[3]").
+        reason: what is wrong there.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        self.reason = reason
+        super().__init__(f"cannot write canonical JSON at {path}: {reason}")
+
+
+class ConflictError(LoomError):
+    """An append found the stream's head elsewhere than expected; nothing was written.
+
+    Attributes:
+        stream: the stream appended to.
+        expected: the head the caller expected.
+        actual: the head the store found (best knowledge at the time of the refusal).
+    """
+
+    def __init__(self, stream: str, expected: int, actual: int) -> None:
+        self.stream = stream
+        self.expected = expected
+        self.actual = actual
+        super().__init__(f"conflict on stream {stream!r}: expected head {expected}, found {actual}")
+
+
+class NotFoundError(LoomError):
+    """Something looked up by name or id does not exist."""
+
+
+class StreamDeletedError(NotFoundError):
+    """The stream was deleted; its name is retired so its positions are never reused.
+
+    Attributes:
+        stream: the deleted stream.
+        head: its head when it was deleted.
+    """
+
+    def __init__(self, stream: str, head: int) -> None:
+        self.stream = stream
+        self.head = head
+        super().__init__(
+            f"stream {stream!r} was deleted at head {head}; "
+            "a deleted stream's name is retired and its positions are never reused"
+        )
+
+
+class TrimmedError(NotFoundError):
+    """A read asked for records that compaction already dropped.
+
+    Attributes:
+        stream: the stream read.
+        after: the position the caller asked to read after.
+        floor: the last trimmed position; reads must start at or after it.
+    """
+
+    def __init__(self, stream: str, after: int, floor: int) -> None:
+        self.stream = stream
+        self.after = after
+        self.floor = floor
+        super().__init__(
+            f"stream {stream!r} is trimmed up to position {floor}: "
+            f"cannot read after {after} (read after {floor} or later, from a snapshot)"
+        )
+
+
+class SchemaError(LoomError):
+    """A record cannot be decoded: unknown kind, newer major schema, or a malformed payload.
+
+    Attributes:
+        kind: the record's kind.
+        version: the schema version the record carries (None when unreadable).
+        stream: the stream the record came from (None when unknown).
+        position: the record's position (None when unknown).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str | None = None,
+        version: str | None = None,
+        stream: str | None = None,
+        position: int | None = None,
+    ) -> None:
+        self.kind = kind
+        self.version = version
+        self.stream = stream
+        self.position = position
+        where = []
+        if stream is not None:
+            where.append(f"stream {stream!r}")
+        if position is not None:
+            where.append(f"position {position}")
+        if kind is not None:
+            where.append(f"kind {kind!r}")
+        if version is not None:
+            where.append(f"schema {version}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+
+
+class StoreUnavailableError(LoomError):
+    """A transient fault in the store's backend (I/O error, timeout, throttling).
+
+    The operation may be retried. For an append, the store has already done what it
+    could to learn whether the write landed; when it raises this error the write did
+    not land or could not be confirmed, so callers must re-read before retrying.
+    """

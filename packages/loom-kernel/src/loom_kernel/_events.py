@@ -1,0 +1,179 @@
+"""The event kinds of an execution's journal, and the schema version they are written under.
+
+Adding a kind, or a fold key derived from existing events, is a minor bump of
+EVENT_SCHEMA; changing an existing payload's meaning is a major one. PINNED is
+the reviewed list of kinds: a test holds known_event_types() equal to it, so a
+new kind is always a conscious change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Final
+
+import attrs
+
+__all__ = [
+    "EVENT_SCHEMA",
+    "PINNED",
+    "ErrorInfo",
+    "Event",
+    "ExecutionCancelled",
+    "ExecutionCompleted",
+    "ExecutionFailed",
+    "ExecutionMigrated",
+    "ExecutionResumed",
+    "ExecutionStarted",
+    "ExecutionSuspended",
+    "StepCompleted",
+    "StepFailed",
+    "event_class",
+    "known_event_types",
+]
+
+EVENT_SCHEMA: Final = "1.16.0"
+
+
+@attrs.frozen
+class ErrorInfo:
+    """An error as the journal keeps it: its type's qualified name and its message."""
+
+    type: str
+    message: str
+
+
+@attrs.frozen
+class ExecutionStarted:
+    """An execution began: the flow, the pinned hash of its code, its input."""
+
+    KIND: ClassVar[str] = "EXECUTION_STARTED"
+    flow: str
+    code_hash: str
+    input: Any
+    key: str | None = None
+    parent: str | None = None
+
+
+@attrs.frozen
+class StepCompleted:
+    """The step at `index` (its call order) returned `result` after `attempts` tries."""
+
+    KIND: ClassVar[str] = "STEP_COMPLETED"
+    index: int
+    name: str
+    result: Any
+    attempts: int = 1
+
+
+@attrs.frozen
+class StepFailed:
+    """The step at `index` exhausted its retry policy; replay raises the same error."""
+
+    KIND: ClassVar[str] = "STEP_FAILED"
+    index: int
+    name: str
+    error: ErrorInfo
+    attempts: int = 1
+
+
+@attrs.frozen
+class ExecutionSuspended:
+    """The run parked at gate number `gate`, waiting on `on` (until `wake_at` for a timer)."""
+
+    KIND: ClassVar[str] = "EXECUTION_SUSPENDED"
+    gate: int
+    on: str
+    wake_at: float | None = None
+
+
+@attrs.frozen
+class ExecutionResumed:
+    """A payload was delivered to the parked gate (`key` dedupes re-deliveries)."""
+
+    KIND: ClassVar[str] = "EXECUTION_RESUMED"
+    payload: Any
+    key: str | None = None
+
+
+@attrs.frozen
+class ExecutionCompleted:
+    """The flow returned `result`."""
+
+    KIND: ClassVar[str] = "EXECUTION_COMPLETED"
+    result: Any
+
+
+@attrs.frozen
+class ExecutionFailed:
+    """The flow raised an error it did not catch."""
+
+    KIND: ClassVar[str] = "EXECUTION_FAILED"
+    error: ErrorInfo
+
+
+@attrs.frozen
+class ExecutionCancelled:
+    """The run was cancelled; it never runs another step."""
+
+    KIND: ClassVar[str] = "EXECUTION_CANCELLED"
+    reason: str | None = None
+
+
+@attrs.frozen
+class ExecutionMigrated:
+    """The run moved from one code hash to another after a replay check (audit entry)."""
+
+    KIND: ClassVar[str] = "EXECUTION_MIGRATED"
+    from_hash: str
+    to_hash: str
+    reason: str | None = None
+
+
+Event = (
+    ExecutionStarted
+    | StepCompleted
+    | StepFailed
+    | ExecutionSuspended
+    | ExecutionResumed
+    | ExecutionCompleted
+    | ExecutionFailed
+    | ExecutionCancelled
+    | ExecutionMigrated
+)
+
+_CLASSES: Final[tuple[type[Any], ...]] = (
+    ExecutionStarted,
+    StepCompleted,
+    StepFailed,
+    ExecutionSuspended,
+    ExecutionResumed,
+    ExecutionCompleted,
+    ExecutionFailed,
+    ExecutionCancelled,
+    ExecutionMigrated,
+)
+_BY_KIND: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in _CLASSES}
+
+# Reviewed by hand: a change here is a schema change (see docs/schema.md).
+PINNED: Final = frozenset(
+    {
+        "EXECUTION_STARTED",
+        "STEP_COMPLETED",
+        "STEP_FAILED",
+        "EXECUTION_SUSPENDED",
+        "EXECUTION_RESUMED",
+        "EXECUTION_COMPLETED",
+        "EXECUTION_FAILED",
+        "EXECUTION_CANCELLED",
+        "EXECUTION_MIGRATED",
+    }
+)
+
+
+def known_event_types() -> frozenset[str]:
+    """Return the kinds the kernel can decode, as defined by the event classes."""
+    return frozenset(_BY_KIND)
+
+
+def event_class(kind: str) -> type[Any] | None:
+    """Return the event class of a kind, or None for a kind this kernel does not know."""
+    return _BY_KIND.get(kind)

@@ -1,0 +1,72 @@
+"""Stream-id rules, enforced in one place before any store sees an id."""
+
+from __future__ import annotations
+
+import re
+
+from loom_kernel._errors import InvalidIdError
+
+__all__ = ["ID_ALPHABET", "MAX_ID_LENGTH", "validate_prefix", "validate_stream_id"]
+
+MAX_ID_LENGTH = 200
+ID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~:@+=/"
+_ALLOWED = re.compile(r"[A-Za-z0-9\-_.~:@+=/]*")
+
+
+def _check_characters(value: str) -> None:
+    if _ALLOWED.fullmatch(value) is None:
+        bad = next(ch for ch in value if ch not in ID_ALPHABET)
+        raise InvalidIdError(value, f"character {bad!r} is not allowed (allowed: {ID_ALPHABET})")
+
+
+def validate_stream_id(value: object) -> str:
+    """Check a stream id and return it unchanged.
+
+    Rules: a str of 1 to MAX_ID_LENGTH characters from ID_ALPHABET; segments separated
+    by '/' are never empty, '.' or '..'; no leading or trailing '/'.
+
+    Raises:
+        InvalidIdError: naming the rule the id breaks.
+    """
+    if not isinstance(value, str):
+        raise InvalidIdError(value, f"must be a str, not {type(value).__name__}")
+    if not value:
+        raise InvalidIdError(value, "must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidIdError(value, f"longer than {MAX_ID_LENGTH} characters")
+    _check_characters(value)
+    if value.startswith("/"):
+        raise InvalidIdError(value, "must not start with '/'")
+    for segment in value.split("/"):
+        if segment == "":
+            raise InvalidIdError(value, "has an empty segment ('//' or a trailing '/')")
+        if segment in (".", ".."):
+            raise InvalidIdError(value, f"has a {segment!r} segment")
+    return value
+
+
+def validate_prefix(value: object) -> str:
+    """Check a listing prefix: empty, or a leading part of some valid stream id.
+
+    A prefix may end with '/' or stop inside a segment; it follows the same charset,
+    length and segment rules for its complete segments.
+
+    Raises:
+        InvalidIdError: naming the rule the prefix breaks.
+    """
+    if not isinstance(value, str):
+        raise InvalidIdError(value, f"prefix must be a str, not {type(value).__name__}")
+    if value == "":
+        return value
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidIdError(value, f"prefix longer than {MAX_ID_LENGTH} characters")
+    _check_characters(value)
+    if value.startswith("/"):
+        raise InvalidIdError(value, "prefix must not start with '/'")
+    complete = value.split("/")[:-1]
+    for segment in complete:
+        if segment == "":
+            raise InvalidIdError(value, "prefix has an empty segment ('//')")
+        if segment in (".", ".."):
+            raise InvalidIdError(value, f"prefix has a {segment!r} segment")
+    return value

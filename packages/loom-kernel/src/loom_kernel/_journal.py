@@ -1,0 +1,202 @@
+"""The journal protocol: records, and the abstract store every backend implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from typing import Final
+
+import attrs
+
+from loom_kernel._errors import InvalidArgumentError
+from loom_kernel._ids import validate_prefix, validate_stream_id
+
+__all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record"]
+
+MAX_KIND_LENGTH: Final = 64
+
+
+def _check_kind(_instance: object, _attribute: object, kind: object) -> None:
+    if (
+        not isinstance(kind, str)
+        or not kind
+        or len(kind) > MAX_KIND_LENGTH
+        or not kind.isascii()
+        or not kind.isprintable()
+    ):
+        raise InvalidArgumentError(
+            f"a record kind must be 1 to {MAX_KIND_LENGTH} printable ASCII characters, not {kind!r}"
+        )
+
+
+def _check_payload(_instance: object, _attribute: object, payload: object) -> None:
+    if not isinstance(payload, bytes):
+        raise InvalidArgumentError(f"a record payload must be bytes, not {type(payload).__name__}")
+
+
+def _check_timestamp(_instance: object, _attribute: object, timestamp: object) -> None:
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
+        raise InvalidArgumentError(f"a record timestamp must be a number, not {timestamp!r}")
+
+
+@attrs.frozen
+class NewRecord:
+    """A record to append: the store gives it its position.
+
+    Attributes:
+        kind: what the record is (printable ASCII, at most 64 characters).
+        payload: opaque bytes; stores never parse them.
+        timestamp: seconds since the epoch, from the kernel's injected clock.
+    """
+
+    kind: str = attrs.field(validator=_check_kind)
+    payload: bytes = attrs.field(validator=_check_payload)
+    timestamp: float = attrs.field(validator=_check_timestamp)
+
+
+@attrs.frozen
+class Record:
+    """A stored record: a NewRecord with the position the store gave it (1, 2, 3, ...)."""
+
+    position: int
+    kind: str
+    payload: bytes
+    timestamp: float
+
+
+def _check_position(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{name} must be an int >= 0, not {value!r}")
+    return value
+
+
+def _check_limit(limit: object) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidArgumentError(f"limit must be None or an int >= 1, not {limit!r}")
+    return limit
+
+
+class JournalStore(abc.ABC):
+    """A store of named streams of gapless, numbered records: the storage SPI.
+
+    The public methods check their arguments (ids, positions, limits, records) and
+    then call the protected hooks a store implements. docs/spi.md is the contract:
+    what each hook must do, which errors it raises and how it handles an ambiguous
+    failure. Every store must pass the conformance kit in loom_kernel.testing.
+    """
+
+    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+        """Append records atomically where the stream's head is exactly `expected`.
+
+        Args:
+            stream: the stream id.
+            expected: the head the caller saw; 0 means the stream must not exist yet.
+            records: one or more records; they land together or not at all.
+
+        Returns:
+            The new head: `expected + len(records)`.
+
+        Raises:
+            ConflictError: the head is not `expected`; nothing was written.
+            StreamDeletedError: the stream was deleted; nothing was written.
+            StoreUnavailableError: a transient fault; the write did not land or
+                could not be confirmed (re-read before retrying).
+            InvalidIdError, InvalidArgumentError: bad arguments; nothing was written.
+        """
+        validate_stream_id(stream)
+        _check_position("expected", expected)
+        batch = tuple(records)
+        if not batch:
+            raise InvalidArgumentError("append needs at least one record")
+        for record in batch:
+            if not isinstance(record, NewRecord):
+                raise InvalidArgumentError(
+                    f"append takes NewRecord instances, not {type(record).__name__}"
+                )
+        return self._append(stream, expected, batch)
+
+    def read(self, stream: str, after: int = 0, limit: int | None = None) -> list[Record]:
+        """Return the records after position `after`, in order and gapless.
+
+        A stream that does not exist reads as empty.
+
+        Raises:
+            TrimmedError: `after` is below the stream's trim floor.
+            StreamDeletedError: the stream was deleted.
+        """
+        validate_stream_id(stream)
+        _check_position("after", after)
+        return self._read(stream, after, _check_limit(limit))
+
+    def head(self, stream: str) -> int:
+        """Return the stream's last position, 0 for a stream that does not exist.
+
+        Raises:
+            StreamDeletedError: the stream was deleted.
+        """
+        validate_stream_id(stream)
+        return self._head(stream)
+
+    def streams(
+        self, prefix: str = "", after: str | None = None, limit: int | None = None
+    ) -> list[str]:
+        """Return stream names starting with `prefix`, sorted, strictly after `after`.
+
+        Deleted streams are not listed. Page by passing the last name of a page as
+        the next call's `after`.
+        """
+        validate_prefix(prefix)
+        if after is not None:
+            validate_prefix(after)
+        return self._streams(prefix, after, _check_limit(limit))
+
+    def trim(self, stream: str, before: int) -> None:
+        """Drop the records below position `before` (compaction). The head never moves.
+
+        Trimming at or below the current floor is a no-op.
+
+        Raises:
+            InvalidArgumentError: `before` is beyond head + 1.
+            StreamDeletedError: the stream was deleted.
+        """
+        validate_stream_id(stream)
+        _check_position("before", before)
+        self._trim(stream, before)
+
+    def delete(self, stream: str) -> None:
+        """Delete a stream: drop its records and retire its name, so no position is reused.
+
+        Deleting a deleted (or never created) stream is allowed; afterwards every
+        operation but listing and delete raises StreamDeletedError for that name.
+        """
+        validate_stream_id(stream)
+        self._delete(stream)
+
+    def close(self) -> None:  # noqa: B027 - most stores have nothing to release
+        """Release the store's resources. Stores that hold none need not override it."""
+
+    def __enter__(self) -> JournalStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int: ...
+
+    @abc.abstractmethod
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Record]: ...
+
+    @abc.abstractmethod
+    def _head(self, stream: str) -> int: ...
+
+    @abc.abstractmethod
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]: ...
+
+    @abc.abstractmethod
+    def _trim(self, stream: str, before: int) -> None: ...
+
+    @abc.abstractmethod
+    def _delete(self, stream: str) -> None: ...

@@ -1,0 +1,34 @@
+"""The conformance kit: prove a journal store keeps the contract of docs/spi.md.
+
+Needs the `testing` extra (hypothesis and pytest). In a store's test suite::
+
+    from loom_kernel.testing import StoreContract
+
+    class TestMyStore(StoreContract):
+        def make_store(self):
+            return MyStore(...)
+
+That runs every example check, the racing-writers check, the fault-injection
+checks (for stores that support them) and the stateful comparison against the
+memory model. `verify_store` runs the same kit outside pytest and returns what failed.
+"""
+
+from loom_kernel._faults import Fault, SupportsFaultInjection
+from loom_kernel.testing._checks import BAD_IDS, CHECKS, records
+from loom_kernel.testing._contract import StoreContract, verify_store
+from loom_kernel.testing._harness import StoreHarness
+from loom_kernel.testing._machine import DEFAULT_SETTINGS, run_store_machine, store_machine
+
+__all__ = [
+    "BAD_IDS",
+    "CHECKS",
+    "DEFAULT_SETTINGS",
+    "Fault",
+    "StoreContract",
+    "StoreHarness",
+    "SupportsFaultInjection",
+    "records",
+    "run_store_machine",
+    "store_machine",
+    "verify_store",
+]
