@@ -77,6 +77,7 @@ __all__ = [
     "open_store",
     "reachable",
     "register_store",
+    "register_upcaster",
     "stable_hash",
     "stable_stringify",
     "validate_prefix",

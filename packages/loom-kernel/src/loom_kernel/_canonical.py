@@ -6,7 +6,7 @@ import hashlib
 import math
 import re
 from collections.abc import Callable
-from json.encoder import encode_basestring  # type: ignore[attr-defined]
+from json.encoder import encode_basestring
 from typing import Any, Final
 
 from loom_kernel._errors import CanonicalJSONError
@@ -70,6 +70,28 @@ def _format_float(value: float) -> str:
     return sign + digits[0] + "." + digits[1:] + exp_text
 
 
+def _format_int(value: int, path: _Path) -> str:
+    """Write an int as the double JSON readers will take it for, if that loses nothing.
+
+    JSON numbers are IEEE-754 doubles (RFC 8785 3.2.2.3). Beyond 2**53 an int is
+    accepted only when the double's canonical text is the int's own digits, so the
+    text reads back as the same int and re-canonicalising it gives the same bytes.
+    """
+    text = str(value)
+    if -MAX_SAFE_INTEGER <= value <= MAX_SAFE_INTEGER:
+        return text
+    try:
+        as_double = _format_float(float(value))
+    except OverflowError:
+        as_double = None
+    if as_double != text:
+        raise CanonicalJSONError(
+            _render_path(path),
+            f"integer {value} has no IEEE-754 double with the same digits; store it as a string",
+        )
+    return text
+
+
 def _format_string(value: str, path: _Path) -> str:
     if _SURROGATE.search(value) is not None:
         raise CanonicalJSONError(_render_path(path), "string holds a lone surrogate")
@@ -86,9 +108,11 @@ def stable_stringify(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
     Keys are sorted by UTF-16 code units, numbers are formatted as ECMAScript does,
     strings are minimally escaped and there is no whitespace. The walk is iterative,
     so depth is limited only by `max_depth`, never by Python's recursion limit.
+    An int beyond +/-(2**53 - 1) is accepted only where a double has exactly its
+    digits (2**53 and 10**21 are; 2**53 + 1 is not), since readers take numbers as doubles.
 
     Args:
-        value: None, bool, int (within +/- 2**53 - 1), finite float, str, list,
+        value: None, bool, int (see below), finite float, str, list,
             tuple or dict with str keys, nested to at most `max_depth` containers.
         max_depth: the deepest nesting of lists and dicts accepted.
 
@@ -97,8 +121,9 @@ def stable_stringify(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
 
     Raises:
         CanonicalJSONError: naming the path and the reason when the value has a cycle,
-            a non-finite float, an unsafe integer, a non-str key, a lone surrogate,
-            nesting deeper than `max_depth`, or something that is not JSON.
+            a non-finite float, an integer no double writes with the same digits, a
+            non-str key, a lone surrogate, nesting deeper than `max_depth`, or
+            something that is not JSON.
     """
     out: list[str] = []
     active: set[int] = set()
@@ -125,13 +150,7 @@ def stable_stringify(value: Any, *, max_depth: int = DEFAULT_MAX_DEPTH) -> str:
         elif isinstance(node, str):
             emit(_format_string(node, path))
         elif isinstance(node, int):
-            if -MAX_SAFE_INTEGER <= node <= MAX_SAFE_INTEGER:
-                emit(str(node))
-            else:
-                raise CanonicalJSONError(
-                    _render_path(path),
-                    f"integer {node} is outside +/-(2**53 - 1); store it as a string",
-                )
+            emit(_format_int(node, path))
         elif isinstance(node, float):
             if not math.isfinite(node):
                 raise CanonicalJSONError(_render_path(path), f"{node!r} is not a JSON number")

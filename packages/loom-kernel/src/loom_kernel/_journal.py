@@ -16,7 +16,7 @@ __all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record"]
 MAX_KIND_LENGTH: Final = 64
 
 
-def _check_kind(_instance: object, _attribute: object, kind: object) -> None:
+def _check_kind(_instance: object, _attribute: object, kind: str) -> None:
     if (
         not isinstance(kind, str)
         or not kind
@@ -29,12 +29,12 @@ def _check_kind(_instance: object, _attribute: object, kind: object) -> None:
         )
 
 
-def _check_payload(_instance: object, _attribute: object, payload: object) -> None:
+def _check_payload(_instance: object, _attribute: object, payload: bytes) -> None:
     if not isinstance(payload, bytes):
         raise InvalidArgumentError(f"a record payload must be bytes, not {type(payload).__name__}")
 
 
-def _check_timestamp(_instance: object, _attribute: object, timestamp: object) -> None:
+def _check_timestamp(_instance: object, _attribute: object, timestamp: float) -> None:
     if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
         raise InvalidArgumentError(f"a record timestamp must be a number, not {timestamp!r}")
 

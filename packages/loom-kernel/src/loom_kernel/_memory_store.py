@@ -42,7 +42,7 @@ class _State:
     live_names: list[str] = attrs.Factory(list)  # sorted names of streams not deleted
 
 
-class _LostReply(Exception):
+class _LostReplyError(Exception):
     """Inside the store only: the simulated transport lost an append's reply."""
 
 
@@ -81,7 +81,7 @@ class MemoryStore(JournalStore):
             return self._write(
                 stream, expected, records, commit, lose_reply=fault is Fault.LOST_REPLY
             )
-        except _LostReply:
+        except _LostReplyError:
             return self._confirm(stream, expected, len(records), commit)
 
     def _write(
@@ -111,7 +111,7 @@ class MemoryStore(JournalStore):
                 entry.commits.append(commit)
             new_head = entry.head
         if lose_reply:
-            raise _LostReply
+            raise _LostReplyError
         return new_head
 
     def _confirm(self, stream: str, expected: int, count: int, commit: str) -> int:

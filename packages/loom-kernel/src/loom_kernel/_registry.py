@@ -1,4 +1,4 @@
-"""Finding stores by URL scheme: built-ins, the `loom.stores` entry points, run-time registrations."""
+"""Finding stores by URL scheme: built-ins, `loom.stores` entry points, run-time registrations."""
 
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 from loom_kernel._errors import (
@@ -167,7 +168,7 @@ def check_stale_append_conflicts_and_writes_nothing(harness: StoreHarness) -> No
         for expected in (0, 1, 3, 4, 100):
             exc = _raises(
                 ConflictError,
-                lambda e=expected: store.append("s", e, records(3, "stale")),  # type: ignore[misc]
+                partial(store.append, "s", expected, records(3, "stale")),
                 f"append at expected={expected} when the head is 2",
             )
             assert isinstance(exc, ConflictError)
@@ -185,7 +186,7 @@ def check_expected_inside_a_batch_conflicts(harness: StoreHarness) -> None:
         for inside in (1, 2, 4, 5):
             _raises(
                 ConflictError,
-                lambda e=inside: store.append("s", e, records(1, "c")),  # type: ignore[misc]
+                partial(store.append, "s", inside, records(1, "c")),
                 f"append at {inside}, a position inside an earlier batch",
             )
         assert store.head("s") == 6
@@ -286,7 +287,7 @@ def check_delete_retires_the_name(harness: StoreHarness) -> None:
         for expected in (0, 3):
             _raises(
                 StreamDeletedError,
-                lambda e=expected: store.append("gone", e, records(1)),  # type: ignore[misc]
+                partial(store.append, "gone", expected, records(1)),
                 f"append at {expected} to a deleted stream (its positions must never be reused)",
             )
         store.delete("gone")  # idempotent
@@ -306,18 +307,17 @@ def check_invalid_ids_are_refused(harness: StoreHarness) -> None:
         store.append("ok", 0, records(1))
         operations: list[tuple[str, Callable[[Any], object]]] = [
             ("append", lambda bad: store.append(bad, 0, records(1))),
-            ("read", lambda bad: store.read(bad)),
-            ("head", lambda bad: store.head(bad)),
+            ("read", store.read),
+            ("head", store.head),
             ("trim", lambda bad: store.trim(bad, 1)),
-            ("delete", lambda bad: store.delete(bad)),
+            ("delete", store.delete),
         ]
         for bad in BAD_IDS:
             for name, operation in operations:
-                _raises(InvalidIdError, lambda o=operation, b=bad: o(b), f"{name}({bad!r})")  # type: ignore[misc]
-        for bad_prefix in ("/a", "a//", "../", "a b", "é", 3):
-            _raises(
-                InvalidIdError, lambda p=bad_prefix: store.streams(p), f"streams({bad_prefix!r})"
-            )  # type: ignore[misc]
+                _raises(InvalidIdError, partial(operation, bad), f"{name}({bad!r})")
+        bad_prefixes: tuple[Any, ...] = ("/a", "a//", "../", "a b", "é", 3)
+        for bad_prefix in bad_prefixes:
+            _raises(InvalidIdError, partial(store.streams, bad_prefix), f"streams({bad_prefix!r})")
         assert store.streams() == ["ok"], f"refused ids left streams behind: {store.streams()}"
         _same(store.read("ok"), records(1), 1)
 

@@ -1,0 +1,59 @@
+"""Stream ids are validated in one place, before any store sees them."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from loom_kernel import MAX_ID_LENGTH, InvalidIdError, validate_prefix, validate_stream_id
+from loom_kernel._ids import ID_ALPHABET
+from loom_kernel.testing import BAD_IDS
+
+
+@pytest.mark.parametrize("bad", BAD_IDS, ids=repr)
+def test_bad_ids_are_refused(bad: object) -> None:
+    with pytest.raises(InvalidIdError) as caught:
+        validate_stream_id(bad)
+    assert caught.value.value == bad
+    assert repr(bad)[:40] in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "good", ["a", "exec/0f3a", "order-7/step:3@2", "a.b/c..d/.e", "x" * MAX_ID_LENGTH, "A~z+=_"]
+)
+def test_good_ids_pass_unchanged(good: str) -> None:
+    assert validate_stream_id(good) == good
+
+
+segment = st.text(alphabet=ID_ALPHABET.replace("/", ""), min_size=1, max_size=12).filter(
+    lambda s: s not in (".", "..")
+)
+
+
+@given(st.lists(segment, min_size=1, max_size=6))
+def test_ids_built_from_valid_segments_pass(segments: list[str]) -> None:
+    value = "/".join(segments)
+    if len(value) <= MAX_ID_LENGTH:
+        assert validate_stream_id(value) == value
+        for cut in range(len(value) + 1):
+            assert validate_prefix(value[:cut]) == value[:cut]
+
+
+@given(st.text(max_size=30))
+def test_anything_accepted_is_a_safe_relative_path(value: str) -> None:
+    try:
+        validate_stream_id(value)
+    except InvalidIdError:
+        return
+    parts = value.split("/")
+    assert all(part not in ("", ".", "..") for part in parts)
+    assert set(value) <= set(ID_ALPHABET)
+
+
+def test_prefix_rules() -> None:
+    assert validate_prefix("") == ""
+    assert validate_prefix("a/") == "a/"
+    assert validate_prefix("a/.") == "a/."  # a prefix of "a/.b"
+    for bad in ("/a", "a//", "../x", "a b", 5):
+        with pytest.raises(InvalidIdError):
+            validate_prefix(bad)

@@ -1,0 +1,74 @@
+"""Stores are found by URL scheme; the loom command lists and checks them."""
+
+from __future__ import annotations
+
+import pytest
+from loom_kernel import (
+    InvalidArgumentError,
+    JournalStore,
+    MemoryStore,
+    NotFoundError,
+    _registry,
+    installed_stores,
+    open_store,
+    register_store,
+)
+from loom_kernel._cli import main
+from loom_kernel.testing import records
+
+
+def test_memory_is_built_in() -> None:
+    assert isinstance(open_store("memory://"), MemoryStore)
+    assert installed_stores()["memory"] == "built-in"
+
+
+def test_private_memory_stores_are_separate_and_named_ones_shared() -> None:
+    first, second = open_store("memory://"), open_store("memory://")
+    first.append("s", 0, records(1))
+    assert second.head("s") == 0
+    named = open_store("memory://registry-test")
+    named.append("s", 0, records(2))
+    assert open_store("memory://registry-test").head("s") == 2
+
+
+def test_unknown_scheme_names_installed_ones_and_the_distribution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with pytest.raises(NotFoundError, match=r"no store for scheme 'nosuch' \(installed: .*memory"):
+        open_store("nosuch://x")
+    monkeypatch.setitem(_registry._KNOWN_DISTRIBUTIONS, "zz", "loom-store-zz")
+    with pytest.raises(NotFoundError, match="install the loom-store-zz distribution"):
+        open_store("zz://bucket/prefix")
+
+
+@pytest.mark.parametrize("url", ["", "memory", 3, "memory://x/y", "memory://?a=1"])
+def test_malformed_urls_are_refused(url: object) -> None:
+    with pytest.raises(InvalidArgumentError):
+        open_store(url)  # type: ignore[arg-type]
+
+
+def test_register_store_adds_a_scheme_at_run_time() -> None:
+    opened: list[str] = []
+
+    def factory(url: str) -> JournalStore:
+        opened.append(url)
+        return MemoryStore()
+
+    register_store("custom", factory)
+    assert isinstance(open_store("custom://anything"), MemoryStore)
+    assert opened == ["custom://anything"]
+    assert installed_stores()["custom"] == "registered"
+    with pytest.raises(InvalidArgumentError):
+        register_store("Bad Scheme", factory)
+
+
+def test_loom_stores_checks_each_store(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stores"]) == 0
+    out = capsys.readouterr().out
+    assert "memory://" in out
+    assert "append+read round trip ok" in out
+
+
+def test_loom_stores_reports_a_failing_url(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["stores", "nosuch://x"]) == 1
+    assert "FAILED: NotFoundError" in capsys.readouterr().out

@@ -1,0 +1,153 @@
+"""Schema governance: pinned kinds, versioned records, clear errors, upcasters."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from loom_kernel import (
+    EVENT_SCHEMA,
+    PINNED,
+    ErrorInfo,
+    Event,
+    ExecutionCancelled,
+    ExecutionCompleted,
+    ExecutionFailed,
+    ExecutionMigrated,
+    ExecutionResumed,
+    ExecutionStarted,
+    ExecutionSuspended,
+    InvalidArgumentError,
+    Record,
+    SchemaError,
+    StepCompleted,
+    StepFailed,
+    decode_event,
+    encode_event,
+    known_event_types,
+)
+from loom_kernel._codec import _upcasters, register_upcaster
+
+ALL_EVENTS: list[Event] = [
+    ExecutionStarted(flow="approval", code_hash="sha256:ab", input={"id": 7}, key="order-7"),
+    StepCompleted(index=0, name="quote", result={"total": 12.5}, attempts=2),
+    StepFailed(index=1, name="charge", error=ErrorInfo("ValueError", "declined"), attempts=3),
+    ExecutionSuspended(gate=0, on="manager"),
+    ExecutionSuspended(gate=1, on="timer", wake_at=1_700_000_000.5),
+    ExecutionResumed(payload={"ok": True}, key="delivery-1"),
+    ExecutionCompleted(result=[1, "two", None]),
+    ExecutionFailed(error=ErrorInfo("builtins.KeyError", "'x'")),
+    ExecutionCancelled(reason="operator"),
+    ExecutionMigrated(from_hash="sha256:aa", to_hash="sha256:bb", reason="fix"),
+]
+
+
+def test_known_event_types_equal_pinned() -> None:
+    """A new kind must be added to PINNED on purpose (and EVENT_SCHEMA bumped)."""
+    assert known_event_types() == PINNED
+
+
+def test_schema_version_is_1_16_0() -> None:
+    assert EVENT_SCHEMA == "1.16.0"
+
+
+def test_every_kind_has_an_example_here() -> None:
+    assert {type(event).KIND for event in ALL_EVENTS} == PINNED
+
+
+def _stored(event: Event, position: int = 1) -> Record:
+    new = encode_event(event, 1_700_000_000.0)
+    return Record(position, new.kind, new.payload, new.timestamp)
+
+
+@pytest.mark.parametrize("event", ALL_EVENTS, ids=lambda e: type(e).__name__)
+def test_events_round_trip_and_carry_the_schema(event: Event) -> None:
+    record = _stored(event)
+    assert record.kind == type(event).KIND
+    assert json.loads(record.payload)["v"] == EVENT_SCHEMA
+    assert decode_event(record, "exec/1") == event
+
+
+def _record(kind: str, payload: Any, position: int = 4) -> Record:
+    raw = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return Record(position, kind, raw, 0.0)
+
+
+def test_unknown_kind_names_kind_version_and_stream() -> None:
+    with pytest.raises(SchemaError) as caught:
+        decode_event(_record("CHILD_COMPLETED", {"v": "1.16.0", "d": {}}), "exec/9")
+    message = str(caught.value)
+    assert "unknown record kind" in message
+    assert "CHILD_COMPLETED" in message
+    assert "exec/9" in message
+    assert "position 4" in message
+
+
+def test_newer_major_is_refused_with_kind_version_and_stream() -> None:
+    payload = {"v": "2.0.0", "d": {"payload": 1, "key": None}}
+    with pytest.raises(SchemaError) as caught:
+        decode_event(_record("EXECUTION_RESUMED", payload), "exec/9")
+    error = caught.value
+    assert (error.kind, error.version, error.stream, error.position) == (
+        "EXECUTION_RESUMED",
+        "2.0.0",
+        "exec/9",
+        4,
+    )
+    assert "newer major schema" in str(error)
+
+
+def test_newer_minor_of_the_same_major_is_read() -> None:
+    payload = {"v": "1.99.0", "d": {"payload": 1, "key": None, "added_later": True}}
+    assert decode_event(_record("EXECUTION_RESUMED", payload)) == ExecutionResumed(payload=1)
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        (b"\xff\xfe", "not JSON"),
+        (b"{not json", "not JSON"),
+        ([1, 2], "no schema envelope"),
+        ({"d": {}}, "no schema envelope"),
+        ({"v": "one", "d": {}}, "not MAJOR.MINOR.PATCH"),
+        ({"v": "1.16.0", "d": []}, "not an object"),
+        ({"v": "1.16.0", "d": {"gate": "x", "on": "m"}}, "does not fit"),
+        ({"v": "1.16.0", "d": {}}, "does not fit"),
+    ],
+)
+def test_corrupt_payloads_are_schema_errors(payload: Any, message: str) -> None:
+    with pytest.raises(SchemaError, match=message):
+        decode_event(_record("EXECUTION_SUSPENDED", payload), "exec/1")
+
+
+def test_upcasters_lift_old_payloads_in_order() -> None:
+    before = list(_upcasters)
+    try:
+        # Pretend 1.10 renamed "cause" to "reason", and 1.12 upper-cased it.
+        register_upcaster(
+            "EXECUTION_CANCELLED", "1.12.0", lambda d: {**d, "reason": d["reason"].upper()}
+        )
+        register_upcaster("EXECUTION_CANCELLED", "1.10.0", lambda d: {"reason": d.pop("cause")})
+        old = {"v": "1.9.3", "d": {"cause": "timeout"}}
+        assert decode_event(_record("EXECUTION_CANCELLED", old)) == ExecutionCancelled("TIMEOUT")
+        middle = {"v": "1.11.0", "d": {"reason": "late"}}
+        assert decode_event(_record("EXECUTION_CANCELLED", middle)) == ExecutionCancelled("LATE")
+        current = {"v": EVENT_SCHEMA, "d": {"reason": "as is"}}
+        assert decode_event(_record("EXECUTION_CANCELLED", current)) == ExecutionCancelled("as is")
+    finally:
+        _upcasters[:] = before
+
+
+def test_upcaster_for_an_unknown_kind_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError):
+        register_upcaster("NOPE", "1.0.0", lambda d: d)
+
+
+@given(st.binary(max_size=64), st.sampled_from(sorted(PINNED)))
+def test_decoding_garbage_raises_only_schema_errors(raw: bytes, kind: str) -> None:
+    with contextlib.suppress(SchemaError):
+        decode_event(_record(kind, raw))
