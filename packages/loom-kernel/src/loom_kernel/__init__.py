@@ -5,17 +5,24 @@ The public surface is what `__all__` lists; every `_module` behind it is private
 
 from loom_kernel._canonical import DEFAULT_MAX_DEPTH, stable_hash, stable_stringify
 from loom_kernel._codec import CONVERTER, decode_event, encode_event, register_upcaster
+from loom_kernel._context import AsyncContext, Context
+from loom_kernel._engine import Engine, Execution, HistoryEntry
 from loom_kernel._errors import (
     CanonicalJSONError,
     ConflictError,
+    ExecutionNotFoundError,
     InvalidArgumentError,
     InvalidIdError,
     LoomError,
+    NonDeterminismError,
     NotFoundError,
+    NotSuspendedError,
     SchemaError,
+    StepFailedError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
+    UnknownFlowError,
 )
 from loom_kernel._events import (
     EVENT_SCHEMA,
@@ -33,11 +40,13 @@ from loom_kernel._events import (
     StepFailed,
     known_event_types,
 )
+from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
 from loom_kernel._ids import MAX_ID_LENGTH, validate_prefix, validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord, Record
 from loom_kernel._memory_store import MemoryStore
 from loom_kernel._reachability import reachable
 from loom_kernel._registry import installed_stores, open_store, register_store
+from loom_kernel._state import ExecutionState, Gate, Status, StepFrame, fold
 
 __all__ = [
     "CONVERTER",
@@ -45,33 +54,52 @@ __all__ = [
     "EVENT_SCHEMA",
     "MAX_ID_LENGTH",
     "PINNED",
+    "AsyncContext",
     "CanonicalJSONError",
     "ConflictError",
+    "Context",
+    "Engine",
     "ErrorInfo",
     "Event",
+    "Execution",
     "ExecutionCancelled",
     "ExecutionCompleted",
     "ExecutionFailed",
     "ExecutionMigrated",
+    "ExecutionNotFoundError",
     "ExecutionResumed",
     "ExecutionStarted",
+    "ExecutionState",
     "ExecutionSuspended",
+    "Flow",
+    "Gate",
+    "HistoryEntry",
     "InvalidArgumentError",
     "InvalidIdError",
     "JournalStore",
     "LoomError",
     "MemoryStore",
     "NewRecord",
+    "NonDeterminismError",
     "NotFoundError",
+    "NotSuspendedError",
     "Record",
+    "RetryPolicy",
     "SchemaError",
+    "Status",
     "StepCompleted",
     "StepFailed",
+    "StepFailedError",
+    "StepFrame",
     "StoreUnavailableError",
     "StreamDeletedError",
     "TrimmedError",
+    "UnknownFlowError",
+    "code_hash",
     "decode_event",
     "encode_event",
+    "flow",
+    "fold",
     "installed_stores",
     "known_event_types",
     "open_store",

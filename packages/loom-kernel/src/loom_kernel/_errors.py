@@ -5,14 +5,19 @@ from __future__ import annotations
 __all__ = [
     "CanonicalJSONError",
     "ConflictError",
+    "ExecutionNotFoundError",
     "InvalidArgumentError",
     "InvalidIdError",
     "LoomError",
+    "NonDeterminismError",
     "NotFoundError",
+    "NotSuspendedError",
     "SchemaError",
+    "StepFailedError",
     "StoreUnavailableError",
     "StreamDeletedError",
     "TrimmedError",
+    "UnknownFlowError",
 ]
 
 
@@ -150,3 +155,74 @@ class StoreUnavailableError(LoomError):
     could to learn whether the write landed; when it raises this error the write did
     not land or could not be confirmed, so callers must re-read before retrying.
     """
+
+
+class UnknownFlowError(NotFoundError):
+    """No flow of that name is registered with the engine."""
+
+
+class ExecutionNotFoundError(NotFoundError):
+    """No execution has that id."""
+
+
+class NotSuspendedError(LoomError):
+    """A resume reached a run that is not parked at a gate (running, finished, or on a timer).
+
+    Suspends and resumes strictly alternate (ADR 0057): a payload is never buffered
+    for a later gate.
+
+    Attributes:
+        execution_id: the execution.
+        status: its status when the resume was refused.
+    """
+
+    def __init__(self, execution_id: str, status: str, detail: str = "") -> None:
+        self.execution_id = execution_id
+        self.status = status
+        super().__init__(
+            f"execution {execution_id!r} is {status}, not parked at a gate"
+            + (f": {detail}" if detail else "")
+        )
+
+
+class NonDeterminismError(LoomError):
+    """A re-run of a flow diverged from its journal; the journal was left untouched.
+
+    Attributes:
+        execution_id: the execution.
+        index: the position of the call in its sequence (steps or gates).
+        recorded: what the journal recorded there.
+        found: what the code asked for this time.
+    """
+
+    def __init__(self, execution_id: str, what: str, index: int, recorded: str, found: str) -> None:
+        self.execution_id = execution_id
+        self.index = index
+        self.recorded = recorded
+        self.found = found
+        super().__init__(
+            f"non-determinism in execution {execution_id!r}: {what} #{index} was recorded as "
+            f"{recorded!r} but the code now asks for {found!r}; the flow's code changed "
+            "between runs, or it branches on something that is not journaled "
+            "(see docs/determinism.md)"
+        )
+
+
+class StepFailedError(LoomError):
+    """A step exhausted its retry policy. Raised inside the flow, which may catch it.
+
+    Attributes:
+        step: the step's name.
+        error_type: the qualified type name of the step's last error.
+        error_message: its message.
+        attempts: how many times the step ran.
+    """
+
+    def __init__(self, step: str, error_type: str, error_message: str, attempts: int) -> None:
+        self.step = step
+        self.error_type = error_type
+        self.error_message = error_message
+        self.attempts = attempts
+        super().__init__(
+            f"step {step!r} failed after {attempts} attempt(s): {error_type}: {error_message}"
+        )

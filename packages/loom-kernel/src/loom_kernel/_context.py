@@ -1,0 +1,355 @@
+"""The replay context a flow receives: it answers from the journal and journals what is new."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import random as _random
+import time
+import uuid as _uuid
+from collections.abc import Awaitable, Callable
+from datetime import timedelta
+from math import isfinite
+from typing import TYPE_CHECKING, Any, Final, TypeVar
+
+from loom_kernel._codec import CONVERTER, dump_json, encode_event
+from loom_kernel._errors import (
+    ConflictError,
+    InvalidArgumentError,
+    LoomError,
+    NonDeterminismError,
+    StepFailedError,
+)
+from loom_kernel._events import (
+    ErrorInfo,
+    Event,
+    ExecutionResumed,
+    ExecutionSuspended,
+    StepCompleted,
+    StepFailed,
+)
+from loom_kernel._flows import RetryPolicy
+from loom_kernel._state import ExecutionState, StepFrame
+
+if TYPE_CHECKING:
+    from loom_kernel._engine import Engine
+
+__all__ = ["AsyncContext", "Context", "Unwind", "error_info", "to_json"]
+
+T = TypeVar("T")
+
+TIMER_GATE: Final = "loom.timer"
+_RESERVED_PREFIX: Final = "loom."
+
+
+class Unwind(BaseException):
+    """Internal: stops a flow's code. A BaseException so `except Exception` cannot swallow it.
+
+    `error` is None when the run parked at a gate; otherwise the kernel error the
+    caller gets (another writer moved the journal, non-determinism, a store fault).
+    """
+
+    def __init__(self, error: LoomError | None = None) -> None:
+        super().__init__(error)
+        self.error = error
+
+
+def to_json(value: Any, what: str) -> Any:
+    """The JSON form of a value, through the kernel's converter (attrs, dataclasses...).
+
+    Raises:
+        InvalidArgumentError: the value has no JSON form.
+    """
+    try:
+        data = CONVERTER.unstructure(value)
+    except Exception as exc:
+        raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
+    try:
+        return json.loads(dump_json(data))
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """An exception as the journal keeps it: qualified type name and message, never a pickle."""
+    kind = type(exc)
+    module = kind.__module__
+    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    return ErrorInfo(type=name, message=str(exc))
+
+
+def _seconds(duration: float | timedelta) -> float:
+    if isinstance(duration, timedelta):
+        return duration.total_seconds()
+    if (
+        isinstance(duration, bool)
+        or not isinstance(duration, int | float)
+        or not isfinite(duration)
+    ):
+        raise InvalidArgumentError(f"a sleep takes seconds or a timedelta, not {duration!r}")
+    return float(duration)
+
+
+class _Replay:
+    """The bookkeeping both contexts share: call counters, frames, appends."""
+
+    def __init__(self, engine: Engine, state: ExecutionState) -> None:
+        self._engine = engine
+        self._state = state
+        self._stream = engine.stream_of(state.id)
+        self._step_index = 0
+        self._gate_index = 0
+
+    @property
+    def execution_id(self) -> str:
+        """The id of the execution this context drives."""
+        return self._state.id
+
+    @property
+    def input(self) -> Any:
+        """The execution's input."""
+        return self._state.input
+
+    def _abort(self, error: LoomError) -> Unwind:
+        return Unwind(error)
+
+    def _append(self, events: list[Event]) -> None:
+        now = self._engine.clock()
+        records = [encode_event(event, now) for event in events]
+        try:
+            self._engine.store.append(self._stream, self._state.position, records)
+        except LoomError as exc:
+            raise self._abort(exc) from None
+        for event in events:
+            self._state.apply(event)
+
+    def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
+        if not isinstance(name, str) or not name:
+            raise self._abort(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
+        index = self._step_index
+        self._step_index += 1
+        frame = self._state.steps.get(index)
+        if frame is not None and frame.name != name:
+            raise self._abort(NonDeterminismError(self._state.id, "step", index, frame.name, name))
+        return index, frame
+
+    def _check_owner(self) -> None:
+        """Before new work: the journal must still end where this run left it.
+
+        A cancel, or another worker driving the same run, moves the head; then this
+        run stops before it starts a step, instead of finding out at the next append.
+        """
+        try:
+            head = self._engine.store.head(self._stream)
+        except LoomError as exc:
+            raise self._abort(exc) from None
+        if head != self._state.position:
+            raise self._abort(ConflictError(self._stream, self._state.position, head))
+
+    @staticmethod
+    def _replayed(frame: StepFrame, returns: type[T] | None) -> Any:
+        if frame.error is not None:
+            raise StepFailedError(frame.name, frame.error.type, frame.error.message, frame.attempts)
+        return frame.result if returns is None else CONVERTER.structure(frame.result, returns)
+
+    def _journal_success(
+        self, index: int, name: str, value: Any, attempts: int, returns: Any
+    ) -> Any:
+        try:
+            data = to_json(value, f"the result of step {name!r}")
+        except InvalidArgumentError as exc:
+            raise self._abort(exc) from None
+        self._append([StepCompleted(index, name, data, attempts)])
+        return data if returns is None else CONVERTER.structure(data, returns)
+
+    def _journal_failure(
+        self, index: int, name: str, exc: BaseException, attempts: int
+    ) -> StepFailedError:
+        info = error_info(exc)
+        self._append([StepFailed(index, name, info, attempts)])
+        return StepFailedError(name, info.type, info.message, attempts)
+
+    def _recorded(self, name: str, produce: Callable[[], Any]) -> Any:
+        index, frame = self._claim_step(name)
+        if frame is not None:
+            return frame.result
+        self._check_owner()
+        return self._journal_success(index, name, produce(), 1, None)
+
+    def _gate(self, on: str, wake_after: float | None) -> tuple[bool, Any]:
+        """Pass a gate: (True, payload) when recorded resumes cover it; else park."""
+        gate = self._gate_index
+        self._gate_index += 1
+        state = self._state
+        if gate < len(state.gates):
+            recorded = state.gates[gate].on
+            if recorded != on:
+                raise self._abort(NonDeterminismError(state.id, "gate", gate, recorded, on))
+            if gate < len(state.resume_payloads):
+                return True, state.resume_payloads[gate]
+            raise Unwind()  # parked here already: wait for the resume
+        self._check_owner()
+        if wake_after is None:
+            self._append([ExecutionSuspended(gate, on)])
+            raise Unwind()
+        now = self._engine.clock()
+        wake_at = now + wake_after
+        if wake_after <= 0:
+            self._append(
+                [ExecutionSuspended(gate, on, wake_at), ExecutionResumed(None, f"timer:{gate}")]
+            )
+            return True, None
+        self._engine.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
+        self._append([ExecutionSuspended(gate, on, wake_at)])
+        raise Unwind()
+
+    def _gate_name(self, on: object) -> str:
+        if not isinstance(on, str) or not on or on.startswith(_RESERVED_PREFIX):
+            raise self._abort(
+                InvalidArgumentError(
+                    f"a gate name is a non-empty str not starting with 'loom.', not {on!r}"
+                )
+            )
+        return on
+
+    def _sleep_seconds(self, duration: object) -> float:
+        try:
+            return _seconds(duration)  # type: ignore[arg-type]
+        except InvalidArgumentError as exc:
+            raise self._abort(exc) from None
+
+    def now(self) -> float:
+        """The current time (epoch seconds), journaled: a replay sees the same value."""
+        value: float = self._recorded("loom.now", self._engine.clock)
+        return value
+
+    def random(self) -> float:
+        """A random float in [0, 1), journaled."""
+        value: float = self._recorded("loom.random", _random.random)
+        return value
+
+    def uuid(self) -> str:
+        """A random UUID string, journaled."""
+        value: str = self._recorded("loom.uuid", lambda: str(_uuid.uuid4()))
+        return value
+
+
+class Context(_Replay):
+    """What a sync flow receives as `ctx`."""
+
+    def step(
+        self,
+        name: str,
+        fn: Callable[..., T],
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        returns: type[T] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """Run `fn(*args, **kwargs)` once, journal its result, and return it; on replay,
+        return the journaled result without running `fn`.
+
+        The result must have a JSON form (attrs classes and dataclasses do); the step
+        returns that JSON form, or `returns`-typed data rebuilt from it, the same way on
+        the first run and on every replay.
+
+        Raises:
+            StepFailedError: `fn` kept failing through the retry policy.
+            InvalidArgumentError: the name is not a str, or the result is not JSON.
+        """
+        index, frame = self._claim_step(name)
+        if frame is not None:
+            return self._replayed(frame, returns)
+        self._check_owner()
+        policy = retry or self._engine.retry
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                value = fn(*args, **kwargs)
+            except Unwind:
+                raise
+            except policy.retry_on as exc:
+                if attempt == policy.attempts:
+                    raise self._journal_failure(index, name, exc, attempt) from exc
+                self._engine.sleep(policy.delay(attempt))
+            except Exception as exc:
+                raise self._journal_failure(index, name, exc, attempt) from exc
+            else:
+                if inspect.isawaitable(value):
+                    if inspect.iscoroutine(value):
+                        value.close()
+                    raise self._abort(
+                        InvalidArgumentError(
+                            f"step {name!r} returned an awaitable in a sync flow; "
+                            "make the flow `async def`"
+                        )
+                    )
+                return self._journal_success(index, name, value, attempt, returns)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def suspend(self, on: str) -> Any:
+        """A gate: park the run until `engine.resume` delivers a payload, and return it.
+
+        The i-th suspend of a re-run passes through with the i-th recorded payload.
+        """
+        _passed, payload = self._gate(self._gate_name(on), None)
+        return payload
+
+    def sleep(self, duration: float | timedelta) -> None:
+        """A timer gate: park the run until `engine.fire_due_timers` finds it due."""
+        self._gate(TIMER_GATE, self._sleep_seconds(duration))
+
+
+class AsyncContext(_Replay):
+    """What an `async def` flow receives as `ctx`: the same journal, awaitable calls."""
+
+    async def step(
+        self,
+        name: str,
+        fn: Callable[..., T | Awaitable[T]],
+        *args: Any,
+        retry: RetryPolicy | None = None,
+        returns: type[T] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """As `Context.step`; `fn` may be sync or async.
+
+        A step's identity is its call order, fixed when `step` is called, so steps
+        gathered concurrently replay correctly whatever order they finished in.
+        """
+        index, frame = self._claim_step(name)
+        if frame is not None:
+            return self._replayed(frame, returns)
+        self._check_owner()
+        policy = retry or self._engine.retry
+        for attempt in range(1, policy.attempts + 1):
+            try:
+                value = fn(*args, **kwargs)
+                if inspect.isawaitable(value):
+                    value = await value
+            except Unwind:
+                raise
+            except policy.retry_on as exc:
+                if attempt == policy.attempts:
+                    raise self._journal_failure(index, name, exc, attempt) from exc
+                await self._pause(policy.delay(attempt))
+            except Exception as exc:
+                raise self._journal_failure(index, name, exc, attempt) from exc
+            else:
+                return self._journal_success(index, name, value, attempt, returns)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _pause(self, seconds: float) -> None:
+        if self._engine.sleep is time.sleep:
+            await asyncio.sleep(seconds)
+        else:
+            self._engine.sleep(seconds)
+
+    async def suspend(self, on: str) -> Any:
+        """As `Context.suspend`."""
+        _passed, payload = self._gate(self._gate_name(on), None)
+        return payload
+
+    async def sleep(self, duration: float | timedelta) -> None:
+        """As `Context.sleep`."""
+        self._gate(TIMER_GATE, self._sleep_seconds(duration))
