@@ -4,7 +4,13 @@ The public surface is what `__all__` lists; every `_module` behind it is private
 """
 
 from loom_kernel._canonical import DEFAULT_MAX_DEPTH, stable_hash, stable_stringify
-from loom_kernel._codec import CONVERTER, decode_event, encode_event, register_upcaster
+from loom_kernel._codec import (
+    CONVERTER,
+    decode_event,
+    decode_events,
+    encode_event,
+    register_upcaster,
+)
 from loom_kernel._context import AsyncContext, Context
 from loom_kernel._engine import Engine, Execution, HistoryEntry
 from loom_kernel._errors import (
@@ -97,6 +103,7 @@ __all__ = [
     "UnknownFlowError",
     "code_hash",
     "decode_event",
+    "decode_events",
     "encode_event",
     "flow",
     "fold",

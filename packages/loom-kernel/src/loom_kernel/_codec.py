@@ -5,6 +5,7 @@ A payload is JSON: {"v": "<schema version written under>", "d": <event fields>}.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections.abc import Callable
@@ -21,6 +22,7 @@ __all__ = [
     "CONVERTER",
     "Upcaster",
     "decode_event",
+    "decode_events",
     "dump_json",
     "encode_event",
     "parse_version",
@@ -89,6 +91,11 @@ def dump_json(value: Any) -> str:
         raise InvalidArgumentError(f"value is not JSON: {exc}") from exc
 
 
+@functools.cache
+def _structure_hook(cls: type[Any]) -> Callable[[Any, type[Any]], Any]:
+    return CONVERTER.get_structure_hook(cls)
+
+
 def encode_event(event: Event, timestamp: float) -> NewRecord:
     """Encode an event as a record written under the current EVENT_SCHEMA."""
     data = CONVERTER.unstructure(event)
@@ -104,18 +111,59 @@ def decode_event(record: Record, stream: str | None = None) -> Event:
             or does not fit the kind; naming the kind, the version and the stream.
     """
     where: dict[str, Any] = {"kind": record.kind, "stream": stream, "position": record.position}
-    cls = event_class(record.kind)
-    if cls is None:
-        raise SchemaError("unknown record kind", **where)
     try:
         envelope = json.loads(record.payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        if event_class(record.kind) is None:
+            raise SchemaError("unknown record kind", **where) from None
         raise SchemaError(f"payload is not JSON: {exc}", **where) from exc
+    return _from_envelope(record, envelope, stream)
+
+
+def decode_events(records: list[Record], stream: str | None = None) -> list[Event]:
+    """Decode many records; the same result and errors as decode_event on each, faster.
+
+    The payloads are parsed as one JSON array, which costs one parser call instead of
+    one per record; if that fails, each record is decoded alone to name the bad one.
+    """
+    if not records:
+        return []
+    try:
+        joined = b"[" + b",".join(record.payload for record in records) + b"]"
+        envelopes = json.loads(joined)
+        if len(envelopes) != len(records):
+            raise ValueError("a payload held more than one JSON value")
+    except ValueError:
+        return [decode_event(record, stream) for record in records]
+    return [
+        _from_envelope(record, envelope, stream)
+        for record, envelope in zip(records, envelopes, strict=True)
+    ]
+
+
+_versions: dict[object, Version] = {}
+
+
+def _version_of(text: object) -> Version:
+    try:
+        return _versions[text]
+    except (KeyError, TypeError):
+        version = parse_version(text)
+        if isinstance(text, str) and len(_versions) < 64:
+            _versions[text] = version
+        return version
+
+
+def _from_envelope(record: Record, envelope: Any, stream: str | None) -> Event:
+    where: dict[str, Any] = {"kind": record.kind, "stream": stream, "position": record.position}
+    cls = event_class(record.kind)
+    if cls is None:
+        raise SchemaError("unknown record kind", **where)
     if not isinstance(envelope, dict) or "v" not in envelope or "d" not in envelope:
         raise SchemaError("payload has no schema envelope", **where)
     where["version"] = envelope["v"] if isinstance(envelope["v"], str) else repr(envelope["v"])
     try:
-        version = parse_version(envelope["v"])
+        version = _version_of(envelope["v"])
     except SchemaError as exc:
         raise SchemaError(str(exc), **where) from None
     if version[0] > _CURRENT[0]:
@@ -130,7 +178,7 @@ def decode_event(record: Record, stream: str | None = None) -> Event:
             if upcaster.kind == record.kind and version < upcaster.before:
                 data = upcaster.lift(data)
     try:
-        event: Event = CONVERTER.structure(data, cls)
+        event: Event = _structure_hook(cls)(data, cls)
     except (cattrs.BaseValidationError, TypeError, ValueError, KeyError) as exc:
         raise SchemaError(f"payload does not fit the kind: {exc}", **where) from exc
     return event

@@ -14,7 +14,7 @@ from typing import Any, Final
 
 import attrs
 
-from loom_kernel._codec import decode_event, encode_event
+from loom_kernel._codec import decode_events, encode_event
 from loom_kernel._context import TIMER_GATE, AsyncContext, Context, Unwind, error_info, to_json
 from loom_kernel._errors import (
     ConflictError,
@@ -218,12 +218,12 @@ class Engine:
                 except TrimmedError:
                     state = None
                 else:
-                    for record in tail:
-                        state.apply(decode_event(record, stream))
+                    for event in decode_events(tail, stream):
+                        state.apply(event)
             if state is None:
                 state = self._load_snapshot(execution_id) or ExecutionState(id=execution_id)
-                for record in self.store.read(stream, state.position):
-                    state.apply(decode_event(record, stream))
+                for event in decode_events(self.store.read(stream, state.position), stream):
+                    state.apply(event)
         except StreamDeletedError:
             self._forget(execution_id)
             raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted") from None
@@ -334,7 +334,12 @@ class Engine:
             return Execution.of(state)
 
     def resume(
-        self, execution_id: str, payload: Any = None, *, key: str | None = None
+        self,
+        execution_id: str,
+        payload: Any = None,
+        *,
+        key: str | None = None,
+        on: str | None = None,
     ) -> Execution:
         """Deliver `payload` to the gate the run is parked at, then run it on.
 
@@ -343,6 +348,8 @@ class Engine:
             payload: what the gate's `ctx.suspend` returns; must have a JSON form.
             key: dedupe key: a resume whose key was already delivered does nothing and
                 returns the execution, so a re-delivered notice never feeds a later gate.
+            on: the gate the caller means; when the run is parked at another gate,
+                the resume is refused instead of feeding that one.
 
         Raises:
             ExecutionNotFoundError: no such execution.
@@ -354,9 +361,17 @@ class Engine:
         data = to_json(payload, "the resume payload")
         if key is not None and (not isinstance(key, str) or not key):
             raise InvalidArgumentError(f"a resume key is a non-empty str, not {key!r}")
-        return self._resume(execution_id, data, key, timer=False)
+        return self._resume(execution_id, data, key, timer=False, on=on)
 
-    def _resume(self, execution_id: str, data: Any, key: str | None, *, timer: bool) -> Execution:
+    def _resume(
+        self,
+        execution_id: str,
+        data: Any,
+        key: str | None,
+        *,
+        timer: bool,
+        on: str | None = None,
+    ) -> Execution:
         with self._lock(execution_id):
             state = self._load(execution_id)
             if key is not None and key in state.resume_keys:
@@ -371,6 +386,10 @@ class Engine:
                     else f"it waits on {gate.on!r}, not on a timer"
                 )
                 raise NotSuspendedError(execution_id, "suspended", detail)
+            if on is not None and gate.on != on:
+                raise NotSuspendedError(
+                    execution_id, "suspended", f"it waits on {gate.on!r}, not {on!r}"
+                )
             try:
                 self._append(state, [ExecutionResumed(data, key)])
             except ConflictError:
@@ -419,7 +438,10 @@ class Engine:
             raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted") from None
         if not records:
             raise ExecutionNotFoundError(f"no execution with id {execution_id!r}")
-        return [HistoryEntry(r.position, r.timestamp, decode_event(r, stream)) for r in records]
+        events = decode_events(records, stream)
+        return [
+            HistoryEntry(r.position, r.timestamp, e) for r, e in zip(records, events, strict=True)
+        ]
 
     def executions(self) -> Iterator[Execution]:
         """Every execution in the store, in id order."""

@@ -15,6 +15,7 @@ memory model. `verify_store` runs the same kit outside pytest and returns what f
 
 from loom_kernel._faults import Fault, SupportsFaultInjection
 from loom_kernel.testing._checks import BAD_IDS, CHECKS, records
+from loom_kernel.testing._clock import FakeClock
 from loom_kernel.testing._contract import StoreContract, verify_store
 from loom_kernel.testing._harness import StoreHarness
 from loom_kernel.testing._machine import DEFAULT_SETTINGS, run_store_machine, store_machine
@@ -23,6 +24,7 @@ __all__ = [
     "BAD_IDS",
     "CHECKS",
     "DEFAULT_SETTINGS",
+    "FakeClock",
     "Fault",
     "StoreContract",
     "StoreHarness",

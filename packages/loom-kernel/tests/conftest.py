@@ -1,0 +1,31 @@
+"""Fixtures shared by the kernel's engine tests: a hand-moved clock and engines on one store."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
+from loom_kernel import Engine, Flow, JournalStore, MemoryStore, RetryPolicy
+from loom_kernel.testing import FakeClock
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def store() -> JournalStore:
+    return MemoryStore()
+
+
+@pytest.fixture
+def make_engine(store: JournalStore, clock: FakeClock) -> Callable[..., Engine]:
+    """Engines over the shared store and clock; each call gives a fresh engine (a new process)."""
+
+    def make(flows: Iterable[Flow | Callable[..., Any]], **options: Any) -> Engine:
+        options.setdefault("retry", RetryPolicy(attempts=1))
+        return Engine(store, flows, clock=clock, sleep=lambda _seconds: None, **options)
+
+    return make

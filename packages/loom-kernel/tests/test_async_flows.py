@@ -1,0 +1,125 @@
+"""Async flows: the same journal, and concurrent steps replay whatever order they finished in."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel import AsyncContext, Engine, MemoryStore, RetryPolicy, Status, flow
+from loom_kernel.testing import FakeClock
+
+
+class Crash(BaseException):
+    """Stands in for the process dying mid-flow: nothing in the engine catches it."""
+
+
+def test_async_flow_with_sync_and_async_steps() -> None:
+    async def fetch(value: int) -> int:
+        await asyncio.sleep(0)
+        return value * 2
+
+    @flow
+    async def mixed(ctx: AsyncContext, value: int) -> Any:
+        doubled = await ctx.step("fetch", fetch, value)
+        plain = await ctx.step("plain", lambda: value + 1)
+        gate = await ctx.suspend("approve")
+        await ctx.sleep(0)
+        return [doubled, plain, gate, ctx.now() > 0]
+
+    store = MemoryStore()
+    ex = Engine(store, [mixed]).start("mixed", 5)
+    assert ex.waiting_on == "approve"
+    done = Engine(store, [mixed]).resume(ex.id, "yes")
+    assert done.result == [10, 6, "yes", True]
+
+
+def test_async_flow_can_be_driven_from_inside_a_running_loop() -> None:
+    @flow
+    async def inner(ctx: AsyncContext, _input: Any) -> str:
+        return await ctx.step("s", lambda: "ok")  # type: ignore[no-any-return]
+
+    async def caller() -> Any:
+        return Engine(MemoryStore(), [inner]).start("inner").result
+
+    assert asyncio.run(caller()) == "ok"
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    count=st.integers(2, 6),
+    crash_after=st.integers(0, 5),
+    seed=st.integers(),
+)
+def test_gathered_steps_replay_whatever_order_they_finished_in(
+    count: int, crash_after: int, seed: int
+) -> None:
+    """DBOS's failure mode: checkpoints in completion order, then an unexpected-step error on
+    recovery. Here a step's identity is its call order, so recovery after a crash between
+    completions finds every finished step and runs only the rest."""
+    ran: list[int] = []
+    finished: list[int] = []
+    crash = [crash_after]
+
+    rng = random.Random(seed)
+
+    async def work(number: int) -> int:
+        for _ in range(rng.randint(0, 5)):  # a different finishing order on every run
+            await asyncio.sleep(0)
+        if len(finished) == crash[0]:
+            crash[0] = -1
+            raise Crash
+        ran.append(number)
+        finished.append(number)
+        return number * 10
+
+    @flow
+    async def fan_out(ctx: AsyncContext, count: int) -> Any:
+        results = await asyncio.gather(*(ctx.step(f"work-{n}", work, n) for n in range(count)))
+        return list(results)
+
+    store = MemoryStore()
+    engine = Engine(store, [fan_out], clock=FakeClock(), retry=RetryPolicy(attempts=1))
+    try:
+        engine.start("fan_out", count, key="fan")
+    except Crash:
+        engine = Engine(store, [fan_out], clock=FakeClock(), retry=RetryPolicy(attempts=1))
+        assert engine.recover() == ["fan"]
+    done = engine.get("fan")
+    assert done.status is Status.COMPLETED
+    assert done.result == [n * 10 for n in range(count)]
+    assert sorted(ran) == list(range(count)), "every step ran exactly once"
+    completed = [r for r in store.read("ex/fan") if r.kind == "STEP_COMPLETED"]
+    assert len(completed) == count, "no step journaled twice"
+
+
+def test_async_step_failure_is_catchable() -> None:
+    async def boom() -> None:
+        raise RuntimeError("nope")
+
+    @flow
+    async def careful(ctx: AsyncContext, _input: Any) -> str:
+        try:
+            await ctx.step("boom", boom, retry=RetryPolicy(attempts=2, backoff=0))
+        except Exception as exc:
+            return type(exc).__name__
+        return "unreachable"
+
+    engine = Engine(MemoryStore(), [careful], sleep=lambda _s: None)
+    assert engine.start("careful").result == "StepFailedError"
+
+
+@pytest.mark.parametrize("payloads", [["a", "b", "c"]])
+def test_async_multi_gate(payloads: list[str]) -> None:
+    @flow
+    async def gates(ctx: AsyncContext, _input: Any) -> Any:
+        return [await ctx.suspend(f"g{n}") for n in range(3)]
+
+    engine = Engine(MemoryStore(), [gates])
+    ex = engine.start("gates")
+    for payload in payloads:
+        last = engine.resume(ex.id, payload)
+    assert last.result == payloads

@@ -1,0 +1,208 @@
+"""Gates and timers (ADR 0057): every gate gets its own payload, in order, and runs complete."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel import (
+    Context,
+    Engine,
+    JournalStore,
+    MemoryStore,
+    NewRecord,
+    RetryPolicy,
+    Status,
+    flow,
+)
+from loom_kernel.testing import FakeClock
+
+EngineFactory = Callable[..., Engine]
+
+FIXTURE = Path(__file__).parent / "fixtures" / "journal_1_15.json"
+
+
+@flow
+def two_gates(ctx: Context, _input: Any) -> Any:
+    first = ctx.suspend("manager")
+    second = ctx.suspend("finance")
+    return {"first": first, "second": second}
+
+
+@flow
+def three_gates(ctx: Context, _input: Any) -> Any:
+    return [ctx.suspend("a"), ctx.suspend("b"), ctx.suspend("c")]
+
+
+def test_two_gate_payload_ordering(make_engine: EngineFactory) -> None:
+    """ADR 0057 regression 1: gate 1 gets payload 1 on every re-run, gate 2 gets payload 2."""
+    engine = make_engine([two_gates])
+    ex = engine.start("two_gates")
+    assert engine.get(ex.id).waiting_on == "manager"
+    assert engine.resume(ex.id, "P1").waiting_on == "finance"
+    done = engine.resume(ex.id, "P2")
+    assert done.status is Status.COMPLETED
+    assert done.result == {"first": "P1", "second": "P2"}
+    state = engine.state(ex.id)
+    assert state.variables["_resumePayloads"] == ["P1", "P2"]
+    assert state.variables["_resumePayload"] == "P2"  # the latest, kept for compatibility
+
+
+def test_three_gate_completion(make_engine: EngineFactory) -> None:
+    """ADR 0057 regression 2: the run never re-parks at a gate it has passed."""
+    engine = make_engine([three_gates])
+    ex = engine.start("three_gates")
+    for payload, next_gate in (("x", "b"), ("y", "c")):
+        assert engine.resume(ex.id, payload).waiting_on == next_gate
+    done = engine.resume(ex.id, "z")
+    assert (done.status, done.result) == (Status.COMPLETED, ["x", "y", "z"])
+    suspends = [h for h in engine.history(ex.id) if type(h.event).__name__ == "ExecutionSuspended"]
+    assert len(suspends) == 3
+
+
+@flow(name="single_gate", version="1")
+def single_gate(ctx: Context, order: Any) -> Any:
+    quote = ctx.step("quote", lambda: {"total": 42})
+    approval = ctx.suspend("approval")
+    return {"order": order, "quote": quote, "approval": approval}
+
+
+def _load_fixture(store: JournalStore) -> dict[str, Any]:
+    fixture: dict[str, Any] = json.loads(FIXTURE.read_text())
+    stream = "ex/" + fixture["execution_id"]
+    records = [
+        NewRecord(r["kind"], json.dumps(r["payload"]).encode(), r["timestamp"])
+        for r in fixture["records"]
+    ]
+    store.append(stream, 0, records)
+    snapshot = json.dumps(fixture["snapshot"]).encode()
+    store.append("snap/" + fixture["execution_id"], 0, [NewRecord("loom.snapshot", snapshot, 0.0)])
+    store.trim(stream, 5)  # only the snapshot knows the resume now
+    return fixture
+
+
+def test_legacy_single_payload_fallback(clock: FakeClock) -> None:
+    """ADR 0057 regression 3: a 1.15 log folds `_resumePayload` as a one-entry list, and the
+    single-gate run resumes byte-identically to the same run journaled under 1.16."""
+    legacy_store = MemoryStore()
+    fixture = _load_fixture(legacy_store)
+    legacy = Engine(legacy_store, [single_gate], clock=clock)
+    state = legacy.state(fixture["execution_id"])
+    assert state.resume_payloads == [{"approved": True, "by": "ada"}]
+    assert legacy.recover() == [fixture["execution_id"]]
+    legacy_done = legacy.get(fixture["execution_id"])
+    assert legacy_done.status is Status.COMPLETED
+    assert legacy_done.result["approval"] == {"approved": True, "by": "ada"}
+
+    modern_store = MemoryStore()
+    modern = Engine(modern_store, [single_gate], clock=clock)
+    modern.start("single_gate", {"order": 7}, key="legacy-1")
+    modern.resume("legacy-1", {"approved": True, "by": "ada"})
+    legacy_tail = legacy_store.read("ex/legacy-1", 4)
+    modern_tail = modern_store.read("ex/legacy-1", 4)
+    assert [(r.position, r.kind, r.payload) for r in legacy_tail] == [
+        (r.position, r.kind, r.payload) for r in modern_tail
+    ]
+
+
+def test_a_chain_of_sleeps_completes(make_engine: EngineFactory, clock: FakeClock) -> None:
+    @flow
+    def naps(ctx: Context, count: int) -> int:
+        for _ in range(count):
+            ctx.sleep(60)
+        return count
+
+    engine = make_engine([naps])
+    ex = engine.start("naps", 4)
+    for wake in range(4):
+        assert engine.get(ex.id).waiting_on == "loom.timer"
+        assert engine.fire_due_timers() == [], "nothing is due before the clock moves"
+        clock.advance(60)
+        assert engine.fire_due_timers() == [ex.id], f"wake {wake}"
+    assert engine.get(ex.id).result == 4
+    assert engine.fire_due_timers() == []
+
+
+def test_zero_sleep_passes_at_once(make_engine: EngineFactory) -> None:
+    @flow
+    def blink(ctx: Context, _input: Any) -> str:
+        ctx.sleep(0)
+        return "done"
+
+    assert make_engine([blink]).start("blink").result == "done"
+
+
+def test_timer_fires_once_whoever_fires_it(make_engine: EngineFactory, clock: FakeClock) -> None:
+    @flow
+    def nap(ctx: Context, _input: Any) -> str:
+        ctx.sleep(10)
+        return "up"
+
+    first, second = make_engine([nap]), make_engine([nap])
+    ex = first.start("nap")
+    clock.advance(11)
+    assert first.fire_due_timers() + second.fire_due_timers() == [ex.id]
+    resumes = [h for h in first.history(ex.id) if type(h.event).__name__ == "ExecutionResumed"]
+    assert len(resumes) == 1
+
+
+Op = tuple[str, Any]
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("gate"), st.integers() | st.text(max_size=5) | st.none()),
+        st.tuples(st.just("sleep"), st.integers(1, 7200)),
+        st.tuples(st.just("step"), st.integers()),
+    ),
+    max_size=12,
+)
+
+
+@flow
+def scripted(ctx: Context, script: list[list[Any]]) -> list[Any]:
+    seen = []
+    for number, (kind, value) in enumerate(script):
+        if kind == "gate":
+            seen.append(ctx.suspend(f"g{number}"))
+        elif kind == "sleep":
+            ctx.sleep(value)
+            seen.append("slept")
+        else:
+            seen.append(ctx.step(f"s{number}", lambda v=value: v))
+    return seen
+
+
+@settings(
+    max_examples=60, suppress_health_check=[HealthCheck.function_scoped_fixture], deadline=None
+)
+@given(script=ops, payload_seed=st.integers())
+def test_any_mix_of_gates_sleeps_and_steps(
+    script: list[Op], payload_seed: int, clock: FakeClock
+) -> None:
+    engine = Engine(MemoryStore(), [scripted], clock=clock, retry=RetryPolicy(attempts=1))
+    ex = engine.start("scripted", [list(op) for op in script])
+    expected = []
+    wakes = 0
+    for number, (kind, value) in enumerate(script):
+        current = engine.get(ex.id)
+        if kind == "gate":
+            assert current.waiting_on == f"g{number}"
+            payload = {"gate": number, "seed": payload_seed, "value": value}
+            engine.resume(ex.id, payload)
+            expected.append(payload)
+            wakes += 1
+        elif kind == "sleep":
+            assert current.waiting_on == "loom.timer"
+            clock.advance(value)
+            assert engine.fire_due_timers() == [ex.id]
+            expected.append("slept")
+            wakes += 1
+        else:
+            expected.append(value)
+    done = engine.get(ex.id)
+    assert done.status is Status.COMPLETED
+    assert done.result == expected
+    assert len(engine.state(ex.id).resume_payloads) == wakes
