@@ -42,7 +42,11 @@ def test_a_step_runs_once_and_replays_after(make_engine: EngineFactory) -> None:
 
     @flow
     def once(ctx: Context, _input: Any) -> Any:
-        value = ctx.step("count", lambda: calls.append(1) or len(calls))
+        def count() -> int:
+            calls.append(1)
+            return len(calls)
+
+        value = ctx.step("count", count)
         gate = ctx.suspend("go")
         return [value, gate]
 
@@ -560,7 +564,7 @@ def test_executions_lists_every_run(make_engine: EngineFactory) -> None:
 
 def test_many_steps_replay_linearly(make_engine: EngineFactory) -> None:
     @flow
-    def many(ctx: Context, count: int) -> int:
+    def many(ctx: Context, count: int) -> Any:
         total = sum(ctx.step(f"s{i}", lambda i=i: i) for i in range(count))
         ctx.suspend("end")
         return total

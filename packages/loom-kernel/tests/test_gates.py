@@ -184,7 +184,7 @@ def test_any_mix_of_gates_sleeps_and_steps(
 ) -> None:
     engine = Engine(MemoryStore(), [scripted], clock=clock, retry=RetryPolicy(attempts=1))
     ex = engine.start("scripted", [list(op) for op in script])
-    expected = []
+    expected: list[Any] = []
     wakes = 0
     for number, (kind, value) in enumerate(script):
         current = engine.get(ex.id)

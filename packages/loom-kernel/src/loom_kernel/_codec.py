@@ -5,7 +5,6 @@ A payload is JSON: {"v": "<schema version written under>", "d": <event fields>}.
 
 from __future__ import annotations
 
-import functools
 import json
 import threading
 from collections.abc import Callable
@@ -91,9 +90,14 @@ def dump_json(value: Any) -> str:
         raise InvalidArgumentError(f"value is not JSON: {exc}") from exc
 
 
-@functools.cache
+_hooks: dict[type[Any], Callable[[Any, type[Any]], Any]] = {}
+
+
 def _structure_hook(cls: type[Any]) -> Callable[[Any, type[Any]], Any]:
-    return CONVERTER.get_structure_hook(cls)
+    hook = _hooks.get(cls)
+    if hook is None:
+        hook = _hooks[cls] = CONVERTER.get_structure_hook(cls)
+    return hook
 
 
 def encode_event(event: Event, timestamp: float) -> NewRecord:

@@ -8,7 +8,7 @@ import json
 import random as _random
 import time
 import uuid as _uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from datetime import timedelta
 from math import isfinite
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -306,7 +306,7 @@ class AsyncContext(_Replay):
     async def step(
         self,
         name: str,
-        fn: Callable[..., T | Awaitable[T]],
+        fn: Callable[..., Any],
         *args: Any,
         retry: RetryPolicy | None = None,
         returns: type[T] | None = None,

@@ -102,7 +102,9 @@ def _make(fn: Callable[..., Any], name: str | None, version: str | None) -> Flow
 
 
 @overload
-def flow(fn: Callable[..., Any], /) -> Flow: ...
+def flow(
+    fn: Callable[..., Any], /, *, name: str | None = None, version: str | None = None
+) -> Flow: ...
 
 
 @overload
