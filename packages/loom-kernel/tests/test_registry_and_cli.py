@@ -72,3 +72,14 @@ def test_loom_stores_checks_each_store(capsys: pytest.CaptureFixture[str]) -> No
 def test_loom_stores_reports_a_failing_url(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["stores", "nosuch://x"]) == 1
     assert "FAILED: NotFoundError" in capsys.readouterr().out
+
+
+def test_loom_demo_runs_the_approval_flow_and_prints_its_timeline(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "waiting on 'manager'" in out
+    assert "timer fired" in out
+    assert "completed  →" in out
+    assert "Starting it again with the same key returns the same run: completed." in out

@@ -83,9 +83,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     stores.add_argument(
         "urls", nargs="*", help="store URLs to check (default: the self-checking ones)"
     )
+    demo = commands.add_parser(
+        "demo", help="run an order-approval flow (a step, two gates, a timer) and print its journal"
+    )
+    demo.add_argument("--store", default="memory://", help="store URL (default: %(default)s)")
     args = parser.parse_args(argv)
     if args.command == "stores":
         return _stores_command(args.urls)
+    if args.command == "demo":
+        from loom_kernel._demo import run_demo  # noqa: PLC0415 - only this command needs it
+
+        return run_demo(args.store)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse exits first
     return 2  # pragma: no cover
 
