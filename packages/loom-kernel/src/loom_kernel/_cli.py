@@ -7,16 +7,27 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
-from urllib.parse import urlsplit
 
 from loom_kernel._errors import LoomError
 from loom_kernel._journal import JournalStore, NewRecord
-from loom_kernel._registry import installed_stores, open_store
+from loom_kernel._registry import installed_stores, open_store, store_factory
 
 __all__ = ["check_store", "main"]
 
-# Stores that can check themselves with no configuration.
-_SELF_CHECK_URLS = {"memory": "memory://"}
+
+def _self_check_url(scheme: str) -> str | None:
+    """A URL a store can be checked at with no configuration, if the store offers one.
+
+    A store factory offers it as a `self_check_url()` attribute (a scratch file, say).
+    """
+    if scheme == "memory":
+        return "memory://"
+    try:
+        factory = store_factory(scheme)
+    except LoomError:
+        return None
+    make_url = getattr(factory, "self_check_url", None)
+    return make_url() if callable(make_url) else None
 
 
 def check_store(store: JournalStore) -> str:
@@ -52,9 +63,8 @@ def _stores_command(urls: Sequence[str]) -> int:
     print("installed stores:")
     for scheme, origin in installed.items():
         print(f"  {scheme + '://':<12} from {origin}")
-    targets = list(urls) or [
-        _SELF_CHECK_URLS[scheme] for scheme in installed if scheme in _SELF_CHECK_URLS
-    ]
+    checkable = {scheme: _self_check_url(scheme) for scheme in installed}
+    targets = list(urls) or [url for url in checkable.values() if url is not None]
     print("checks:")
     for url in targets:
         try:
@@ -65,9 +75,7 @@ def _stores_command(urls: Sequence[str]) -> int:
             print(f"  {url}: FAILED: {type(exc).__name__}: {exc}")
         else:
             print(f"  {url}: {summary}")
-    unchecked = sorted(
-        set(installed) - {urlsplit(url).scheme for url in targets} - set(_SELF_CHECK_URLS)
-    )
+    unchecked = sorted(scheme for scheme, url in checkable.items() if url is None)
     if unchecked and not urls:
         print(f"  not checked (need a URL): {', '.join(unchecked)}; run `loom stores URL ...`")
     return 1 if failures else 0

@@ -11,7 +11,14 @@ from loom_kernel._errors import InvalidArgumentError, NotFoundError
 from loom_kernel._journal import JournalStore
 from loom_kernel._memory_store import open_memory_store
 
-__all__ = ["ENTRY_POINT_GROUP", "StoreFactory", "installed_stores", "open_store", "register_store"]
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "StoreFactory",
+    "installed_stores",
+    "open_store",
+    "register_store",
+    "store_factory",
+]
 
 ENTRY_POINT_GROUP = "loom.stores"
 StoreFactory = Callable[[str], JournalStore]
@@ -75,7 +82,16 @@ def open_store(url: str) -> JournalStore:
     """
     if not isinstance(url, str) or "://" not in url:
         raise InvalidArgumentError(f"a store URL looks like scheme://..., not {url!r}")
-    scheme = url.split("://", 1)[0].lower()
+    return store_factory(url.split("://", 1)[0].lower())(url)
+
+
+def store_factory(scheme: str) -> StoreFactory:
+    """The factory that opens URLs of `scheme`.
+
+    Raises:
+        NotFoundError: no store is installed for it; the message names the installed
+            schemes and the distribution to install.
+    """
     with _lock:
         factory = _registered.get(scheme)
     if factory is None:
@@ -92,4 +108,4 @@ def open_store(url: str) -> JournalStore:
             else ""
         )
         raise NotFoundError(f"no store for scheme {scheme!r} (installed: {installed}){hint}")
-    return factory(url)
+    return factory

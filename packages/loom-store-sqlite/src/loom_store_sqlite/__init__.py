@@ -1,7 +1,10 @@
 """Loom's embedded default store: the journal SPI on SQLite.
 
-Not built yet: this distribution exports nothing until its issue lands
-("The SQLite store"). See the project's docs/index.md for what is available today.
+from loom_kernel import open_store
+store = open_store("sqlite:///var/lib/app/loom.db?synchronous=full&timeout=10")
 """
 
-__all__: list[str] = []
+from loom_store_sqlite._schema import SCHEMA_VERSION
+from loom_store_sqlite._store import SqliteOptions, SqliteStore, open_sqlite_store
+
+__all__ = ["SCHEMA_VERSION", "SqliteOptions", "SqliteStore", "open_sqlite_store"]

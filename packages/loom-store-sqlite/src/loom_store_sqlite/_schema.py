@@ -1,0 +1,77 @@
+"""The store's own schema: created and upgraded with sqlite-utils, versioned in loom_meta."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+from typing import Final
+
+import sqlite_utils
+from loom_kernel import SchemaError
+
+__all__ = ["SCHEMA_VERSION", "ensure_schema"]
+
+SCHEMA_VERSION: Final = 1
+
+
+def _create_v1(db: sqlite_utils.Database) -> None:
+    db["loom_streams"].create(  # type: ignore[union-attr]
+        {"name": str, "head": int, "floor": int, "deleted": int},
+        pk="name",
+        not_null={"name", "head", "floor", "deleted"},
+        defaults={"floor": 0, "deleted": 0},
+        strict=True,
+        if_not_exists=True,
+    )
+    db["loom_records"].create(  # type: ignore[union-attr]
+        {
+            "stream": str,
+            "position": int,
+            "kind": str,
+            "payload": bytes,
+            "timestamp": float,
+            "txn": str,
+        },
+        pk=("stream", "position"),
+        not_null={"stream", "position", "kind", "payload", "timestamp"},
+        strict=True,
+        if_not_exists=True,
+    )
+
+
+# MIGRATIONS[n] takes a database at schema n to schema n + 1.
+MIGRATIONS: Final[dict[int, Callable[[sqlite_utils.Database], None]]] = {0: _create_v1}
+
+
+def ensure_schema(connection: sqlite3.Connection, location: str) -> None:
+    """Create or upgrade the store's tables; refuse a database from a newer store.
+
+    Raises:
+        SchemaError: the database was written by a newer loom-store-sqlite.
+    """
+    db = sqlite_utils.Database(connection)
+    connection.execute("BEGIN IMMEDIATE")
+    try:
+        db["loom_meta"].create(  # type: ignore[union-attr]
+            {"key": str, "value": str}, pk="key", not_null={"key", "value"}, if_not_exists=True
+        )
+        row = connection.execute(
+            "SELECT value FROM loom_meta WHERE key = 'schema_version'"
+        ).fetchone()
+        found = int(row[0]) if row else 0
+        if found > SCHEMA_VERSION:
+            raise SchemaError(
+                f"{location} holds store schema {found}, newer than this loom-store-sqlite's "
+                f"{SCHEMA_VERSION}; upgrade loom-store-sqlite to open it"
+            )
+        for version in range(found, SCHEMA_VERSION):
+            MIGRATIONS[version](db)
+        if found != SCHEMA_VERSION:
+            connection.execute(
+                "INSERT OR REPLACE INTO loom_meta (key, value) VALUES ('schema_version', ?)",
+                (str(SCHEMA_VERSION),),
+            )
+        connection.execute("COMMIT")
+    except BaseException:
+        connection.execute("ROLLBACK")
+        raise

@@ -1,0 +1,387 @@
+"""The journal SPI on SQLite: WAL, one immediate transaction per append."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import tempfile
+import threading
+import uuid
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Final
+from urllib.parse import parse_qsl, urlsplit
+
+import attrs
+from loom_kernel import (
+    ConflictError,
+    InvalidArgumentError,
+    JournalStore,
+    NewRecord,
+    Record,
+    StoreUnavailableError,
+    StreamDeletedError,
+    TrimmedError,
+)
+from loom_kernel.testing import Fault
+
+from loom_store_sqlite._schema import ensure_schema
+
+__all__ = ["SqliteOptions", "SqliteStore", "open_sqlite_store"]
+
+_SYNCHRONOUS: Final = ("off", "normal", "full", "extra")
+
+
+@attrs.frozen
+class SqliteOptions:
+    """Options from the URL query.
+
+    Attributes:
+        synchronous: SQLite's `synchronous` pragma. `full` (the default) makes a
+            completed step survive power loss; `normal` survives a process crash but
+            may lose the last commits on power loss.
+        timeout: seconds a writer waits for another writer's lock before giving up
+            with StoreUnavailableError.
+    """
+
+    synchronous: str = "full"
+    timeout: float = 10.0
+
+    @classmethod
+    def parse(cls, query: str) -> SqliteOptions:
+        """Read `synchronous=` and `timeout=` from a URL query string."""
+        values = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False))
+        unknown = set(values) - {"synchronous", "timeout"}
+        if unknown:
+            raise InvalidArgumentError(f"unknown sqlite store options: {sorted(unknown)}")
+        synchronous = values.get("synchronous", "full").lower()
+        if synchronous not in _SYNCHRONOUS:
+            raise InvalidArgumentError(
+                f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}"
+            )
+        try:
+            timeout = float(values.get("timeout", "10"))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"timeout must be seconds, not {values['timeout']!r}"
+            ) from None
+        if timeout < 0:
+            raise InvalidArgumentError("timeout must not be negative")
+        return cls(synchronous=synchronous, timeout=timeout)
+
+
+class _LostReplyError(Exception):
+    """Inside the store only: an injected fault after a commit landed."""
+
+
+class SqliteStore(JournalStore):
+    """Streams in one SQLite database, shared safely by threads and processes.
+
+    Each thread gets its own connection. An append is one `BEGIN IMMEDIATE`
+    transaction holding the head check and the insert, with the unique key
+    (stream, position) as the last line of defence.
+
+    Args:
+        path: the database file, or ":memory:" for a private in-memory database.
+        options: synchronous level and lock timeout.
+    """
+
+    def __init__(self, path: str, options: SqliteOptions | None = None) -> None:
+        self._options = options or SqliteOptions()
+        # An in-memory database lives in one connection that every thread shares
+        # behind a lock (SQLite's shared cache would fail racing writers with
+        # "table is locked" instead of waiting). A file gets a connection per thread.
+        self._memory = path == ":memory:"
+        self._target = path if self._memory else os.path.abspath(path)
+        self._serial = threading.RLock() if self._memory else None
+        self.path = path
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.Lock()
+        self._faults: deque[Fault] = deque()
+        self._closed = False
+        self._keeper = self._connect()  # holds a shared in-memory database open
+        ensure_schema(self._keeper, path)
+
+    # -- connections -------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        try:
+            connection = sqlite3.connect(
+                self._target,
+                timeout=self._options.timeout,
+                isolation_level=None,
+                check_same_thread=False,
+            )
+            if not self._memory:
+                connection.execute("PRAGMA journal_mode=WAL")
+            connection.execute(f"PRAGMA synchronous={self._options.synchronous}")
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(
+                f"cannot open sqlite database {self.path!r}: {exc}"
+            ) from exc
+        with self._connections_lock:
+            self._connections.append(connection)
+        return connection
+
+    @property
+    def _connection(self) -> sqlite3.Connection:
+        if self._closed:
+            raise StoreUnavailableError(f"sqlite store {self.path!r} is closed")
+        if self._memory:
+            return self._keeper
+        connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
+        if connection is None:
+            connection = self._local.connection = self._connect()
+        return connection
+
+    @contextmanager
+    def _serialised(self) -> Iterator[None]:
+        if self._serial is None:
+            yield
+        else:
+            with self._serial:
+                yield
+
+    @contextmanager
+    def _transaction(self, begin: str = "BEGIN") -> Iterator[sqlite3.Connection]:
+        with self._serialised(), self._open_transaction(begin) as connection:
+            yield connection
+
+    @contextmanager
+    def _open_transaction(self, begin: str) -> Iterator[sqlite3.Connection]:
+        connection = self._connection
+        try:
+            connection.execute(begin)
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"sqlite {begin} failed on {self.path!r}: {exc}") from exc
+        try:
+            yield connection
+        except BaseException:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise
+        try:
+            connection.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise StoreUnavailableError(f"sqlite COMMIT failed on {self.path!r}: {exc}") from exc
+
+    def inject_fault(self, fault: Fault) -> None:
+        """Make the next append meet `fault` (see loom_kernel.testing.Fault)."""
+        self._faults.append(fault)
+
+    def close(self) -> None:
+        """Close every connection this store opened."""
+        self._closed = True
+        with self._connections_lock:
+            for connection in self._connections:
+                connection.close()
+            self._connections.clear()
+
+    # -- the SPI hooks -------------------------------------------------------------
+
+    @staticmethod
+    def _stream_row(connection: sqlite3.Connection, stream: str) -> tuple[int, int, int] | None:
+        row = connection.execute(
+            "SELECT head, floor, deleted FROM loom_streams WHERE name = ?", (stream,)
+        ).fetchone()
+        return None if row is None else (int(row[0]), int(row[1]), int(row[2]))
+
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        fault = self._faults.popleft() if self._faults else None
+        if fault is Fault.UNAVAILABLE:
+            raise StoreUnavailableError(
+                f"sqlite store: injected fault before appending to {stream!r}"
+            )
+        txn = uuid.uuid4().hex
+        try:
+            return self._write(stream, expected, records, txn, lose_reply=fault is Fault.LOST_REPLY)
+        except (_LostReplyError, StoreUnavailableError):
+            return self._confirm(stream, expected, len(records), txn)
+
+    def _write(
+        self,
+        stream: str,
+        expected: int,
+        records: tuple[NewRecord, ...],
+        txn: str,
+        *,
+        lose_reply: bool,
+    ) -> int:
+        new_head = expected + len(records)
+        # Raw sqlite3 on the hot path: sqlite-utils' insert_all adds per-call
+        # introspection that costs more than the insert itself for a few rows.
+        with self._transaction("BEGIN IMMEDIATE") as connection:
+            row = self._stream_row(connection, stream)
+            if row is not None and row[2]:
+                raise StreamDeletedError(stream, row[0])
+            head = 0 if row is None else row[0]
+            if head != expected:
+                raise ConflictError(stream, expected, head)
+            connection.executemany(
+                "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
+                "VALUES (?, ?, ?, ?, ?, ?)",
+                [
+                    (
+                        stream,
+                        expected + offset,
+                        r.kind,
+                        r.payload,
+                        float(r.timestamp),
+                        txn if offset == 1 else None,
+                    )
+                    for offset, r in enumerate(records, start=1)
+                ],
+            )
+            if row is None:
+                connection.execute(
+                    "INSERT INTO loom_streams (name, head, floor, deleted) VALUES (?, ?, 0, 0)",
+                    (stream, new_head),
+                )
+            else:
+                connection.execute(
+                    "UPDATE loom_streams SET head = ? WHERE name = ?", (new_head, stream)
+                )
+        if lose_reply:
+            raise _LostReplyError
+        return new_head
+
+    def _confirm(self, stream: str, expected: int, count: int, txn: str) -> int:
+        """After an ambiguous commit: the batch's first record tells whose write landed."""
+        try:
+            with self._transaction() as connection:
+                row = self._stream_row(connection, stream)
+                found = connection.execute(
+                    "SELECT txn FROM loom_records WHERE stream = ? AND position = ?",
+                    (stream, expected + 1),
+                ).fetchone()
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"cannot confirm an append to {stream!r}: {exc}") from exc
+        if found is not None and found[0] == txn:
+            return expected + count
+        head = 0 if row is None else row[0]
+        if head == expected:
+            raise StoreUnavailableError(f"an append to {stream!r} did not land; retry it")
+        raise ConflictError(stream, expected, head)
+
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Record]:
+        try:
+            with self._transaction() as connection:
+                row = self._stream_row(connection, stream)
+                if row is None:
+                    return []
+                head, floor, deleted = row
+                if deleted:
+                    raise StreamDeletedError(stream, head)
+                if after < floor:
+                    raise TrimmedError(stream, after, floor)
+                rows = connection.execute(
+                    "SELECT position, kind, payload, timestamp FROM loom_records "
+                    "WHERE stream = ? AND position > ? ORDER BY position LIMIT ?",
+                    (stream, after, -1 if limit is None else limit),
+                ).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"cannot read {stream!r}: {exc}") from exc
+        return [Record(int(p), str(k), bytes(b), float(t)) for p, k, b, t in rows]
+
+    def _head(self, stream: str) -> int:
+        try:
+            with self._serialised():
+                row = self._stream_row(self._connection, stream)
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"cannot read the head of {stream!r}: {exc}") from exc
+        if row is None:
+            return 0
+        if row[2]:
+            raise StreamDeletedError(stream, row[0])
+        return row[0]
+
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
+        # A range on the primary key: [lower, upper) where upper is the first string
+        # past every name with the prefix (ids are ASCII, so bumping the last
+        # character works), so even the last page of a listing is an index range scan.
+        lower, strict = (after, True) if after is not None and after >= prefix else (prefix, False)
+        upper = prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else None
+        comparison = ">" if strict else ">="
+        sql = f"SELECT name FROM loom_streams WHERE deleted = 0 AND name {comparison} ?"  # noqa: S608
+        parameters: list[object] = [lower]
+        if upper is not None:
+            sql += " AND name < ?"
+            parameters.append(upper)
+        sql += " ORDER BY name LIMIT ?"
+        parameters.append(-1 if limit is None else limit)
+        try:
+            with self._serialised():
+                rows = self._connection.execute(sql, parameters).fetchall()
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"cannot list streams: {exc}") from exc
+        return [str(row[0]) for row in rows]
+
+    def _trim(self, stream: str, before: int) -> None:
+        try:
+            with self._transaction("BEGIN IMMEDIATE") as connection:
+                row = self._stream_row(connection, stream)
+                head, floor, deleted = row if row is not None else (0, 0, 0)
+                if deleted:
+                    raise StreamDeletedError(stream, head)
+                if before > head + 1:
+                    raise InvalidArgumentError(
+                        f"cannot trim {stream!r} below {before}: its head is {head}"
+                    )
+                if row is None or before - 1 <= floor:
+                    return
+                connection.execute(
+                    "DELETE FROM loom_records WHERE stream = ? AND position < ?", (stream, before)
+                )
+                connection.execute(
+                    "UPDATE loom_streams SET floor = ? WHERE name = ?", (before - 1, stream)
+                )
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"cannot trim {stream!r}: {exc}") from exc
+
+    def _delete(self, stream: str) -> None:
+        try:
+            with self._transaction("BEGIN IMMEDIATE") as connection:
+                row = self._stream_row(connection, stream)
+                if row is not None and row[2]:
+                    return
+                connection.execute("DELETE FROM loom_records WHERE stream = ?", (stream,))
+                connection.execute(
+                    "INSERT INTO loom_streams (name, head, floor, deleted) VALUES (?, 0, 0, 1) "
+                    "ON CONFLICT (name) DO UPDATE SET floor = head, deleted = 1",
+                    (stream,),
+                )
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"cannot delete {stream!r}: {exc}") from exc
+
+
+def open_sqlite_store(url: str) -> SqliteStore:
+    """Open `sqlite:///absolute/path.db`, `sqlite://relative/path.db` or `sqlite:///:memory:`.
+
+    Query options: `synchronous` (off, normal, full (default), extra) and `timeout`
+    (seconds to wait for another writer's lock, default 10).
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "sqlite":
+        raise InvalidArgumentError(f"not a sqlite store URL: {url!r}")
+    path = parts.netloc + parts.path
+    if parts.netloc == "" and parts.path.startswith("/:memory:"):
+        path = ":memory:"
+    if not path or path == "/":
+        raise InvalidArgumentError(
+            f"a sqlite store URL names a file: sqlite:///path/to/loom.db, not {url!r}"
+        )
+    return SqliteStore(path, SqliteOptions.parse(parts.query))
+
+
+def _self_check_url() -> str:
+    """A scratch database for `loom stores` to check the store with."""
+    return "sqlite:///" + os.path.join(tempfile.mkdtemp(prefix="loom-check-"), "check.db").lstrip(
+        "/"
+    )
+
+
+open_sqlite_store.self_check_url = _self_check_url  # type: ignore[attr-defined]
