@@ -77,7 +77,7 @@ def test_loom_stores_reports_a_failing_url(capsys: pytest.CaptureFixture[str]) -
 def test_loom_demo_runs_the_approval_flow_and_prints_its_timeline(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert main(["demo"]) == 0
+    assert main(["demo", "--store", "memory://"]) == 0
     out = capsys.readouterr().out
     assert "waiting on 'manager'" in out
     assert "timer fired" in out

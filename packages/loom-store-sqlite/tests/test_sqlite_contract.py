@@ -16,11 +16,11 @@ class TestSqliteFileStore(StoreContract):
 
     def make_store(self) -> JournalStore:
         self.path = Path(tempfile.mkdtemp(prefix="loom-sqlite-")) / "loom.db"
-        return open_store(f"sqlite:///{self.path}?synchronous=normal")
+        return open_store(f"sqlite://{self.path}?synchronous=normal")
 
     def reopen_store(self, store: JournalStore) -> JournalStore:
         store.close()
-        return open_store(f"sqlite:///{self.path}?synchronous=normal")
+        return open_store(f"sqlite://{self.path}?synchronous=normal")
 
 
 class TestSqliteMemoryStore(StoreContract):

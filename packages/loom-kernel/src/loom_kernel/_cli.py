@@ -94,14 +94,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo = commands.add_parser(
         "demo", help="run an order-approval flow (a step, two gates, a timer) and print its journal"
     )
-    demo.add_argument("--store", default="memory://", help="store URL (default: %(default)s)")
+    demo.add_argument(
+        "--store",
+        default=None,
+        help="store URL (default: sqlite://loom-demo.db when loom-store-sqlite is installed, "
+        "else memory://)",
+    )
     args = parser.parse_args(argv)
     if args.command == "stores":
         return _stores_command(args.urls)
     if args.command == "demo":
         from loom_kernel._demo import run_demo  # noqa: PLC0415 - only this command needs it
 
-        return run_demo(args.store)
+        default = "sqlite://loom-demo.db" if "sqlite" in installed_stores() else "memory://"
+        return run_demo(args.store or default)
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse exits first
     return 2  # pragma: no cover
 

@@ -370,6 +370,8 @@ def open_sqlite_store(url: str) -> SqliteStore:
     path = parts.netloc + parts.path
     if parts.netloc == "" and parts.path.startswith("/:memory:"):
         path = ":memory:"
+    elif path.startswith("//"):  # sqlite:////abs/path, as SQLAlchemy spells it
+        path = "/" + path.lstrip("/")
     if not path or path == "/":
         raise InvalidArgumentError(
             f"a sqlite store URL names a file: sqlite:///path/to/loom.db, not {url!r}"

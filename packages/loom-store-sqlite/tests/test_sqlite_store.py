@@ -1,0 +1,119 @@
+"""SQLite specifics: URL options, the store's own schema version, locks, durability settings."""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+import pytest
+from loom_kernel import (
+    InvalidArgumentError,
+    NewRecord,
+    SchemaError,
+    StoreUnavailableError,
+    open_store,
+)
+from loom_store_sqlite import SCHEMA_VERSION, SqliteOptions, SqliteStore, open_sqlite_store
+
+
+def _records(count: int) -> list[NewRecord]:
+    return [NewRecord("k", str(i).encode(), float(i)) for i in range(count)]
+
+
+def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    absolute = open_store(f"sqlite://{tmp_path}/a.db")
+    assert isinstance(absolute, SqliteStore)
+    assert absolute.path == f"{tmp_path}/a.db"
+    monkeypatch.chdir(tmp_path)
+    relative = open_sqlite_store("sqlite://sub.db")
+    relative.append("s", 0, _records(1))
+    assert (tmp_path / "sub.db").exists()
+    memory = open_sqlite_store("sqlite:///:memory:")
+    assert memory.head("s") == 0
+
+
+def test_url_options() -> None:
+    assert SqliteOptions.parse("") == SqliteOptions("full", 10.0)
+    assert SqliteOptions.parse("synchronous=NORMAL&timeout=2.5") == SqliteOptions("normal", 2.5)
+    for bad in ("synchronous=sometimes", "timeout=soon", "timeout=-1", "cache=big"):
+        with pytest.raises(InvalidArgumentError):
+            SqliteOptions.parse(bad)
+    with pytest.raises(InvalidArgumentError):
+        open_sqlite_store("sqlite://")
+
+
+def test_pragmas_are_applied(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/p.db?synchronous=normal")
+    connection = store._connection
+    assert connection.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+    assert connection.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+    default = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
+    assert default._connection.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL
+
+
+def test_a_newer_store_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    open_sqlite_store(f"sqlite://{path}").close()
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "UPDATE loom_meta SET value = ? WHERE key = 'schema_version'",
+            (str(SCHEMA_VERSION + 1),),
+        )
+    with pytest.raises(SchemaError, match="newer than this loom-store-sqlite"):
+        open_sqlite_store(f"sqlite://{path}")
+
+
+def test_an_older_database_is_upgraded(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as connection:  # a database from before the store existed
+        connection.execute("CREATE TABLE unrelated (x INTEGER)")
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("s", 0, _records(2))
+    version = store._connection.execute(
+        "SELECT value FROM loom_meta WHERE key = 'schema_version'"
+    ).fetchone()[0]
+    assert int(version) == SCHEMA_VERSION
+
+
+def test_a_writer_stuck_behind_a_lock_gets_store_unavailable(tmp_path: Path) -> None:
+    path = tmp_path / "locked.db"
+    store = open_sqlite_store(f"sqlite://{path}?timeout=0.2")
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(StoreUnavailableError):
+            store.append("s", 0, _records(1))
+    finally:
+        blocker.execute("ROLLBACK")
+    assert store.append("s", 0, _records(1)) == 1, "nothing landed while it was locked"
+
+
+def test_threads_share_one_store(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/t.db?synchronous=normal")
+    errors: list[BaseException] = []
+
+    def writer(number: int) -> None:
+        try:
+            for index in range(20):
+                store.append(f"t{number}", index, _records(1))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert [store.head(f"t{n}") for n in range(4)] == [20] * 4
+
+
+def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/u.db")
+    store.append("s", 0, _records(1))
+    with pytest.raises(sqlite3.IntegrityError):
+        store._connection.execute(
+            "INSERT INTO loom_records (stream, position, kind, payload, timestamp) "
+            "VALUES ('s', 1, 'k', x'00', 0.0)"
+        )

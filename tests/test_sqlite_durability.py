@@ -1,0 +1,88 @@
+"""Durability on SQLite with real processes: SIGKILL at random moments, and racing workers."""
+
+from __future__ import annotations
+
+import collections
+import random
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from loom_kernel import Engine, Status, decode_events, open_store
+
+WORKER = Path(__file__).parent / "sqlite_worker.py"
+
+
+def _worker(
+    mode: str, db: Path, side: Path, executions: int, steps: int
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), mode, str(db), str(side), str(executions), str(steps)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _check_journals(db: Path, executions: int, steps: int, gate: bool) -> None:
+    store = open_store(f"sqlite://{db}")
+    engine = Engine(store, [])
+    for number in range(executions):
+        execution_id = f"job-{number}"
+        assert engine.get(execution_id).status is Status.COMPLETED, execution_id
+        records = store.read(f"ex/{execution_id}")
+        assert [r.position for r in records] == list(range(1, len(records) + 1))
+        events = decode_events(records)
+        kinds = collections.Counter(type(e).__name__ for e in events)
+        assert kinds["ExecutionStarted"] == 1
+        assert kinds["ExecutionCompleted"] == 1
+        indices = [e.index for e in events if type(e).__name__ == "StepCompleted"]
+        expected_steps = steps + (1 if gate else 0)
+        assert sorted(indices) == list(range(expected_steps)), f"{execution_id}: steps {indices}"
+        assert kinds["ExecutionResumed"] == (1 if gate else 0), f"{execution_id}: {kinds}"
+    with sqlite3.connect(db) as connection:
+        assert connection.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    store.close()
+
+
+def _side_effects(side: Path) -> collections.Counter[str]:
+    return collections.Counter(side.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_loses_and_doubles_nothing(tmp_path: Path) -> None:
+    db, side = tmp_path / "loom.db", tmp_path / "side-effects.txt"
+    executions, steps, kills = 40, 5, 12
+    rng = random.Random(20261130)
+    killed_mid_work = 0
+    for _ in range(kills):
+        worker = _worker("crash", db, side, executions, steps)
+        time.sleep(rng.uniform(0.25, 0.9))  # let it get into the work, then pull the plug
+        if worker.poll() is None:
+            worker.kill()  # SIGKILL: no cleanup, no flush, mid-transaction if it is in one
+            killed_mid_work += 1
+        worker.wait()
+    final = _worker("crash", db, side, executions, steps)
+    _out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err.decode()
+    assert killed_mid_work >= kills // 2, "the workers finished before they could be killed"
+    _check_journals(db, executions, steps, gate=False)
+    effects = _side_effects(side)
+    for number in range(executions):
+        for index in range(steps):
+            assert effects[f"job-{number}:{index}"] >= 1, "every step ran at least once"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 4])
+def test_racing_worker_processes_double_nothing(tmp_path: Path, workers: int) -> None:
+    db, side = tmp_path / "loom.db", tmp_path / "side-effects.txt"
+    executions, steps = 15, 3
+    open_store(f"sqlite://{db}").close()  # create the schema before the race
+    running = [_worker("race", db, side, executions, steps) for _ in range(workers)]
+    for worker in running:
+        _out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err.decode()
+    _check_journals(db, executions, steps, gate=True)
