@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from loom_kernel import Engine, Status, decode_events, open_store
+from loom_kernel import Engine, Status, StepCompleted, decode_events, open_store
 
 WORKER = Path(__file__).parent / "sqlite_worker.py"
 
@@ -38,7 +38,7 @@ def _check_journals(db: Path, executions: int, steps: int, gate: bool) -> None:
         kinds = collections.Counter(type(e).__name__ for e in events)
         assert kinds["ExecutionStarted"] == 1
         assert kinds["ExecutionCompleted"] == 1
-        indices = [e.index for e in events if type(e).__name__ == "StepCompleted"]
+        indices = [e.index for e in events if isinstance(e, StepCompleted)]
         expected_steps = steps + (1 if gate else 0)
         assert sorted(indices) == list(range(expected_steps)), f"{execution_id}: steps {indices}"
         assert kinds["ExecutionResumed"] == (1 if gate else 0), f"{execution_id}: {kinds}"

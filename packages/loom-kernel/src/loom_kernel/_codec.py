@@ -14,16 +14,18 @@ import attrs
 import cattrs
 
 from loom_kernel._errors import InvalidArgumentError, SchemaError
-from loom_kernel._events import EVENT_SCHEMA, Event, event_class
+from loom_kernel._events import EVENT_SCHEMA, ErrorInfo, Event, event_class
 from loom_kernel._journal import NewRecord, Record
 
 __all__ = [
     "CONVERTER",
     "Upcaster",
+    "decode_envelope",
     "decode_event",
     "decode_events",
     "dump_json",
     "encode_event",
+    "parse_envelopes",
     "parse_version",
     "register_upcaster",
 ]
@@ -90,19 +92,75 @@ def dump_json(value: Any) -> str:
         raise InvalidArgumentError(f"value is not JSON: {exc}") from exc
 
 
-_hooks: dict[type[Any], Callable[[Any, type[Any]], Any]] = {}
+@attrs.frozen
+class _Field:
+    name: str
+    types: tuple[type[Any], ...] | None  # None: any JSON value
+    nested: type[Any] | None  # an attrs class (ErrorInfo), built through the converter
 
 
-def _structure_hook(cls: type[Any]) -> Callable[[Any, type[Any]], Any]:
-    hook = _hooks.get(cls)
-    if hook is None:
-        hook = _hooks[cls] = CONVERTER.get_structure_hook(cls)
-    return hook
+_plans: dict[type[Any], tuple[_Field, ...]] = {}
+_SIMPLE: Final[dict[Any, tuple[type[Any], ...]]] = {
+    int: (int,),
+    str: (str,),
+    "int": (int,),
+    "str": (str,),
+    "str | None": (str, type(None)),
+    "float | None": (float, int, type(None)),
+}
+
+
+def _plan(cls: type[Any]) -> tuple[_Field, ...]:
+    """How to move an event class's fields to and from JSON without a generic walk.
+
+    Event payload fields typed Any hold JSON data already (the engine makes sure), so
+    walking them again through the converter, on every record of every replay, would
+    be wasted work; typed fields are checked with isinstance instead.
+    """
+    plan = _plans.get(cls)
+    if plan is None:
+        fields = []
+        for field in attrs.fields(cls):
+            if attrs.has(field.type) if isinstance(field.type, type) else False:
+                fields.append(_Field(field.name, None, field.type))
+            elif field.type in ("ErrorInfo",):
+                fields.append(_Field(field.name, None, ErrorInfo))
+            elif field.type in ("Any", Any):
+                fields.append(_Field(field.name, None, None))
+            else:
+                # KeyError here means an event field of a type this plan cannot check.
+                fields.append(_Field(field.name, _SIMPLE[field.type], None))
+        plan = _plans[cls] = tuple(fields)
+    return plan
+
+
+def _event_data(event: Event) -> dict[str, Any]:
+    data: dict[str, Any] = {}
+    for field in _plan(type(event)):
+        value = getattr(event, field.name)
+        data[field.name] = CONVERTER.unstructure(value) if field.nested is not None else value
+    return data
+
+
+def _build_event(cls: type[Any], data: dict[str, Any]) -> Any:
+    values: dict[str, Any] = {}
+    for field in _plan(cls):
+        if field.name not in data:
+            continue  # an attrs default applies, or the constructor names what is missing
+        value = data[field.name]
+        if field.nested is not None:
+            value = CONVERTER.structure(value, field.nested)
+        elif field.types is not None and (
+            not isinstance(value, field.types) or isinstance(value, bool)
+        ):
+            raise TypeError(f"field {field.name!r} holds {value!r}")
+        values[field.name] = value
+    return cls(**values)
 
 
 def encode_event(event: Event, timestamp: float) -> NewRecord:
     """Encode an event as a record written under the current EVENT_SCHEMA."""
-    data = CONVERTER.unstructure(event)
+    data = _event_data(event)
     payload = '{"v":"' + EVENT_SCHEMA + '","d":' + dump_json(data) + "}"
     return NewRecord(kind=event.KIND, payload=payload.encode("utf-8"), timestamp=timestamp)
 
@@ -121,11 +179,11 @@ def decode_event(record: Record, stream: str | None = None) -> Event:
         if event_class(record.kind) is None:
             raise SchemaError("unknown record kind", **where) from None
         raise SchemaError(f"payload is not JSON: {exc}", **where) from exc
-    return _from_envelope(record, envelope, stream)
+    return decode_envelope(record, envelope, stream)
 
 
-def decode_events(records: list[Record], stream: str | None = None) -> list[Event]:
-    """Decode many records; the same result and errors as decode_event on each, faster.
+def parse_envelopes(records: list[Record], stream: str | None = None) -> list[Any]:
+    """Parse many payloads at once; the same errors as decode_event for a bad one.
 
     The payloads are parsed as one JSON array, which costs one parser call instead of
     one per record; if that fails, each record is decoded alone to name the bad one.
@@ -134,13 +192,21 @@ def decode_events(records: list[Record], stream: str | None = None) -> list[Even
         return []
     try:
         joined = b"[" + b",".join(record.payload for record in records) + b"]"
-        envelopes = json.loads(joined)
+        envelopes: list[Any] = json.loads(joined)
         if len(envelopes) != len(records):
             raise ValueError("a payload held more than one JSON value")
     except ValueError:
-        return [decode_event(record, stream) for record in records]
+        for record in records:
+            decode_event(record, stream)  # raises the SchemaError that names the record
+        raise SchemaError("payloads do not parse together", stream=stream) from None
+    return envelopes
+
+
+def decode_events(records: list[Record], stream: str | None = None) -> list[Event]:
+    """Decode many records; the same result and errors as decode_event on each, faster."""
+    envelopes = parse_envelopes(records, stream)
     return [
-        _from_envelope(record, envelope, stream)
+        decode_envelope(record, envelope, stream)
         for record, envelope in zip(records, envelopes, strict=True)
     ]
 
@@ -158,7 +224,8 @@ def _version_of(text: object) -> Version:
         return version
 
 
-def _from_envelope(record: Record, envelope: Any, stream: str | None) -> Event:
+def decode_envelope(record: Record, envelope: Any, stream: str | None) -> Event:
+    """Decode a record whose payload was already parsed (see parse_envelopes)."""
     where: dict[str, Any] = {"kind": record.kind, "stream": stream, "position": record.position}
     cls = event_class(record.kind)
     if cls is None:
@@ -182,7 +249,7 @@ def _from_envelope(record: Record, envelope: Any, stream: str | None) -> Event:
             if upcaster.kind == record.kind and version < upcaster.before:
                 data = upcaster.lift(data)
     try:
-        event: Event = _structure_hook(cls)(data, cls)
+        event: Event = _build_event(cls, data)
     except (cattrs.BaseValidationError, TypeError, ValueError, KeyError) as exc:
         raise SchemaError(f"payload does not fit the kind: {exc}", **where) from exc
     return event

@@ -43,6 +43,9 @@ TIMER_GATE: Final = "loom.timer"
 _RESERVED_PREFIX: Final = "loom."
 
 
+_MISSING: Final = object()
+
+
 class Unwind(BaseException):
     """Internal: stops a flow's code. A BaseException so `except Exception` cannot swallow it.
 
@@ -133,6 +136,18 @@ class _Replay:
         if frame is not None and frame.name != name:
             raise self._abort(NonDeterminismError(self._state.id, "step", index, frame.name, name))
         return index, frame
+
+    def _fast_replay(self, name: object, returns: object) -> Any:
+        """The common replay: a recorded, successful, untyped step of the same name.
+
+        Returns _MISSING for anything else, which takes the checked path.
+        """
+        index = self._step_index
+        frame = self._state.steps.get(index)
+        if frame is None or returns is not None or frame.error is not None or frame.name != name:
+            return _MISSING
+        self._step_index = index + 1
+        return frame.result
 
     def _check_owner(self) -> None:
         """Before new work: the journal must still end where this run left it.
@@ -258,6 +273,9 @@ class Context(_Replay):
             StepFailedError: `fn` kept failing through the retry policy.
             InvalidArgumentError: the name is not a str, or the result is not JSON.
         """
+        replayed = self._fast_replay(name, returns)
+        if replayed is not _MISSING:
+            return replayed
         index, frame = self._claim_step(name)
         if frame is not None:
             return self._replayed(frame, returns)
@@ -317,6 +335,9 @@ class AsyncContext(_Replay):
         A step's identity is its call order, fixed when `step` is called, so steps
         gathered concurrently replay correctly whatever order they finished in.
         """
+        replayed = self._fast_replay(name, returns)
+        if replayed is not _MISSING:
+            return replayed
         index, frame = self._claim_step(name)
         if frame is not None:
             return self._replayed(frame, returns)

@@ -40,7 +40,7 @@ from loom_kernel._events import (
 from loom_kernel._flows import Flow, RetryPolicy, flow
 from loom_kernel._ids import validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord
-from loom_kernel._state import ExecutionState, Status
+from loom_kernel._state import ExecutionState, Status, fold_records
 from loom_kernel._timers import TimerIndex
 
 __all__ = ["Engine", "Execution", "HistoryEntry"]
@@ -218,12 +218,10 @@ class Engine:
                 except TrimmedError:
                     state = None
                 else:
-                    for event in decode_events(tail, stream):
-                        state.apply(event)
+                    fold_records(state, tail, stream)
             if state is None:
                 state = self._load_snapshot(execution_id) or ExecutionState(id=execution_id)
-                for event in decode_events(self.store.read(stream, state.position), stream):
-                    state.apply(event)
+                fold_records(state, self.store.read(stream, state.position), stream)
         except StreamDeletedError:
             self._forget(execution_id)
             raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted") from None

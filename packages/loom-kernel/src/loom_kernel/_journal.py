@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, NamedTuple
 
 import attrs
 
@@ -54,9 +54,12 @@ class NewRecord:
     timestamp: float = attrs.field(validator=_check_timestamp)
 
 
-@attrs.frozen
-class Record:
-    """A stored record: a NewRecord with the position the store gave it (1, 2, 3, ...)."""
+class Record(NamedTuple):
+    """A stored record: a NewRecord with the position the store gave it (1, 2, 3, ...).
+
+    A named tuple, so a store can build one straight from a database row
+    (`Record._make(row)`) on the read path, where it is made once per record.
+    """
 
     position: int
     kind: str

@@ -9,7 +9,7 @@ from typing import Any, Final
 
 import attrs
 
-from loom_kernel._codec import CONVERTER
+from loom_kernel._codec import CONVERTER, decode_envelope, parse_envelopes
 from loom_kernel._errors import SchemaError
 from loom_kernel._events import (
     EVENT_SCHEMA,
@@ -25,6 +25,9 @@ from loom_kernel._events import (
     StepCompleted,
     StepFailed,
 )
+from loom_kernel._journal import Record
+
+STEP_KIND: Final = StepCompleted.KIND
 
 __all__ = [
     "RESUME_PAYLOAD",
@@ -34,6 +37,7 @@ __all__ = [
     "Status",
     "StepFrame",
     "fold",
+    "fold_records",
 ]
 
 #: The latest resume payload (kept for compatibility with pre-1.16 readers).
@@ -205,6 +209,36 @@ class ExecutionState:
         except Exception as exc:  # cattrs groups its structuring errors
             raise SchemaError(f"malformed snapshot: {exc!r}") from exc
         return state
+
+
+def fold_records(state: ExecutionState, records: list[Record], stream: str) -> None:
+    """Fold stored records into `state` in place: the same as decoding each and applying it.
+
+    A journal is mostly STEP_COMPLETED records; those written under the current schema
+    go straight from their parsed payload into a frame, with the same checks the
+    decoder makes, instead of through an event object. Everything else takes the
+    general path (decode_envelope, upcasters, apply).
+    """
+    envelopes = parse_envelopes(records, stream)
+    steps = state.steps
+    for record, envelope in zip(records, envelopes, strict=True):
+        if record[1] == STEP_KIND:
+            try:
+                if envelope["v"] == EVENT_SCHEMA:
+                    data = envelope["d"]
+                    index, name, attempts = data["index"], data["name"], data["attempts"]
+                    if (
+                        type(index) is int
+                        and type(name) is str
+                        and type(attempts) is int
+                        and len(data) == 4
+                    ):
+                        steps[index] = StepFrame(name, data["result"], None, attempts)
+                        state.position += 1
+                        continue
+            except (KeyError, TypeError):
+                pass  # the general path below names what is wrong
+        state.apply(decode_envelope(record, envelope, stream))
 
 
 def fold(events: Iterable[Event], start: ExecutionState | str) -> ExecutionState:

@@ -15,27 +15,32 @@ SCHEMA_VERSION: Final = 1
 
 
 def _create_v1(db: sqlite_utils.Database) -> None:
+    # One row per stream ever written: where its records start (floor) and whether
+    # it was deleted (then floor holds its final head). The head of a live stream is
+    # the largest position among its records, or the floor when none are left.
     db["loom_streams"].create(  # type: ignore[union-attr]
-        {"name": str, "head": int, "floor": int, "deleted": int},
+        {"name": str, "floor": int, "deleted": int},
         pk="name",
-        not_null={"name", "head", "floor", "deleted"},
+        not_null={"name", "floor", "deleted"},
         defaults={"floor": 0, "deleted": 0},
         strict=True,
         if_not_exists=True,
     )
-    db["loom_records"].create(  # type: ignore[union-attr]
-        {
-            "stream": str,
-            "position": int,
-            "kind": str,
-            "payload": bytes,
-            "timestamp": float,
-            "txn": str,
-        },
-        pk=("stream", "position"),
-        not_null={"stream", "position", "kind", "payload", "timestamp"},
-        strict=True,
-        if_not_exists=True,
+    # Records are clustered on (stream, position): WITHOUT ROWID keeps one b-tree
+    # instead of a table plus a primary-key index, so an append writes one b-tree.
+    # sqlite-utils cannot declare WITHOUT ROWID, so this table is plain SQL.
+    db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS loom_records (
+            stream TEXT NOT NULL,
+            position INTEGER NOT NULL,
+            kind TEXT NOT NULL,
+            payload BLOB NOT NULL,
+            timestamp REAL NOT NULL,
+            txn TEXT,
+            PRIMARY KEY (stream, position)
+        ) STRICT, WITHOUT ROWID
+        """
     )
 
 

@@ -1,0 +1,265 @@
+"""Loom on SQLite against raw sqlite3, DBOS and eventsourcing: ratios from one run.
+
+Run (the peers go in a throwaway environment, never in the project's):
+
+    python3 -m uv run --with dbos --with eventsourcing python bench/bench_sqlite.py
+
+Every store uses WAL and synchronous=FULL on a file in one temporary directory.
+Work: workflows of 10 steps, each returning a small dict; a 10,000-event history
+reloaded and replayed; resume latency from the resume call to the run parked at the
+next gate. A peer that is not installed is reported as such, not guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import os
+import sqlite3
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from loom_kernel import Context, Engine, flow, open_store
+
+STEPS = 10
+REPEAT = 5  # best of, where two sides cannot alternate
+ROUNDS = 9  # alternating rounds, where they can; the median ratio and the range are reported
+
+
+def _spread(ratios: list[float]) -> str:
+    return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
+def _timed(func: Callable[[], object]) -> float:
+    began = time.perf_counter()
+    func()
+    return time.perf_counter() - began
+
+
+class RawSqlite:
+    """The storage limit: one INSERT per transaction, WAL, synchronous=FULL."""
+
+    payload = b'{"v":"1.16.0","d":{"index":1,"name":"step","result":{"n":1,"ok":true}}}'
+
+    def __init__(self, path: str) -> None:
+        self.connection = sqlite3.connect(path, isolation_level=None)
+        self.connection.execute("PRAGMA journal_mode=WAL")
+        self.connection.execute("PRAGMA synchronous=FULL")
+        self.connection.execute(
+            "CREATE TABLE events "
+            "(stream TEXT, position INTEGER, payload BLOB, PRIMARY KEY (stream, position))"
+        )
+        self.position = 0
+
+    def commits(self, count: int) -> float:
+        """Seconds for `count` one-row transactions."""
+        began = time.perf_counter()
+        for _ in range(count):
+            self.position += 1
+            self.connection.execute("BEGIN IMMEDIATE")
+            self.connection.execute(
+                "INSERT INTO events VALUES ('s', ?, ?)", (self.position, self.payload)
+            )
+            self.connection.execute("COMMIT")
+        return time.perf_counter() - began
+
+
+@flow(name="ten_steps", version="1")
+def ten_steps(ctx: Context, number: int) -> int:
+    for index in range(STEPS):
+        ctx.step(f"step-{index}", lambda i=index: {"n": i, "ok": True})
+    return number
+
+
+@flow(name="empty", version="1")
+def empty(ctx: Context, number: int) -> int:
+    return number
+
+
+def loom_against_raw(directory: str, workflows: int) -> tuple[float, float, str, str]:
+    """Loom and raw sqlite3 in alternating rounds, so drift in the disk hits both alike.
+
+    Returns medians over the rounds of: Loom steps/s over whole workflows, seconds per
+    start of an empty workflow, a durable step's cost over a raw commit's, and the
+    start overhead over a raw commit's.
+    """
+    raw = RawSqlite(os.path.join(directory, "raw.db"))
+    store = open_store(f"sqlite://{directory}/loom.db")
+    engine = Engine(store, [ten_steps, empty])
+    rates, starts, step_ratios, start_ratios = [], [], [], []
+    for _ in range(ROUNDS):
+        commit = raw.commits(workflows * STEPS) / (workflows * STEPS)
+        whole = _timed(lambda: [engine.start("ten_steps", n) for n in range(workflows)])
+        start = _timed(lambda: [engine.start("empty", n) for n in range(workflows)]) / workflows
+        step = (whole / workflows - start) / STEPS
+        rates.append(workflows * STEPS / whole)
+        starts.append(start)
+        step_ratios.append(step / commit)
+        start_ratios.append(start / commit)
+    store.close()
+    median = statistics.median
+    return median(rates), median(starts), _spread(step_ratios), _spread(start_ratios)
+
+
+def dbos_steps_per_second(directory: str, workflows: int) -> tuple[float, float] | None:
+    try:
+        from dbos import DBOS, DBOSConfig
+    except ImportError:
+        return None
+    path = os.path.join(directory, "dbos.sqlite")
+    with sqlite3.connect(path) as connection:  # WAL first, for fairness
+        connection.execute("PRAGMA journal_mode=WAL")
+
+    @DBOS.step()
+    def step(index: int) -> dict[str, Any]:
+        return {"n": index, "ok": True}
+
+    @DBOS.workflow()
+    def workflow(number: int) -> int:
+        for index in range(STEPS):
+            step(index)
+        return number
+
+    @DBOS.workflow()
+    def empty_workflow(number: int) -> int:
+        return number
+
+    config: DBOSConfig = {"name": "loom-bench", "system_database_url": f"sqlite:///{path}"}
+    with contextlib.redirect_stdout(io.StringIO()):
+        DBOS(config=config)
+        DBOS.launch()
+    try:
+        elapsed = min(
+            _timed(lambda: [workflow(n) for n in range(workflows)]) for _ in range(REPEAT)
+        )
+        start = (
+            min(
+                _timed(lambda: [empty_workflow(n) for n in range(workflows)]) for _ in range(REPEAT)
+            )
+            / workflows
+        )
+    finally:
+        DBOS.destroy()
+    return workflows * STEPS / elapsed, start
+
+
+@flow(name="long", version="1")
+def long_run(ctx: Context, count: int) -> Any:
+    for index in range(count):
+        ctx.step(f"s{index}", lambda i=index: i)
+    while True:
+        ctx.suspend("next")
+
+
+def replay_against_eventsourcing(directory: str, events: int) -> str | None:
+    """Median over alternating rounds of eventsourcing's rebuild time over Loom's replay.
+
+    Loom: a cold resume (fresh engine, nothing cached) of a run with `events` recorded
+    steps: read, decode, fold, re-run the flow. eventsourcing: a fresh application
+    reconstructing an aggregate of `events` events from its SQLite store.
+    """
+    try:
+        from eventsourcing.application import Application
+        from eventsourcing.domain import Aggregate, event
+    except ImportError:
+        return None
+
+    class Counter(Aggregate):
+        def __init__(self) -> None:
+            self.total = 0
+
+        @event("Incremented")
+        def increment(self, n: int) -> None:
+            self.total += n
+
+    setup = open_store(f"sqlite://{directory}/replay.db?synchronous=off")
+    Engine(setup, [long_run]).start("long", events, key="long")
+    setup.close()
+    store = open_store(f"sqlite://{directory}/replay.db")
+
+    env = {"PERSISTENCE_MODULE": "eventsourcing.sqlite", "SQLITE_DBNAME": f"{directory}/es.db"}
+    writer: Application = Application(env=env)
+    counter = Counter()
+    for index in range(events - 1):
+        counter.increment(index)
+    writer.save(counter)
+
+    ratios = []
+    for _ in range(ROUNDS):
+        reader: Application = Application(env=env)  # fresh: nothing cached
+        theirs = _timed(partial(reader.repository.get, counter.id))
+        ours = _timed(lambda: Engine(store, [long_run]).resume("long", None))
+        ratios.append(theirs / ours)
+    store.close()
+    return _spread(ratios)
+
+
+def loom_resume_latency(directory: str, resumes: int) -> str:
+    """Median over rounds of (resume call to parked at the next gate) ÷ (a raw commit)."""
+
+    @flow(name="gates", version="1")
+    def gates(ctx: Context, _input: Any) -> None:
+        while True:
+            ctx.suspend("next")
+
+    raw = RawSqlite(os.path.join(directory, "raw-latency.db"))
+    store = open_store(f"sqlite://{directory}/resume.db")
+    engine = Engine(store, [gates])
+    ex = engine.start("gates")
+    ratios = []
+    for _ in range(ROUNDS):
+        commit = raw.commits(resumes) / resumes
+        resume = _timed(lambda: [engine.resume(ex.id, {"ok": True}) for _ in range(resumes)])
+        ratios.append(resume / resumes / commit)
+    store.close()
+    return _spread(ratios)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workflows", type=int, default=20)
+    parser.add_argument("--events", type=int, default=10_000)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="loom-bench-") as directory:
+        loom, loom_start, step_ratio, start_ratio = loom_against_raw(directory, args.workflows)
+        dbos = dbos_steps_per_second(directory, args.workflows)
+        replay = replay_against_eventsourcing(directory, args.events)
+        latency_ratio = loom_resume_latency(directory, 50)
+    print(
+        f"SQLite, WAL, synchronous=FULL; workflows of {STEPS} steps; "
+        f"median (range) of {ROUNDS} alternating rounds\n"
+    )
+    rows: list[tuple[str, str]] = [
+        ("Loom durable step ÷ raw sqlite3 commit (target ≤ 1.5)", step_ratio),
+        ("Loom workflow start ÷ raw sqlite3 commit", start_ratio),
+        ("Loom resume latency ÷ raw sqlite3 commit", latency_ratio),
+    ]
+    if dbos is None:
+        rows.append(("DBOS", "not installed: run with `--with dbos`"))
+    else:
+        dbos_rate, dbos_start = dbos
+        rows.append(("Loom steps/s ÷ DBOS steps/s (target ≥ 5)", f"{loom / dbos_rate:.2f}x"))
+        rows.append(
+            ("DBOS workflow start ÷ Loom workflow start", f"{dbos_start / loom_start:.2f}x")
+        )
+    if replay is None:
+        rows.append(("eventsourcing", "not installed: run with `--with eventsourcing`"))
+    else:
+        rows.append(
+            (
+                f"eventsourcing rebuild ÷ Loom replay, {args.events:,} events (target ≥ 10)",
+                replay,
+            )
+        )
+    width = max(len(label) for label, _ in rows)
+    for label, value in rows:
+        print(f"{label:<{width}}  {value:>20}")
+
+
+if __name__ == "__main__":
+    main()
