@@ -12,7 +12,7 @@ from loom_kernel._codec import (
     register_upcaster,
 )
 from loom_kernel._context import AsyncContext, Context
-from loom_kernel._engine import Engine, Execution, HistoryEntry
+from loom_kernel._engine import Engine, Execution, HistoryEntry, Listener
 from loom_kernel._errors import (
     CanonicalJSONError,
     ConflictError,
@@ -83,6 +83,7 @@ __all__ = [
     "InvalidArgumentError",
     "InvalidIdError",
     "JournalStore",
+    "Listener",
     "LoomError",
     "MemoryStore",
     "NewRecord",

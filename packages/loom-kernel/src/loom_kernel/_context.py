@@ -114,6 +114,20 @@ class _Replay:
         """The execution's input."""
         return self._state.input
 
+    @property
+    def engine(self) -> Engine:
+        """The engine driving this run (to start other executions from a step)."""
+        return self._engine
+
+    @property
+    def position(self) -> int:
+        """The index the next step will take: a deterministic position in the run.
+
+        The same code path reaches the same position on every re-run, so ids derived
+        from it (a child's id, say) are the same after a crash.
+        """
+        return self._step_index
+
     def _abort(self, error: LoomError) -> Unwind:
         return Unwind(error)
 

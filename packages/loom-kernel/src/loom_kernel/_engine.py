@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -10,6 +11,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from importlib.metadata import entry_points
 from typing import Any, Final
 
 import attrs
@@ -43,7 +45,9 @@ from loom_kernel._journal import JournalStore, NewRecord
 from loom_kernel._state import ExecutionState, Status, fold_records
 from loom_kernel._timers import TimerIndex
 
-__all__ = ["Engine", "Execution", "HistoryEntry"]
+__all__ = ["Engine", "Execution", "HistoryEntry", "Listener"]
+
+Listener = Callable[["Engine", "Execution"], None]
 
 EXECUTION_PREFIX: Final = "ex/"
 SNAPSHOT_PREFIX: Final = "snap/"
@@ -112,6 +116,18 @@ class HistoryEntry:
     event: Event
 
 
+LISTENER_GROUP: Final = "loom.listeners"
+_installed: list[Listener] | None = None
+
+
+def installed_listeners() -> list[Listener]:
+    """The listeners published in the `loom.listeners` entry-point group (loaded once)."""
+    global _installed  # noqa: PLW0603 - a process-wide cache of installed plugins
+    if _installed is None:
+        _installed = [ep.load() for ep in entry_points(group=LISTENER_GROUP)]
+    return list(_installed)
+
+
 def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
     """Run an async flow to its end, in this thread or, under a running loop, in a helper."""
     try:
@@ -136,6 +152,9 @@ class Engine:
         sleep: waits between step retries; inject a no-op in tests.
         retry: the default step retry policy.
         cache_size: how many folded executions to keep in memory.
+        listeners: called when a run parks or ends (see `add_listener`); by default,
+            every listener installed in the `loom.listeners` entry-point group (so
+            installing loom-orchestration makes every engine deliver child outcomes).
     """
 
     def __init__(
@@ -147,6 +166,7 @@ class Engine:
         sleep: Callable[[float], None] = time.sleep,
         retry: RetryPolicy | None = None,
         cache_size: int = 1024,
+        listeners: Iterable[Listener] | None = None,
     ) -> None:
         self.store = store
         self.clock = clock
@@ -158,8 +178,36 @@ class Engine:
         self._cache_size = cache_size
         self._cache_lock = threading.Lock()
         self._locks = [threading.RLock() for _ in range(_LOCK_STRIPES)]
+        self._listeners: list[Listener] = []
+        for listener in installed_listeners() if listeners is None else listeners:
+            self.add_listener(listener)
         for item in flows:
             self.register(item)
+
+    def add_listener(self, listener: Listener) -> None:
+        """Call `listener(engine, execution)` whenever a run parks or ends here.
+
+        Listeners run after the journal append that parked or ended the run, outside
+        the engine's per-execution locks, and `recover()` calls them again for every
+        parked or ended run, so a listener that a crash cut short gets another chance:
+        write listeners to be idempotent. A LoomError a listener raises is swallowed
+        (the next recover retries it); any other error propagates.
+        """
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def _settled(self, execution: Execution) -> Execution:
+        """Tell the listeners about a run that parked or ended; return its view after them
+        (a listener may have moved it on, by resuming it, say)."""
+        if execution.status is Status.RUNNING or not self._listeners:
+            return execution
+        for listener in self._listeners:
+            with contextlib.suppress(LoomError):
+                listener(self, execution)
+        try:
+            return self.get(execution.id)
+        except LoomError:
+            return execution
 
     # -- registration and ids -------------------------------------------------
 
@@ -329,7 +377,8 @@ class Engine:
             state.apply(event)
             self._remember(state)
             self._drive_quietly(state)
-            return Execution.of(state)
+            execution = Execution.of(state)
+        return self._settled(execution)
 
     def resume(
         self,
@@ -394,7 +443,8 @@ class Engine:
                 self._forget(execution_id)
                 raise
             self._drive_quietly(state)
-            return Execution.of(state)
+            execution = Execution.of(state)
+        return self._settled(execution)
 
     def cancel(self, execution_id: str, reason: str | None = None) -> Execution:
         """End a run: it never starts another step. Cancelling a finished run changes nothing."""
@@ -408,7 +458,8 @@ class Engine:
                 except ConflictError:
                     self._forget(execution_id)
                     continue
-                return Execution.of(state)
+                break
+        return self._settled(Execution.of(state))
 
     def get(self, execution_id: str) -> Execution:
         """The execution's current view.
@@ -453,20 +504,24 @@ class Engine:
             after = names[-1]
 
     def recover(self) -> list[str]:
-        """Drive every run left running (by a crash, or a process that stopped mid-run).
+        """Drive every run left running (by a crash, or a process that stopped mid-run),
+        and call the listeners again for every parked or ended run.
 
         Returns:
             The ids of the executions it drove.
         """
         driven = []
         for view in list(self.executions()):
-            if view.status is not Status.RUNNING or view.flow not in self._flows:
-                continue
-            with self._lock(view.id):
-                state = self._load(view.id)
-                if state.status is Status.RUNNING:
-                    self._drive_quietly(state)
-                    driven.append(view.id)
+            execution = view
+            if view.status is Status.RUNNING and view.flow in self._flows:
+                with self._lock(view.id):
+                    state = self._load(view.id)
+                    if state.status is Status.RUNNING:
+                        self._drive_quietly(state)
+                        driven.append(view.id)
+                    execution = Execution.of(state)
+            if self._listeners:
+                self._settled(execution)
         return driven
 
     def fire_due_timers(self) -> list[str]:

@@ -1,7 +1,30 @@
-"""Loom orchestration: await_child and supervise_children.
+"""Loom orchestration: child executions and supervisors, built from kernel machinery.
 
-Not built yet: this distribution exports nothing until its issue lands
-("Orchestration"). See the project's docs/index.md for what is available today.
+from loom_orchestration import await_child, start_child
+
+@flow
+def order(ctx, order):
+    receipt = await_child(ctx, payment, {"amount": order["total"]})  # parks until it ends
+    start_child(ctx, shipping, order)                                # fire and forget
+    return receipt
 """
 
-__all__: list[str] = []
+from loom_orchestration._children import (
+    ChildCancelledError,
+    ChildFailedError,
+    await_any,
+    await_child,
+    await_children,
+    install,
+    start_child,
+)
+
+__all__ = [
+    "ChildCancelledError",
+    "ChildFailedError",
+    "await_any",
+    "await_child",
+    "await_children",
+    "install",
+    "start_child",
+]

@@ -1,0 +1,246 @@
+"""Child executions: start_child, await_child, await_children, await_any.
+
+Built only from kernel machinery: a step starts the child (an idempotent start by a
+deterministic id), a gate parks the parent, and a dedupe-keyed resume wakes it.
+
+The wake-up protocol. Parent and child each write their own fact, then look at the
+other's: the parent journals its park at gate `child:<id>` and then checks whether
+the child has ended; the child journals its end and then checks whether the parent
+is parked at a gate naming it. Whichever looks second sees both facts, so at least
+one of them delivers the outcome. The delivery is a resume with dedupe key and gate
+name both equal to the gate's name, so a second delivery is a no-op and a delivery
+can never feed any other gate. A crash between a write and its check is covered by
+`Engine.recover()`, which runs the same checks for every parked or ended run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Final, Literal
+
+from loom_kernel import (
+    ConflictError,
+    Context,
+    Engine,
+    Execution,
+    ExecutionNotFoundError,
+    Flow,
+    InvalidArgumentError,
+    LoomError,
+    NotSuspendedError,
+    Status,
+)
+
+__all__ = [
+    "ChildCancelledError",
+    "ChildFailedError",
+    "await_any",
+    "await_child",
+    "await_children",
+    "install",
+    "start_child",
+]
+
+START_STEP: Final = "loom.child.start"
+_ONE: Final = "child:"
+_ANY: Final = "any:"
+OnParentClose = Literal["abandon", "cancel"]
+
+
+class ChildFailedError(LoomError):
+    """The awaited child failed; raised in the parent, which may catch it.
+
+    Attributes:
+        child_id: the child execution.
+        error_type: the qualified type name of the child's uncaught error.
+        error_message: its message.
+    """
+
+    def __init__(self, child_id: str, error_type: str, error_message: str) -> None:
+        self.child_id = child_id
+        self.error_type = error_type
+        self.error_message = error_message
+        super().__init__(f"child {child_id!r} failed: {error_type}: {error_message}")
+
+
+class ChildCancelledError(LoomError):
+    """The awaited child was cancelled; raised in the parent, which may catch it."""
+
+    def __init__(self, child_id: str, reason: str | None) -> None:
+        self.child_id = child_id
+        self.reason = reason
+        super().__init__(f"child {child_id!r} was cancelled" + (f": {reason}" if reason else ""))
+
+
+def install(engine: Engine) -> None:
+    """Let `engine` deliver child outcomes (idempotent).
+
+    Engines load this by themselves through the `loom.listeners` entry point when
+    loom-orchestration is installed; call it for an engine built with an explicit
+    `listeners=` list.
+    """
+    engine.add_listener(settle)
+
+
+def _outcome(child: Execution, state_reason: str | None = None) -> dict[str, Any]:
+    error = (
+        None if child.error is None else {"type": child.error.type, "message": child.error.message}
+    )
+    return {
+        "id": child.id,
+        "status": str(child.status),
+        "result": child.result,
+        "error": error,
+        "reason": state_reason,
+    }
+
+
+def _children_of_gate(gate: str | None) -> list[str]:
+    if gate is None:
+        return []
+    if gate.startswith(_ONE):
+        return [gate.removeprefix(_ONE)]
+    if gate.startswith(_ANY):
+        return gate.removeprefix(_ANY).split("|")
+    return []
+
+
+def _deliver(engine: Engine, parent_id: str, gate: str, child: Execution) -> None:
+    reason = engine.state(child.id).cancel_reason if child.status is Status.CANCELLED else None
+    with contextlib.suppress(ConflictError, NotSuspendedError):
+        # key: a re-delivery is a no-op; on: it can only ever feed this very gate.
+        engine.resume(parent_id, _outcome(child, reason), key=gate, on=gate)
+
+
+def settle(engine: Engine, execution: Execution) -> None:
+    """The listener: the checks each side makes after writing its own fact."""
+    if execution.status is Status.SUSPENDED:
+        gate = execution.waiting_on
+        for child_id in _children_of_gate(gate):
+            try:
+                child = engine.get(child_id)
+            except ExecutionNotFoundError:
+                continue
+            if child.status.finished:
+                assert gate is not None
+                _deliver(engine, execution.id, gate, child)
+                return
+        return
+    if not execution.status.finished:
+        return
+    if execution.parent is not None:
+        try:
+            parent = engine.get(execution.parent)
+        except ExecutionNotFoundError:
+            parent = None
+        if parent is not None and execution.id in _children_of_gate(parent.waiting_on):
+            assert parent.waiting_on is not None
+            _deliver(engine, parent.id, parent.waiting_on, execution)
+    _close_children(engine, execution)
+
+
+def _close_children(engine: Engine, parent: Execution) -> None:
+    """Cancel the children the parent started with on_parent_close="cancel"."""
+    for frame in engine.state(parent.id).steps.values():
+        if frame.name != START_STEP or not isinstance(frame.result, dict):
+            continue
+        if frame.result.get("on_parent_close") == "cancel":
+            with contextlib.suppress(ExecutionNotFoundError):
+                engine.cancel(frame.result["id"], f"parent {parent.id!r} ended")
+
+
+def start_child(
+    ctx: Context,
+    flow: str | Flow,
+    input: Any = None,
+    *,
+    on_parent_close: OnParentClose = "abandon",
+) -> str:
+    """Start a child execution and return its id, without waiting for it.
+
+    The id is `<parent id>/c<position>`, fixed by the call's position in the parent,
+    so a parent replayed after a crash finds the same child instead of starting a
+    second. The child runs inline until it first parks or ends, and survives its
+    parent unless `on_parent_close="cancel"`.
+    """
+    if on_parent_close not in ("abandon", "cancel"):
+        raise InvalidArgumentError(
+            f"on_parent_close is 'abandon' or 'cancel', not {on_parent_close!r}"
+        )
+    engine = ctx.engine
+    install(engine)
+    flow_name = flow.name if isinstance(flow, Flow) else flow
+    child_id = f"{ctx.execution_id}/c{ctx.position}"
+
+    def start() -> dict[str, Any]:
+        engine.start(flow_name, input, key=child_id, parent=ctx.execution_id)
+        return {"id": child_id, "flow": flow_name, "on_parent_close": on_parent_close}
+
+    started: dict[str, Any] = ctx.step(START_STEP, start)
+    return str(started["id"])
+
+
+def _unwrap(outcome: dict[str, Any]) -> Any:
+    status = outcome["status"]
+    if status == Status.COMPLETED:
+        return outcome["result"]
+    if status == Status.FAILED:
+        error = outcome["error"] or {"type": "unknown", "message": ""}
+        raise ChildFailedError(outcome["id"], error["type"], error["message"])
+    raise ChildCancelledError(outcome["id"], outcome.get("reason"))
+
+
+def await_child(
+    ctx: Context,
+    flow: str | Flow,
+    input: Any = None,
+    *,
+    on_parent_close: OnParentClose = "abandon",
+) -> Any:
+    """Start a child and park the parent until it ends; return its result.
+
+    Raises:
+        ChildFailedError: the child failed (carries its error's type and message).
+        ChildCancelledError: the child was cancelled.
+    """
+    child_id = start_child(ctx, flow, input, on_parent_close=on_parent_close)
+    return _unwrap(ctx.suspend(_ONE + child_id))
+
+
+def await_children(
+    ctx: Context,
+    children: Sequence[tuple[str | Flow, Any]],
+    *,
+    on_parent_close: OnParentClose = "abandon",
+) -> list[Any]:
+    """Start every (flow, input) child, then wait for all; results in the given order.
+
+    Raises:
+        ChildFailedError, ChildCancelledError: for the first child, in order, that did
+            not complete (after every child has ended).
+    """
+    ids = [start_child(ctx, flow, data, on_parent_close=on_parent_close) for flow, data in children]
+    outcomes = [ctx.suspend(_ONE + child_id) for child_id in ids]
+    return [_unwrap(outcome) for outcome in outcomes]
+
+
+def await_any(
+    ctx: Context,
+    children: Sequence[tuple[str | Flow, Any]],
+    *,
+    on_parent_close: OnParentClose = "abandon",
+) -> tuple[str, Any]:
+    """Start every (flow, input) child and wait for the first to end.
+
+    Returns:
+        (the id of the first child to end, its result). The others keep running.
+
+    Raises:
+        ChildFailedError, ChildCancelledError: the first child to end did not complete.
+    """
+    if not children:
+        raise InvalidArgumentError("await_any needs at least one child")
+    ids = [start_child(ctx, flow, data, on_parent_close=on_parent_close) for flow, data in children]
+    outcome = ctx.suspend(_ANY + "|".join(ids))
+    return str(outcome["id"]), _unwrap(outcome)

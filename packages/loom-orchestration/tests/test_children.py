@@ -1,0 +1,279 @@
+"""await_child and friends: results, failures, fan-out, and every wake-up interleaving."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from loom_kernel import Context, Engine, Execution, JournalStore, MemoryStore, Status, flow
+from loom_kernel.testing import FakeClock
+from loom_orchestration import (
+    ChildCancelledError,
+    ChildFailedError,
+    await_any,
+    await_child,
+    await_children,
+    start_child,
+)
+from loom_orchestration import _children as children_module
+
+
+@flow
+def double(ctx: Context, value: int) -> int:
+    return ctx.step("double", lambda: value * 2)  # type: ignore[no-any-return]
+
+
+@flow
+def approval(ctx: Context, request: Any) -> Any:
+    decision = ctx.suspend("decide")
+    return {"request": request, "decision": decision}
+
+
+@flow
+def broken(ctx: Context, _input: Any) -> Any:
+    raise ValueError("card declined")
+
+
+@flow
+def parent(ctx: Context, value: int) -> Any:
+    return {"child": await_child(ctx, double, value), "after": ctx.step("after", lambda: "ok")}
+
+
+@flow
+def asks_for_approval(ctx: Context, request: Any) -> Any:
+    return await_child(ctx, approval, request)
+
+
+@flow
+def tolerant(ctx: Context, _input: Any) -> Any:
+    try:
+        await_child(ctx, broken, None)
+    except ChildFailedError as exc:
+        return {"caught": exc.error_type, "message": exc.error_message}
+    return "unreachable"
+
+
+@flow
+def cancel_tolerant(ctx: Context, _input: Any) -> Any:
+    try:
+        await_child(ctx, approval, "x")
+    except ChildCancelledError as exc:
+        return {"cancelled": exc.child_id, "reason": exc.reason}
+    return "unreachable"
+
+
+FLOWS = [double, approval, broken, parent, asks_for_approval, tolerant, cancel_tolerant]
+
+
+def _engine(store: JournalStore | None = None) -> Engine:
+    return Engine(store or MemoryStore(), FLOWS, clock=FakeClock())
+
+
+class DeferringEngine(Engine):
+    """Queues each 'parked or ended' check instead of running it, while `deferring`."""
+
+    def __init__(self, immediate: list[bool]) -> None:
+        super().__init__(MemoryStore(), FLOWS, clock=FakeClock())
+        self.deferring = True
+        self.immediate = immediate  # per check, in order: run it now, as a live process would
+        self.pending: list[Execution] = []
+
+    def _settled(self, execution: Execution) -> Execution:
+        if self.deferring and not (self.immediate and self.immediate.pop(0)):
+            self.pending.append(execution)
+            return execution
+        return super()._settled(execution)
+
+
+def _resumes(engine: Engine, execution_id: str) -> list[Any]:
+    return engine.state(execution_id).resume_payloads
+
+
+def test_child_that_ends_inline_wakes_the_parent() -> None:
+    engine = _engine()
+    done = engine.start("parent", 21, key="p")
+    assert done.status is Status.COMPLETED
+    assert done.result == {"child": 42, "after": "ok"}
+    assert engine.get("p/c0").parent == "p"
+    assert len(_resumes(engine, "p")) == 1
+
+
+def test_parent_waits_for_a_child_at_a_human_gate() -> None:
+    engine = _engine()
+    waiting = engine.start("asks_for_approval", {"amount": 5}, key="req")
+    assert waiting.waiting_on == "child:req/c0"
+    assert engine.get("req/c0").waiting_on == "decide"
+    fresh = _engine(engine.store)  # another process resumes the child
+    fresh.resume("req/c0", "yes")
+    done = engine.get("req")
+    assert done.status is Status.COMPLETED
+    assert done.result == {"request": {"amount": 5}, "decision": "yes"}
+
+
+def test_child_failure_and_cancellation_reach_the_parent() -> None:
+    engine = _engine()
+    assert engine.start("tolerant", key="t").result == {
+        "caught": "ValueError",
+        "message": "card declined",
+    }
+    engine.start("cancel_tolerant", key="ct")
+    engine.cancel("ct/c0", "no longer needed")
+    assert engine.get("ct").result == {"cancelled": "ct/c0", "reason": "no longer needed"}
+
+
+def test_a_replayed_parent_finds_the_same_child() -> None:
+    engine = _engine()
+    engine.start("asks_for_approval", "r", key="rp")
+    for _ in range(3):
+        _engine(engine.store).recover()
+    assert [e.id for e in engine.executions()] == ["rp", "rp/c0"]
+
+
+def test_the_child_survives_its_parent_and_can_still_be_resumed() -> None:
+    @flow
+    def fire_and_forget(ctx: Context, _input: Any) -> str:
+        return start_child(ctx, approval, "later")
+
+    engine = _engine()
+    engine.register(fire_and_forget)
+    done = engine.start("fire_and_forget", key="ff")
+    assert done.status is Status.COMPLETED
+    child = engine.get(done.result)
+    assert child.status is Status.SUSPENDED
+    assert engine.resume(child.id, "approved").result == {
+        "request": "later",
+        "decision": "approved",
+    }
+
+
+def test_on_parent_close_cancel_cancels_the_children() -> None:
+    @flow
+    def strict_parent(ctx: Context, _input: Any) -> str:
+        return start_child(ctx, approval, "x", on_parent_close="cancel")
+
+    engine = _engine()
+    engine.register(strict_parent)
+    done = engine.start("strict_parent", key="sp")
+    assert engine.get(done.result).status is Status.CANCELLED
+
+
+def test_await_children_and_await_any() -> None:
+    @flow
+    def fan_out(ctx: Context, _input: Any) -> Any:
+        everyone = await_children(ctx, [(double, 1), (double, 2), (double, 3)])
+        first = await_any(ctx, [(approval, "a"), (approval, "b")])
+        return {"all": everyone, "first": first}
+
+    engine = _engine()
+    engine.register(fan_out)
+    waiting = engine.start("fan_out", key="fo")
+    assert waiting.waiting_on == "any:fo/c3|fo/c4"
+    engine.resume("fo/c4", "b wins")
+    engine.resume("fo/c3", "a too late")
+    done = engine.get("fo")
+    assert done.result == {
+        "all": [2, 4, 6],
+        "first": ["fo/c4", {"request": "b", "decision": "b wins"}],
+    }
+    assert len(_resumes(engine, "fo")) == 4  # three children, then one for the any-gate
+
+
+# -- interleavings ---------------------------------------------------------------
+#
+# Listeners are deferred into a queue; a hypothesis-chosen schedule then interleaves
+# the two sides' actions (start the parent, finish the child) with the checks each
+# side makes afterwards, in any order, delivered twice, or lost to a crash.
+
+Op = tuple[str, int]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    gated_child=st.booleans(),
+    immediate=st.lists(st.booleans(), max_size=6),
+    schedule=st.lists(
+        st.tuples(st.sampled_from(["act", "check", "repeat", "crash"]), st.integers(0, 5)),
+        max_size=14,
+    ),
+)
+def test_every_interleaving_wakes_the_parent_exactly_once(
+    gated_child: bool, immediate: list[bool], schedule: list[Op]
+) -> None:
+    engine = DeferringEngine(immediate)
+    pending = engine.pending
+    done_checks: list[Execution] = []
+
+    flow_name = "asks_for_approval" if gated_child else "parent"
+    actions: list[Callable[[], Execution]] = [lambda: engine.start(flow_name, 4, key="P")]
+    if gated_child:
+        actions.append(lambda: engine.resume("P/c0", "approved"))
+    crashed = False
+    for op, pick in schedule:
+        if op == "act" and actions:
+            actions.pop(0)()
+        elif op == "check" and pending:
+            execution = pending.pop(pick % len(pending))
+            children_module.settle(engine, execution)
+            done_checks.append(execution)
+        elif op == "repeat" and done_checks:  # a notifier that crashed and re-delivers
+            children_module.settle(engine, done_checks[pick % len(done_checks)])
+        elif op == "crash" and pending:  # the process died before this check ran
+            pending.pop(pick % len(pending))
+            crashed = True
+    for action in actions:
+        action()
+    if not crashed:
+        while pending:  # everyone still gets to make their checks, in order
+            children_module.settle(engine, pending.pop(0))
+        assert engine.get("P").status is Status.COMPLETED, "a wake-up was lost without a crash"
+    else:
+        pending.clear()
+        engine.deferring = False  # the recovering process runs the real listeners
+        engine.recover()
+    parent_view = engine.get("P")
+    assert parent_view.status is Status.COMPLETED
+    expected = (
+        {"request": 4, "decision": "approved"} if gated_child else {"child": 8, "after": "ok"}
+    )
+    assert parent_view.result == expected
+    gate_resumes = [
+        p for p in _resumes(engine, "P") if isinstance(p, dict) and p.get("id") == "P/c0"
+    ]
+    assert len(gate_resumes) == 1, "the parent was woken exactly once"
+    assert [e.id for e in engine.executions()] == ["P", "P/c0"], "exactly one child"
+
+
+def test_redelivered_notice_never_feeds_a_later_gate() -> None:
+    @flow
+    def two_children(ctx: Context, _input: Any) -> Any:
+        first = await_child(ctx, approval, 1)
+        second = await_child(ctx, approval, 2)
+        return [first["decision"], second["decision"]]
+
+    engine = _engine()
+    engine.register(two_children)
+    engine.start("two_children", key="tc")
+    engine.resume("tc/c0", "one")
+    first_child = engine.get("tc/c0")
+    for _ in range(
+        3
+    ):  # the first child's notice arrives again while the parent waits on the second
+        children_module.settle(engine, first_child)
+    assert engine.get("tc").waiting_on == "child:tc/c1"
+    engine.resume("tc/c1", "two")
+    assert engine.get("tc").result == ["one", "two"]
+
+
+def test_start_child_refuses_a_bad_option() -> None:
+    @flow
+    def bad(ctx: Context, _input: Any) -> Any:
+        return start_child(ctx, double, 1, on_parent_close="maybe")  # type: ignore[arg-type]
+
+    engine = _engine()
+    engine.register(bad)
+    assert engine.start("bad").status is Status.FAILED
+    with pytest.raises(AssertionError):
+        assert engine.start("bad").status is Status.COMPLETED
