@@ -18,13 +18,27 @@ from loom_orchestration._children import (
     install,
     start_child,
 )
+from loom_orchestration._supervisor import (
+    ChildSpec,
+    ChildView,
+    SupervisorEscalationError,
+    format_supervision,
+    supervise_children,
+    supervision,
+)
 
 __all__ = [
     "ChildCancelledError",
     "ChildFailedError",
+    "ChildSpec",
+    "ChildView",
+    "SupervisorEscalationError",
     "await_any",
     "await_child",
     "await_children",
+    "format_supervision",
     "install",
     "start_child",
+    "supervise_children",
+    "supervision",
 ]

@@ -168,10 +168,20 @@ def start_child(
         raise InvalidArgumentError(
             f"on_parent_close is 'abandon' or 'cancel', not {on_parent_close!r}"
         )
+    return start_child_as(ctx, f"{ctx.execution_id}/c{ctx.position}", flow, input, on_parent_close)
+
+
+def start_child_as(
+    ctx: Context,
+    child_id: str,
+    flow: str | Flow,
+    input: Any,
+    on_parent_close: OnParentClose,
+) -> str:
+    """start_child with an id the caller derived deterministically (a supervisor's `name@n`)."""
     engine = ctx.engine
     install(engine)
     flow_name = flow.name if isinstance(flow, Flow) else flow
-    child_id = f"{ctx.execution_id}/c{ctx.position}"
 
     def start() -> dict[str, Any]:
         engine.start(flow_name, input, key=child_id, parent=ctx.execution_id)
@@ -179,6 +189,16 @@ def start_child(
 
     started: dict[str, Any] = ctx.step(START_STEP, start)
     return str(started["id"])
+
+
+def wait_any(ctx: Context, child_ids: Sequence[str]) -> dict[str, Any]:
+    """Park until the first of these existing children ends; return its outcome record
+    (id, status, result, error, reason) without raising."""
+    if len(child_ids) == 1:
+        outcome: dict[str, Any] = ctx.suspend(_ONE + child_ids[0])
+    else:
+        outcome = ctx.suspend(_ANY + "|".join(child_ids))
+    return outcome
 
 
 def _unwrap(outcome: dict[str, Any]) -> Any:

@@ -1,0 +1,223 @@
+"""supervise_children: an OTP-style supervisor, written as a flow over child executions."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Final, Literal
+
+import attrs
+from loom_kernel import (
+    Context,
+    Engine,
+    ExecutionNotFoundError,
+    Flow,
+    InvalidArgumentError,
+    LoomError,
+    Status,
+)
+
+from loom_orchestration._children import start_child_as, wait_any
+
+__all__ = [
+    "ChildSpec",
+    "ChildView",
+    "SupervisorEscalationError",
+    "format_supervision",
+    "supervise_children",
+    "supervision",
+]
+
+Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
+Restart = Literal["permanent", "transient", "temporary"]
+_NAME: Final = re.compile(r"[A-Za-z0-9_.~:+=-]{1,60}")
+_CANCEL_STEP: Final = "loom.supervisor.cancel"
+
+
+@attrs.frozen
+class ChildSpec:
+    """One supervised child.
+
+    Attributes:
+        name: unique among the supervisor's children; its executions are
+            `<supervisor id>/<name>@<attempt>`.
+        flow: the child's flow (name or Flow).
+        input: the child's input.
+        restart: `permanent` (always restarted), `transient` (restarted only after it
+            failed) or `temporary` (never restarted).
+    """
+
+    name: str
+    flow: str | Flow
+    input: Any = None
+    restart: Restart = "permanent"
+
+
+class SupervisorEscalationError(LoomError):
+    """The restart intensity was exceeded: the supervisor gives up and fails, so its own
+    parent (if any) sees it fail."""
+
+
+def _flow_name(flow: str | Flow) -> str:
+    return flow.name if isinstance(flow, Flow) else flow
+
+
+def _check(specs: Sequence[ChildSpec], strategy: str, intensity: int, period: float) -> None:
+    if strategy not in ("one_for_one", "one_for_all", "rest_for_one"):
+        raise InvalidArgumentError(f"unknown strategy {strategy!r}")
+    if intensity < 0 or period <= 0:
+        raise InvalidArgumentError("intensity must be >= 0 and period > 0")
+    names = [spec.name for spec in specs]
+    if len(set(names)) != len(names):
+        raise InvalidArgumentError(f"child names must be unique: {names}")
+    for spec in specs:
+        if _NAME.fullmatch(spec.name) is None:
+            raise InvalidArgumentError(f"invalid child name {spec.name!r}")
+        if spec.restart not in ("permanent", "transient", "temporary"):
+            raise InvalidArgumentError(f"unknown restart type {spec.restart!r}")
+
+
+def _needs_restart(spec: ChildSpec, status: str) -> bool:
+    if spec.restart == "permanent":
+        return True
+    return spec.restart == "transient" and status == Status.FAILED
+
+
+def supervise_children(
+    ctx: Context,
+    specs: Sequence[ChildSpec],
+    *,
+    strategy: Strategy = "one_for_one",
+    intensity: int = 3,
+    period: float = 5.0,
+) -> dict[str, Any]:
+    """Run `specs` as children and restart them as OTP's supervisors do. Call it in a flow.
+
+    - one_for_one: only the child that ended is restarted;
+    - one_for_all: every running child is cancelled and all are restarted;
+    - rest_for_one: the children after it (in `specs` order) are cancelled and
+      restarted with it.
+
+    More than `intensity` restarts within `period` seconds (by the journaled clock,
+    `ctx.now()`) makes the supervisor cancel its children and fail with
+    SupervisorEscalationError. Every child is started with on_parent_close="cancel",
+    so the supervisor's end ends them too.
+
+    Returns:
+        When no child is left running: {name: {"id", "status", "attempts"}} of the last
+        execution of each child.
+    """
+    _check(specs, strategy, intensity, period)
+    order = {spec.name: position for position, spec in enumerate(specs)}
+    attempts = dict.fromkeys(order, 0)
+    running: dict[str, str] = {}
+    last: dict[str, dict[str, Any]] = {}
+    restarts: list[float] = []
+
+    def launch(spec: ChildSpec) -> None:
+        child_id = f"{ctx.execution_id}/{spec.name}@{attempts[spec.name]}"
+        running[spec.name] = start_child_as(ctx, child_id, spec.flow, spec.input, "cancel")
+
+    def stop(name: str) -> None:
+        child_id = running.pop(name)
+        ctx.step(
+            _CANCEL_STEP, lambda: ctx.engine.cancel(child_id, "restarted by its supervisor").id
+        )
+
+    for spec in specs:
+        launch(spec)
+    while running:
+        outcome = wait_any(ctx, [running[spec.name] for spec in specs if spec.name in running])
+        name = str(outcome["id"]).rsplit("/", 1)[1].rsplit("@", 1)[0]
+        running.pop(name, None)
+        last[name] = {"id": outcome["id"], "status": outcome["status"], "error": outcome["error"]}
+        spec = specs[order[name]]
+        if not _needs_restart(spec, outcome["status"]):
+            continue
+        now: float = ctx.now()
+        restarts = [moment for moment in restarts if now - moment < period] + [now]
+        if len(restarts) > intensity:
+            for other in list(running):
+                stop(other)
+            error = outcome["error"] or {}
+            raise SupervisorEscalationError(
+                f"restart intensity exceeded: {len(restarts)} restarts within {period}s "
+                f"(at most {intensity}); last: child {name!r} {outcome['status']}"
+                + (f" with {error.get('type')}: {error.get('message')}" if error else "")
+            )
+        if strategy == "one_for_one":
+            group = [spec]
+        elif strategy == "one_for_all":
+            group = [s for s in specs if s.name in running or s.name == name]
+        else:
+            group = [s for s in specs[order[name] :] if s.name in running or s.name == name]
+        for member in group:
+            if member.name in running:
+                stop(member.name)
+        for member in group:
+            attempts[member.name] += 1
+            launch(member)
+    return {name: {**view, "attempts": attempts[name] + 1} for name, view in sorted(last.items())}
+
+
+@attrs.frozen
+class ChildView:
+    """A supervised child as its journals show it."""
+
+    name: str
+    id: str
+    flow: str
+    status: Status
+    restarts: int
+    last_error: str | None
+
+
+def supervision(engine: Engine, supervisor_id: str) -> list[ChildView]:
+    """The supervisor's view of its children, projected from the children's journals.
+
+    Returns:
+        One ChildView per child name: its latest execution, how often it was
+        restarted, and the last error any of its executions ended with.
+    """
+    prefix = engine.stream_of(supervisor_id) + "/"
+    latest: dict[str, tuple[int, str]] = {}
+    errors: dict[str, tuple[int, str]] = {}
+    after: str | None = None
+    while names := engine.store.streams(prefix, after, 500):
+        for stream in names:
+            tail = stream.removeprefix(prefix)
+            if "/" in tail or "@" not in tail:
+                continue  # a grandchild, or a child started without supervision
+            name, _, attempt_text = tail.rpartition("@")
+            if not attempt_text.isdigit():
+                continue
+            attempt = int(attempt_text)
+            child_id = stream.removeprefix("ex/")
+            if attempt >= latest.get(name, (-1, ""))[0]:
+                latest[name] = (attempt, child_id)
+            try:
+                child = engine.get(child_id)
+            except ExecutionNotFoundError:
+                continue
+            if child.error is not None and attempt >= errors.get(name, (-1, ""))[0]:
+                errors[name] = (attempt, f"{child.error.type}: {child.error.message}")
+        after = names[-1]
+    views = []
+    for name, (attempt, child_id) in sorted(latest.items()):
+        child = engine.get(child_id)
+        views.append(
+            ChildView(
+                name, child_id, child.flow, child.status, attempt, errors.get(name, (0, None))[1]
+            )
+        )
+    return views
+
+
+def format_supervision(views: Sequence[ChildView]) -> str:
+    """A table of `supervision(...)` for people."""
+    header = f"{'child':<16} {'status':<10} {'restarts':>8}  {'flow':<16} last error"
+    rows = [
+        f"{v.name:<16} {v.status.value:<10} {v.restarts:>8}  {v.flow:<16} {v.last_error or '-'}"
+        for v in views
+    ]
+    return "\n".join([header, *rows])

@@ -1,0 +1,199 @@
+"""supervise_children: strategies, restart types, intensity on a virtual clock, the projection."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loom_kernel import Context, Engine, MemoryStore, Status, flow
+from loom_kernel.testing import FakeClock
+from loom_orchestration import (
+    ChildFailedError,
+    ChildSpec,
+    await_child,
+    format_supervision,
+    supervise_children,
+    supervision,
+)
+
+
+@flow
+def worker(ctx: Context, _input: Any) -> Any:
+    order = ctx.suspend("work")
+    if order == "fail":
+        raise RuntimeError("worker crashed")
+    return order
+
+
+def _supervisor(specs: list[ChildSpec], **options: Any) -> Any:
+    @flow(name="supervisor", version="1")
+    def supervisor(ctx: Context, _input: Any) -> Any:
+        return supervise_children(ctx, specs, **options)
+
+    return supervisor
+
+
+def _engine(specs: list[ChildSpec], clock: FakeClock | None = None, **options: Any) -> Engine:
+    return Engine(
+        MemoryStore(), [worker, _supervisor(specs, **options)], clock=clock or FakeClock()
+    )
+
+
+def _status(engine: Engine, execution_id: str) -> Status:
+    return engine.get(execution_id).status
+
+
+def _children(engine: Engine) -> list[str]:
+    return [e.id for e in engine.executions() if e.id.startswith("sup/")]
+
+
+def test_one_for_one_restarts_only_the_failed_child() -> None:
+    engine = _engine([ChildSpec("a", worker), ChildSpec("b", worker)])
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    assert _status(engine, "sup/a@0") is Status.FAILED
+    assert _status(engine, "sup/a@1") is Status.SUSPENDED
+    assert _status(engine, "sup/b@0") is Status.SUSPENDED
+    assert _children(engine) == ["sup/a@0", "sup/a@1", "sup/b@0"]
+
+
+def test_one_for_all_restarts_everyone() -> None:
+    engine = _engine([ChildSpec("a", worker), ChildSpec("b", worker)], strategy="one_for_all")
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    assert _status(engine, "sup/b@0") is Status.CANCELLED
+    assert _children(engine) == ["sup/a@0", "sup/a@1", "sup/b@0", "sup/b@1"]
+    assert _status(engine, "sup/b@1") is Status.SUSPENDED
+
+
+def test_rest_for_one_restarts_it_and_those_after_it() -> None:
+    specs = [ChildSpec("a", worker), ChildSpec("b", worker), ChildSpec("c", worker)]
+    engine = _engine(specs, strategy="rest_for_one")
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/b@0", "fail")
+    assert _status(engine, "sup/a@0") is Status.SUSPENDED
+    assert _status(engine, "sup/c@0") is Status.CANCELLED
+    assert _children(engine) == ["sup/a@0", "sup/b@0", "sup/b@1", "sup/c@0", "sup/c@1"]
+
+
+def test_restart_types() -> None:
+    specs = [
+        ChildSpec("perm", worker, restart="permanent"),
+        ChildSpec("trans", worker, restart="transient"),
+        ChildSpec("temp", worker, restart="temporary"),
+    ]
+    engine = _engine(specs)
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/perm@0", "done")  # permanent: restarted even after a normal end
+    engine.resume("sup/trans@0", "fail")  # transient: restarted after a failure...
+    engine.resume("sup/trans@1", "done")  # ...but not after a normal end
+    engine.resume("sup/temp@0", "fail")  # temporary: never restarted
+    assert _children(engine) == [
+        "sup/perm@0",
+        "sup/perm@1",
+        "sup/temp@0",
+        "sup/trans@0",
+        "sup/trans@1",
+    ]
+    assert _status(engine, "sup") is Status.SUSPENDED  # perm@1 still runs
+    engine.cancel("sup")
+    assert _status(engine, "sup/perm@1") is Status.CANCELLED, (
+        "the supervisor's end ends its children"
+    )
+
+
+def test_supervisor_completes_when_nothing_is_left_to_run() -> None:
+    engine = _engine(
+        [ChildSpec("t1", worker, restart="temporary"), ChildSpec("t2", worker, restart="transient")]
+    )
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/t1@0", "x")
+    engine.resume("sup/t2@0", "y")
+    assert _status(engine, "sup") is Status.COMPLETED
+    result = engine.get("sup").result
+    assert result["t1"]["status"] == "completed"
+    assert result["t2"]["attempts"] == 1
+
+
+def test_intensity_exceeded_escalates_within_the_period() -> None:
+    clock = FakeClock()
+    engine = _engine(
+        [ChildSpec("a", worker), ChildSpec("b", worker)], clock, intensity=2, period=10
+    )
+    engine.start("supervisor", key="sup")
+    for attempt in range(3):
+        clock.advance(1)
+        engine.resume(f"sup/a@{attempt}", "fail")
+    failed = engine.get("sup")
+    assert failed.status is Status.FAILED
+    assert failed.error is not None
+    assert failed.error.type.endswith("SupervisorEscalationError")
+    assert "3 restarts within 10" in failed.error.message
+    assert "RuntimeError: worker crashed" in failed.error.message
+    assert _status(engine, "sup/b@0") is Status.CANCELLED
+
+
+def test_restarts_spread_over_time_stay_within_intensity() -> None:
+    clock = FakeClock()
+    engine = _engine([ChildSpec("a", worker)], clock, intensity=2, period=10)
+    engine.start("supervisor", key="sup")
+    for attempt in range(6):
+        clock.advance(6)  # at most two restarts fall inside any 10-second window
+        engine.resume(f"sup/a@{attempt}", "fail")
+    assert _status(engine, "sup") is Status.SUSPENDED
+    assert _status(engine, "sup/a@6") is Status.SUSPENDED
+
+
+def test_escalation_reaches_the_supervisors_parent() -> None:
+    clock = FakeClock()
+    specs = [ChildSpec("a", worker)]
+
+    @flow
+    def boss(ctx: Context, _input: Any) -> Any:
+        try:
+            return await_child(ctx, "supervisor")
+        except ChildFailedError as exc:
+            return {"escalated": exc.error_type.rsplit(".", 1)[-1]}
+
+    engine = Engine(MemoryStore(), [worker, _supervisor(specs, intensity=0), boss], clock=clock)
+    engine.start("boss", key="boss")
+    engine.resume("boss/c0/a@0", "fail")
+    assert engine.get("boss").result == {"escalated": "SupervisorEscalationError"}
+
+
+def test_replay_and_recovery_never_create_extra_children() -> None:
+    store = MemoryStore()
+    specs = [ChildSpec("a", worker), ChildSpec("b", worker)]
+    engine = Engine(store, [worker, _supervisor(specs, strategy="one_for_all")], clock=FakeClock())
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    before = _children(engine)
+    for _ in range(3):
+        Engine(
+            store, [worker, _supervisor(specs, strategy="one_for_all")], clock=FakeClock()
+        ).recover()
+    assert _children(engine) == before
+
+
+def test_the_projection_reads_the_childrens_journals() -> None:
+    engine = _engine([ChildSpec("a", worker), ChildSpec("b", worker)])
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    engine.resume("sup/a@1", "fail")
+    views = {view.name: view for view in supervision(engine, "sup")}
+    assert views["a"].id == "sup/a@2"
+    assert views["a"].restarts == 2
+    assert views["a"].status is Status.SUSPENDED
+    assert views["a"].last_error == "RuntimeError: worker crashed"
+    assert views["b"].restarts == 0
+    assert views["b"].last_error is None
+    table = format_supervision(list(views.values()))
+    assert "RuntimeError: worker crashed" in table
+    assert table.splitlines()[0].startswith("child")
+
+
+def test_bad_specs_fail_the_supervisor_clearly() -> None:
+    engine = _engine([ChildSpec("a", worker), ChildSpec("a", worker)])
+    failed = engine.start("supervisor", key="sup")
+    assert failed.status is Status.FAILED
+    assert failed.error is not None
+    assert "child names must be unique" in failed.error.message
