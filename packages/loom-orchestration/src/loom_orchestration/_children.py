@@ -142,7 +142,7 @@ def settle(engine: Engine, execution: Execution) -> None:
 
 def _close_children(engine: Engine, parent: Execution) -> None:
     """Cancel the children the parent started with on_parent_close="cancel"."""
-    for frame in engine.state(parent.id).steps.values():
+    for frame in engine.frames(parent.id).values():
         if frame.name != START_STEP or not isinstance(frame.result, dict):
             continue
         if frame.result.get("on_parent_close") == "cancel":
