@@ -30,7 +30,7 @@ from loom_kernel import (
     encode_event,
     known_event_types,
 )
-from loom_kernel._codec import _upcasters, register_upcaster
+from loom_kernel._codec import _upcasters, dump_json, encode_step_completed, register_upcaster
 
 ALL_EVENTS: list[Event] = [
     ExecutionStarted(flow="approval", code_hash="sha256:ab", input={"id": 7}, key="order-7"),
@@ -151,3 +151,23 @@ def test_upcaster_for_an_unknown_kind_is_refused() -> None:
 def test_decoding_garbage_raises_only_schema_errors(raw: bytes, kind: str) -> None:
     with contextlib.suppress(SchemaError):
         decode_event(_record(kind, raw))
+
+
+@given(
+    index=st.integers(0, 10**6),
+    name=st.text(min_size=1, max_size=20),
+    result=st.recursive(
+        st.none() | st.booleans() | st.integers(-(2**40), 2**40) | st.text(max_size=5),
+        lambda inner: (
+            st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=3), inner, max_size=3)
+        ),
+        max_leaves=8,
+    ),
+    attempts=st.integers(1, 9),
+)
+def test_fast_step_encoding_is_byte_identical(
+    index: int, name: str, result: Any, attempts: int
+) -> None:
+    fast = encode_step_completed(index, name, dump_json(result), attempts, 5.0)
+    general = encode_event(StepCompleted(index, name, result, attempts), 5.0)
+    assert fast == general

@@ -14,7 +14,7 @@ import attrs
 import cattrs
 
 from loom_kernel._errors import InvalidArgumentError, SchemaError
-from loom_kernel._events import EVENT_SCHEMA, ErrorInfo, Event, event_class
+from loom_kernel._events import EVENT_SCHEMA, ErrorInfo, Event, StepCompleted, event_class
 from loom_kernel._journal import NewRecord, Record
 
 __all__ = [
@@ -163,6 +163,21 @@ def encode_event(event: Event, timestamp: float) -> NewRecord:
     data = _event_data(event)
     payload = '{"v":"' + EVENT_SCHEMA + '","d":' + dump_json(data) + "}"
     return NewRecord(kind=event.KIND, payload=payload.encode("utf-8"), timestamp=timestamp)
+
+
+def encode_step_completed(
+    index: int, name: str, result_json: str, attempts: int, timestamp: float
+) -> NewRecord:
+    """encode_event(StepCompleted(...)), byte for byte, from a result already dumped to JSON.
+
+    The engine has the step result's JSON text in hand (it made it to check the result
+    is JSON), so the hot path does not dump it a second time.
+    """
+    payload = (
+        f'{{"v":"{EVENT_SCHEMA}","d":{{"index":{index},"name":{dump_json(name)},'
+        f'"result":{result_json},"attempts":{attempts}}}}}'
+    )
+    return NewRecord(kind=StepCompleted.KIND, payload=payload.encode("utf-8"), timestamp=timestamp)
 
 
 def decode_event(record: Record, stream: str | None = None) -> Event:

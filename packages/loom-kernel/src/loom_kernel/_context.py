@@ -13,7 +13,7 @@ from datetime import timedelta
 from math import isfinite
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from loom_kernel._codec import CONVERTER, dump_json, encode_event
+from loom_kernel._codec import CONVERTER, dump_json, encode_event, encode_step_completed
 from loom_kernel._errors import (
     ConflictError,
     InvalidArgumentError,
@@ -30,6 +30,7 @@ from loom_kernel._events import (
     StepFailed,
 )
 from loom_kernel._flows import RetryPolicy
+from loom_kernel._journal import NewRecord
 from loom_kernel._state import ExecutionState, StepFrame
 
 if TYPE_CHECKING:
@@ -58,8 +59,8 @@ class Unwind(BaseException):
         self.error = error
 
 
-def to_json(value: Any, what: str) -> Any:
-    """The JSON form of a value, through the kernel's converter (attrs, dataclasses...).
+def to_json_text(value: Any, what: str) -> str:
+    """The JSON text of a value, through the kernel's converter (attrs, dataclasses...).
 
     Raises:
         InvalidArgumentError: the value has no JSON form.
@@ -69,9 +70,18 @@ def to_json(value: Any, what: str) -> Any:
     except Exception as exc:
         raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
     try:
-        return json.loads(dump_json(data))
+        return dump_json(data)
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
+
+
+def to_json(value: Any, what: str) -> Any:
+    """The JSON form of a value: what a replay will see (tuples become lists, and so on).
+
+    Raises:
+        InvalidArgumentError: the value has no JSON form.
+    """
+    return json.loads(to_json_text(value, what))
 
 
 def error_info(exc: BaseException) -> ErrorInfo:
@@ -133,7 +143,9 @@ class _Replay:
 
     def _append(self, events: list[Event]) -> None:
         now = self._engine.clock()
-        records = [encode_event(event, now) for event in events]
+        self._append_records([encode_event(event, now) for event in events], events)
+
+    def _append_records(self, records: list[NewRecord], events: list[Event]) -> None:
         try:
             self._engine.store.append(self._stream, self._state.position, records)
         except LoomError as exc:
@@ -186,10 +198,12 @@ class _Replay:
         self, index: int, name: str, value: Any, attempts: int, returns: Any
     ) -> Any:
         try:
-            data = to_json(value, f"the result of step {name!r}")
+            text = to_json_text(value, f"the result of step {name!r}")
         except InvalidArgumentError as exc:
             raise self._abort(exc) from None
-        self._append([StepCompleted(index, name, data, attempts)])
+        data = json.loads(text)
+        record = encode_step_completed(index, name, text, attempts, self._engine.clock())
+        self._append_records([record], [StepCompleted(index, name, data, attempts)])
         return data if returns is None else CONVERTER.structure(data, returns)
 
     def _journal_failure(

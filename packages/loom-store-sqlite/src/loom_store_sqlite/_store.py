@@ -72,9 +72,8 @@ class SqliteOptions:
 
 
 _STREAM_STATE: Final = (
-    "SELECT (SELECT MAX(position) FROM loom_records WHERE stream = ?), "
-    "(SELECT floor FROM loom_streams WHERE name = ?), "
-    "(SELECT deleted FROM loom_streams WHERE name = ?)"
+    "SELECT (SELECT MAX(position) FROM loom_records WHERE stream = s.name), s.floor, s.deleted "
+    "FROM loom_streams AS s WHERE s.name = ?"
 )
 _INSERT_RECORD: Final = (
     "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
@@ -196,12 +195,11 @@ class SqliteStore(JournalStore):
 
     @staticmethod
     def _stream_row(connection: sqlite3.Connection, stream: str) -> tuple[int, int, int] | None:
-        """(head, floor, deleted) of a stream ever written, else None; one index lookup each."""
-        head, floor, deleted = connection.execute(
-            _STREAM_STATE, (stream, stream, stream)
-        ).fetchone()
-        if floor is None:
+        """(head, floor, deleted) of a stream ever written, else None."""
+        row = connection.execute(_STREAM_STATE, (stream,)).fetchone()
+        if row is None:
             return None
+        head, floor, deleted = row
         return (floor if deleted or head is None else max(head, floor)), floor, deleted
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
