@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import json
 import random as _random
 import time
@@ -175,6 +176,25 @@ class _Replay:
         self._step_index = index + 1
         return frame.result
 
+    def _begin_step(self, name: object, returns: object) -> tuple[int, Any]:
+        """Replay a recorded step or claim a new one: (index, replayed value or _MISSING)."""
+        replayed = self._fast_replay(name, returns)
+        if replayed is not _MISSING:
+            return -1, replayed
+        index, frame = self._claim_step(name)
+        if frame is not None:
+            return index, self._replayed(frame, returns)  # type: ignore[arg-type]
+        self._check_owner()
+        return index, _MISSING
+
+    def _retry_delay(
+        self, policy: RetryPolicy, index: int, name: str, exc: Exception, attempt: int
+    ) -> float:
+        """After a failed attempt: the wait before the next, or raise the journaled failure."""
+        if isinstance(exc, policy.retry_on) and attempt < policy.attempts:
+            return policy.delay(attempt)
+        raise self._journal_failure(index, name, exc, attempt) from exc
+
     def _check_owner(self) -> None:
         """Before new work: the journal must still end where this run left it.
 
@@ -301,36 +321,28 @@ class Context(_Replay):
             StepFailedError: `fn` kept failing through the retry policy.
             InvalidArgumentError: the name is not a str, or the result is not JSON.
         """
-        replayed = self._fast_replay(name, returns)
+        index, replayed = self._begin_step(name, returns)
         if replayed is not _MISSING:
             return replayed
-        index, frame = self._claim_step(name)
-        if frame is not None:
-            return self._replayed(frame, returns)
-        self._check_owner()
         policy = retry or self._engine.retry
-        for attempt in range(1, policy.attempts + 1):
+        for attempt in itertools.count(1):
             try:
                 value = fn(*args, **kwargs)
             except Unwind:
                 raise
-            except policy.retry_on as exc:
-                if attempt == policy.attempts:
-                    raise self._journal_failure(index, name, exc, attempt) from exc
-                self._engine.sleep(policy.delay(attempt))
             except Exception as exc:
-                raise self._journal_failure(index, name, exc, attempt) from exc
-            else:
-                if inspect.isawaitable(value):
-                    if inspect.iscoroutine(value):
-                        value.close()
-                    raise self._abort(
-                        InvalidArgumentError(
-                            f"step {name!r} returned an awaitable in a sync flow; "
-                            "make the flow `async def`"
-                        )
+                self._engine.sleep(self._retry_delay(policy, index, name, exc, attempt))
+                continue
+            if inspect.isawaitable(value):
+                if inspect.iscoroutine(value):
+                    value.close()
+                raise self._abort(
+                    InvalidArgumentError(
+                        f"step {name!r} returned an awaitable in a sync flow; "
+                        "make the flow `async def`"
                     )
-                return self._journal_success(index, name, value, attempt, returns)
+                )
+            return self._journal_success(index, name, value, attempt, returns)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def suspend(self, on: str) -> Any:
@@ -363,29 +375,21 @@ class AsyncContext(_Replay):
         A step's identity is its call order, fixed when `step` is called, so steps
         gathered concurrently replay correctly whatever order they finished in.
         """
-        replayed = self._fast_replay(name, returns)
+        index, replayed = self._begin_step(name, returns)
         if replayed is not _MISSING:
             return replayed
-        index, frame = self._claim_step(name)
-        if frame is not None:
-            return self._replayed(frame, returns)
-        self._check_owner()
         policy = retry or self._engine.retry
-        for attempt in range(1, policy.attempts + 1):
+        for attempt in itertools.count(1):
             try:
                 value = fn(*args, **kwargs)
                 if inspect.isawaitable(value):
                     value = await value
             except Unwind:
                 raise
-            except policy.retry_on as exc:
-                if attempt == policy.attempts:
-                    raise self._journal_failure(index, name, exc, attempt) from exc
-                await self._pause(policy.delay(attempt))
             except Exception as exc:
-                raise self._journal_failure(index, name, exc, attempt) from exc
-            else:
-                return self._journal_success(index, name, value, attempt, returns)
+                await self._pause(self._retry_delay(policy, index, name, exc, attempt))
+                continue
+            return self._journal_success(index, name, value, attempt, returns)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _pause(self, seconds: float) -> None:
