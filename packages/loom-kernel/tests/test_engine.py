@@ -572,3 +572,40 @@ def test_many_steps_replay_linearly(make_engine: EngineFactory) -> None:
     engine = make_engine([many])
     ex = engine.start("many", 2000)
     assert make_engine([many]).resume(ex.id, None).result == sum(range(2000))
+
+
+def test_recover_and_timers_try_every_run_then_raise_the_first_error(
+    store: JournalStore, clock: FakeClock
+) -> None:
+    @flow(name="nap", version="1")
+    def before(ctx: Context, _input: Any) -> str:
+        ctx.step("a", lambda: 1)
+        ctx.sleep(10)
+        return "up"
+
+    @flow(name="nap", version="1")
+    def after(ctx: Context, _input: Any) -> str:
+        ctx.step("b", lambda: 1)  # diverges from the journal of every run started before
+        ctx.sleep(10)
+        return "up"
+
+    old = Engine(store, [before], clock=clock)
+    old.start("nap", key="broken")
+    old.start("nap", key="healthy")
+    clock.advance(11)
+    mixed = Engine(store, [after], clock=clock)
+    with pytest.raises(NonDeterminismError):
+        mixed.fire_due_timers()
+    # both runs were tried: the timers were not silently dropped
+    assert {e.id: e.status for e in mixed.executions()} == {
+        "broken": Status.RUNNING,
+        "healthy": Status.RUNNING,
+    }
+    with pytest.raises(NonDeterminismError):
+        mixed.recover()
+    fixed = Engine(store, [before], clock=clock)
+    assert sorted(fixed.recover()) == ["broken", "healthy"]
+    assert {e.id: e.status for e in fixed.executions()} == {
+        "broken": Status.COMPLETED,
+        "healthy": Status.COMPLETED,
+    }

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import json
+import logging
 import threading
 import time
 import uuid
@@ -118,6 +119,8 @@ class HistoryEntry:
     event: Event
 
 
+_log = logging.getLogger("loom")
+
 LISTENER_GROUP: Final = "loom.listeners"
 _installed: list[Listener] | None = None
 
@@ -222,8 +225,12 @@ class Engine:
         if execution.status is Status.RUNNING or not self._listeners:
             return execution
         for listener in self._listeners:
-            with contextlib.suppress(LoomError):
+            try:
                 listener(self, execution)
+            except LoomError as exc:  # recover() calls it again
+                _log.warning(
+                    "listener %r on %r: %s: %s", listener, execution.id, type(exc).__name__, exc
+                )
         try:
             return self.get(execution.id)
         except LoomError:
@@ -538,31 +545,46 @@ class Engine:
         """Drive every run left running (by a crash, or a process that stopped mid-run),
         and call the listeners again for every parked or ended run.
 
+        A run that cannot be driven (its flow diverged from its journal, say) does not
+        stop the others: every run is tried, then the first such error is raised.
+
         Returns:
             The ids of the executions it drove.
         """
         driven = []
+        failures: list[LoomError] = []
         for view in list(self.executions()):
             execution = view
             if view.status is Status.RUNNING and view.flow in self._flows:
-                with self._lock(view.id):
-                    state = self._load(view.id)
-                    if state.status is Status.RUNNING:
-                        self._drive_quietly(state)
-                        driven.append(view.id)
-                    execution = Execution.of(state)
+                try:
+                    with self._lock(view.id):
+                        state = self._load(view.id)
+                        if state.status is Status.RUNNING:
+                            self._drive_quietly(state)
+                            driven.append(view.id)
+                        execution = Execution.of(state)
+                except LoomError as exc:
+                    _log.warning("recover: execution %r: %s: %s", view.id, type(exc).__name__, exc)
+                    failures.append(exc)
+                    continue
             if self._listeners:
                 self._settled(execution)
+        if failures:
+            raise failures[0]
         return driven
 
     def fire_due_timers(self) -> list[str]:
         """Wake every run whose timer is due by the engine's clock.
+
+        A run that cannot be woken (its flow diverged from its journal, say) does not
+        stop the others: every due timer is tried, then the first such error is raised.
 
         Returns:
             The ids of the executions it woke.
         """
         now = self.clock()
         woken: list[str] = []
+        failures: list[LoomError] = []
         for stream, head, entries in self.timers.due_buckets(now):
             settled = True
             for entry in entries:
@@ -571,7 +593,12 @@ class Engine:
                     continue
                 try:
                     outcome = self._fire(entry.execution_id, entry.gate, now)
-                except LoomError:
+                except (ConflictError, NotSuspendedError):
+                    settled = False  # another worker moved the run: look again next time
+                    continue
+                except LoomError as exc:
+                    _log.warning("timer of %r: %s: %s", entry.execution_id, type(exc).__name__, exc)
+                    failures.append(exc)
                     settled = False
                     continue
                 if outcome is None:
@@ -580,6 +607,8 @@ class Engine:
                     woken.append(entry.execution_id)
             if settled:
                 self.timers.settle(stream, head, now)
+        if failures:
+            raise failures[0]
         return woken
 
     def _fire(self, execution_id: str, gate: int, now: float) -> bool | None:
