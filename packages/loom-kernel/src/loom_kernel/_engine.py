@@ -509,9 +509,13 @@ class Engine:
             return self._load(execution_id).copy()
 
     def frames(self, execution_id: str) -> Mapping[int, StepFrame]:
-        """The execution's recorded steps by call index, read-only and without a copy."""
+        """The execution's recorded steps by call index, read-only.
+
+        A shallow copy (frames are not copied), so it is cheap and a run driven
+        meanwhile does not change it under the caller.
+        """
         with self._lock(execution_id):
-            return MappingProxyType(self._load(execution_id).steps)
+            return MappingProxyType(dict(self._load(execution_id).steps))
 
     def history(self, execution_id: str) -> list[HistoryEntry]:
         """The decoded journal (from the last snapshot on, if the run was compacted)."""
