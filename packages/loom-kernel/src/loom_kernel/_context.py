@@ -46,6 +46,7 @@ _RESERVED_PREFIX: Final = "loom."
 
 
 _MISSING: Final = object()
+_PLAIN: Final = frozenset({dict, list, str, int, float, bool, type(None)})
 
 
 class Unwind(BaseException):
@@ -66,6 +67,13 @@ def to_json_text(value: Any, what: str) -> str:
     Raises:
         InvalidArgumentError: the value has no JSON form.
     """
+    if type(value) in _PLAIN:
+        # Plain JSON needs no trip through the converter (measured: its walk was the
+        # largest cost of a step's own work); anything it cannot dump goes the long way.
+        try:
+            return dump_json(value)
+        except InvalidArgumentError:
+            pass
     try:
         data = CONVERTER.unstructure(value)
     except Exception as exc:

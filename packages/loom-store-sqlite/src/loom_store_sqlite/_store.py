@@ -229,40 +229,52 @@ class SqliteStore(JournalStore):
             for offset, r in enumerate(records, start=1)
         ]
         rows[0] = (*rows[0][:5], txn)  # the commit id marks the batch's first record
-        # The hot path, in raw sqlite3: the head check reads one index, and the commit
-        # writes only the records b-tree (and the streams row, once, on creation).
-        # (Measured with bench/bench_sqlite.py: sqlite-utils' insert_all, or a head
-        # column updated on every append, cost more than the commit they wrap.)
-        with self._serialised():
-            connection = self._connection
-            try:
-                connection.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
-                raise StoreUnavailableError(f"sqlite BEGIN failed on {self.path!r}: {exc}") from exc
-            try:
-                row = self._stream_row(connection, stream)
-                head = 0 if row is None else row[0]
-                if head != expected or (row is not None and row[2]):
-                    connection.execute("ROLLBACK")
-                    if row is not None and row[2]:
-                        raise StreamDeletedError(stream, row[0])
-                    raise ConflictError(stream, expected, 0 if row is None else row[0])
-                if row is None:
-                    connection.execute(
-                        "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, 0, 0)",
-                        (stream,),
-                    )
-                connection.executemany(_INSERT_RECORD, rows)
-                connection.execute("COMMIT")
-            except sqlite3.Error as exc:
-                if connection.in_transaction:
-                    connection.execute("ROLLBACK")
-                raise StoreUnavailableError(
-                    f"sqlite append failed on {self.path!r}: {exc}"
-                ) from exc
+        if self._serial is None:
+            self._commit(stream, expected, rows)
+        else:
+            with self._serial:
+                self._commit(stream, expected, rows)
         if lose_reply:
             raise _LostReplyError
         return new_head
+
+    def _commit(
+        self,
+        stream: str,
+        expected: int,
+        rows: list[tuple[str, int, str, bytes, float, str | None]],
+    ) -> None:
+        """One transaction: the head check, then the insert.
+
+        The hot path, in raw sqlite3: the head check reads one index, and the commit
+        writes only the records b-tree (and the streams row, once, on creation).
+        (Measured with bench/bench_sqlite.py: sqlite-utils' insert_all, or a head
+        column updated on every append, cost more than the commit they wrap.)
+        """
+        connection = self._connection
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            raise StoreUnavailableError(f"sqlite BEGIN failed on {self.path!r}: {exc}") from exc
+        try:
+            row = self._stream_row(connection, stream)
+            head = 0 if row is None else row[0]
+            if head != expected or (row is not None and row[2]):
+                connection.execute("ROLLBACK")
+                if row is not None and row[2]:
+                    raise StreamDeletedError(stream, row[0])
+                raise ConflictError(stream, expected, 0 if row is None else row[0])
+            if row is None:
+                connection.execute(
+                    "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, 0, 0)",
+                    (stream,),
+                )
+            connection.executemany(_INSERT_RECORD, rows)
+            connection.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if connection.in_transaction:
+                connection.execute("ROLLBACK")
+            raise StoreUnavailableError(f"sqlite append failed on {self.path!r}: {exc}") from exc
 
     def _confirm(self, stream: str, expected: int, count: int, txn: str) -> int:
         """After an ambiguous commit: the batch's first record tells whose write landed."""
@@ -305,8 +317,11 @@ class SqliteStore(JournalStore):
 
     def _head(self, stream: str) -> int:
         try:
-            with self._serialised():
+            if self._serial is None:
                 row = self._stream_row(self._connection, stream)
+            else:
+                with self._serial:
+                    row = self._stream_row(self._connection, stream)
         except sqlite3.Error as exc:
             raise StoreUnavailableError(f"cannot read the head of {stream!r}: {exc}") from exc
         if row is None:
