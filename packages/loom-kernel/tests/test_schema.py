@@ -171,3 +171,28 @@ def test_fast_step_encoding_is_byte_identical(
     fast = encode_step_completed(index, name, dump_json(result), attempts, 5.0)
     general = encode_event(StepCompleted(index, name, result, attempts), 5.0)
     assert fast == general
+
+
+@pytest.mark.parametrize("parser", ["json", "orjson"])
+def test_both_parsers_give_the_same_events_and_errors(
+    parser: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """orjson (the `fast` extra) reads journals when installed; json.loads otherwise."""
+    from loom_kernel import _codec
+
+    if parser == "json":
+        monkeypatch.setattr(_codec, "_parse_many", json.loads)
+    else:
+        orjson = pytest.importorskip(
+            "orjson"
+        )  # the workspace installs it; the kernel alone does not
+        monkeypatch.setattr(_codec, "_parse_many", orjson.loads)
+    records = [_stored(event, position) for position, event in enumerate(ALL_EVENTS, start=1)]
+    big = encode_event(StepCompleted(0, "big", 2**80), 1.0)  # beyond orjson's integers
+    records.append(Record(len(records) + 1, big.kind, big.payload, big.timestamp))
+    decoded = _codec.decode_events(records, "exec/1")
+    assert decoded[: len(ALL_EVENTS)] == ALL_EVENTS
+    assert decoded[-1] == StepCompleted(0, "big", 2**80)
+    broken = [*records, _record("EXECUTION_RESUMED", b"{not json", position=99)]
+    with pytest.raises(SchemaError, match="position 99"):
+        _codec.decode_events(broken, "exec/1")

