@@ -101,7 +101,7 @@ def error_info(exc: BaseException) -> ErrorInfo:
     return ErrorInfo(type=name, message=str(exc))
 
 
-def _seconds(duration: float | timedelta) -> float:
+def _seconds(duration: object) -> float:
     if isinstance(duration, timedelta):
         return duration.total_seconds()
     if (
@@ -184,14 +184,14 @@ class _Replay:
         self._step_index = index + 1
         return frame.result
 
-    def _begin_step(self, name: object, returns: object) -> tuple[int, Any]:
+    def _begin_step(self, name: object, returns: type[Any] | None) -> tuple[int, Any]:
         """Replay a recorded step or claim a new one: (index, replayed value or _MISSING)."""
         replayed = self._fast_replay(name, returns)
         if replayed is not _MISSING:
             return -1, replayed
         index, frame = self._claim_step(name)
         if frame is not None:
-            return index, self._replayed(frame, returns)  # type: ignore[arg-type]
+            return index, self._replayed(frame, returns)
         self._check_owner()
         return index, _MISSING
 
@@ -286,7 +286,7 @@ class _Replay:
 
     def _sleep_seconds(self, duration: object) -> float:
         try:
-            return _seconds(duration)  # type: ignore[arg-type]
+            return _seconds(duration)
         except InvalidArgumentError as exc:
             raise self._abort(exc) from None
 
