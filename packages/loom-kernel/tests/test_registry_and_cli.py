@@ -83,3 +83,19 @@ def test_loom_demo_runs_the_approval_flow_and_prints_its_timeline(
     assert "timer fired" in out
     assert "completed  →" in out
     assert "Starting it again with the same key returns the same run: completed." in out
+
+
+def test_loom_ls_and_show_read_any_store(capsys: pytest.CaptureFixture[str]) -> None:
+    from loom_kernel import Engine, flow
+
+    url = "memory://cli-inspect"
+    engine = Engine(open_store(url), [flow(lambda ctx, _i: ctx.suspend("sign"), name="contract")])
+    engine.start("contract", {"id": 1}, key="c-1")
+    assert main(["ls", "--store", url]) == 0
+    assert "c-1" in capsys.readouterr().out
+    assert main(["show", "c-1", "--store", url]) == 0
+    out = capsys.readouterr().out
+    assert "c-1: contract, suspended" in out
+    assert "waiting on 'sign'" in out
+    assert main(["show", "missing", "--store", url]) == 1
+    assert "ExecutionNotFoundError" in capsys.readouterr().err

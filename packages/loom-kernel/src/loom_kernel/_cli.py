@@ -81,6 +81,29 @@ def _stores_command(urls: Sequence[str]) -> int:
     return 1 if failures else 0
 
 
+def _inspect_command(args: argparse.Namespace) -> int:
+    from loom_kernel._engine import Engine  # noqa: PLC0415 - only these commands need it
+    from loom_kernel._timeline import format_timeline  # noqa: PLC0415
+
+    try:
+        with open_store(args.store) as store:
+            engine = Engine(store, listeners=[])
+            if args.command == "ls":
+                for execution in engine.executions():
+                    waiting = (
+                        f"  waiting on {execution.waiting_on!r}" if execution.waiting_on else ""
+                    )
+                    print(f"{execution.id:<40} {execution.flow:<20} {execution.status}{waiting}")
+            else:
+                execution = engine.get(args.execution_id)
+                print(f"{execution.id}: {execution.flow}, {execution.status}")
+                print(format_timeline(engine.history(args.execution_id)))
+    except LoomError as exc:
+        print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `loom` command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="loom", description="Loom, durable execution for Python.")
@@ -100,9 +123,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="store URL (default: sqlite://loom-demo.db when loom-store-sqlite is installed, "
         "else memory://)",
     )
+    listing = commands.add_parser("ls", help="list the executions in a store with their status")
+    listing.add_argument("--store", required=True, help="store URL")
+    show = commands.add_parser("show", help="print an execution's journal as a timeline")
+    show.add_argument("execution_id")
+    show.add_argument("--store", required=True, help="store URL")
     args = parser.parse_args(argv)
     if args.command == "stores":
         return _stores_command(args.urls)
+    if args.command in ("ls", "show"):
+        return _inspect_command(args)
     if args.command == "demo":
         from loom_kernel._demo import run_demo  # noqa: PLC0415 - only this command needs it
 
