@@ -1,0 +1,25 @@
+"""The S3 store keeps the journal contract: the conformance kit on moto and on Ceph RGW."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from loom_kernel import JournalStore
+from loom_kernel.testing import DEFAULT_SETTINGS, StoreContract
+from loom_store_s3.testing import S3Server
+
+
+class TestS3Store(StoreContract):
+    hypothesis_settings = settings(DEFAULT_SETTINGS, max_examples=15, stateful_step_count=25)
+
+    @pytest.fixture(autouse=True)
+    def _server(self, s3_server: S3Server) -> None:
+        self.server = s3_server
+
+    def make_store(self) -> JournalStore:
+        store: JournalStore = self.server.store()
+        return store
+
+    def reopen_store(self, store: JournalStore) -> JournalStore:
+        reopened: JournalStore = self.server.reopen(store)
+        return reopened
