@@ -88,18 +88,24 @@ class S3Server:
         client.meta.events.register("before-send.s3", strip_expect_header)
         return client
 
-    def store(self, **options: Any) -> Any:
-        """A new, empty S3Store under a fresh prefix of this server's shared bucket."""
+    def store(self, client: Any = None, **options: Any) -> Any:
+        """A new, empty S3Store under a fresh prefix of this server's shared bucket.
+
+        Args:
+            client: the store's boto3 client (a shared one by default).
+            **options: S3Options fields.
+        """
         from loom_store_s3 import S3Options, S3Store
 
         if getattr(self, "_shared", None) is None:
             self._shared = (self.new_bucket(), self.client())
-        bucket, client = self._shared
+        bucket, shared_client = self._shared
         if self.bucket_per_store:
             bucket = self.new_bucket()
         defaults: dict[str, Any] = {"shards": 2, "endpoint_url": self.endpoint_url}
         defaults.update(options)
-        return S3Store(bucket, f"t/{uuid.uuid4().hex[:12]}", S3Options(**defaults), client=client)
+        prefix = f"t/{uuid.uuid4().hex[:12]}"
+        return S3Store(bucket, prefix, S3Options(**defaults), client=client or shared_client)
 
     def reopen(self, store: Any) -> Any:
         """A new S3Store instance over the same bucket and prefix as `store`."""
@@ -107,6 +113,12 @@ class S3Server:
 
         store.close()
         return S3Store(store.bucket, store.prefix, store.options, client=self._shared[1])
+
+    def twin(self, store: Any, client: Any = None) -> Any:
+        """Another S3Store over the same data as `store` (another process, say)."""
+        from loom_store_s3 import S3Store
+
+        return S3Store(store.bucket, store.prefix, store.options, client=client or self._shared[1])
 
     def new_bucket(self) -> str:
         """Create a bucket with a fresh name and return the name."""
@@ -171,20 +183,39 @@ class RadosGateway(S3Server):
         """The Ceph programs this machine lacks (empty when RadosGateway can start)."""
         return [program for program in _RGW_PROGRAMS if shutil.which(program) is None]
 
-    def __init__(self, startup_timeout: float = 90.0) -> None:
+    def __init__(self, startup_timeout: float = 45.0, tries: int = 3) -> None:
         absent = self.missing()
         if absent:
             raise RuntimeError(
                 f"Ceph RGW is not installed (missing {', '.join(absent)}): run scripts/install-rgw"
             )
+        # A fresh one-node cluster now and then fails to register its OSD ("wrong
+        # fsid" in the OSD log); starting over from scratch is the cure.
+        for attempt in range(tries):
+            try:
+                self._boot(startup_timeout)
+                return
+            except RuntimeError:
+                if attempt + 1 == tries:
+                    raise
+
+    def _boot(self, startup_timeout: float) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="loom-rgw-"))
         self._processes: list[subprocess.Popen[bytes]] = []
         self._deadline = time.monotonic() + startup_timeout
         try:
             self._start()
-        except BaseException:
+        except BaseException as exc:
+            logs = self._log_tails()
             self.stop()
-            raise
+            raise RuntimeError(f"Ceph RGW did not start: {exc}\n{logs}") from exc
+
+    def _log_tails(self) -> str:
+        tails = []
+        for log in sorted((self._dir / "log").glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-15:]
+            tails.append(f"--- {log.name}\n" + "\n".join(lines))
+        return "\n".join(tails)
 
     def _conf(self, mon_port: int, rgw_port: int, fsid: str) -> Path:
         d = self._dir

@@ -1,0 +1,240 @@
+"""What the S3 store does beyond the shared contract: layout, costs, cleanup, isolation."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    ConflictError,
+    InvalidArgumentError,
+    InvalidIdError,
+    NewRecord,
+    StoreUnavailableError,
+    StreamDeletedError,
+    TrimmedError,
+    open_store,
+)
+from loom_store_s3 import S3Options, S3Store
+from loom_store_s3._options import parse_s3_url
+from loom_store_s3.testing import S3Server
+
+
+def _records(count: int, tag: str = "r") -> list[NewRecord]:
+    return [NewRecord("test.s3", f"{tag}{index}".encode(), 2.5 + index) for index in range(count)]
+
+
+def _keys(server: S3Server, store: S3Store) -> list[str]:
+    client = server.client()
+    keys: list[str] = []
+    for page in client.get_paginator("list_objects_v2").paginate(
+        Bucket=store.bucket, Prefix=store.prefix + "!"
+    ):
+        keys.extend(item["Key"] for item in page.get("Contents", []))
+    return keys
+
+
+class _Counter:
+    """Counts the requests a client sends, by operation."""
+
+    def __init__(self, client: Any) -> None:
+        self.calls: Counter[str] = Counter()
+        client.meta.events.register("before-call.s3", self._count)
+
+    def _count(self, model: Any, **_: Any) -> None:
+        self.calls[model.name] += 1
+
+    def take(self) -> dict[str, int]:
+        calls = dict(self.calls)
+        self.calls.clear()
+        return calls
+
+
+def test_url_options_are_parsed_and_checked() -> None:
+    bucket, prefix, options = parse_s3_url(
+        "s3://my-bucket/loom/prod?endpoint_url=http://127.0.0.1:9000&region=eu-west-1"
+        "&shards=16&head_ttl=5&retention=7200&timeout=3&attempts=2&workers=4"
+    )
+    assert (bucket, prefix) == ("my-bucket", "loom/prod")
+    assert options == S3Options(
+        endpoint_url="http://127.0.0.1:9000", region="eu-west-1", shards=16, head_ttl=5,
+        retention=7200, timeout=3, attempts=2, workers=4,
+    )
+    for bad in (
+        "s3:///no-bucket",
+        "s3://b/p?colour=blue",
+        "s3://b/p?shards=0",
+        "s3://b/p?shards=many",
+        "s3://b/../escape",
+        "s3://b/a//b",
+        "s3://b/p?retention=-1",
+        "s3://b/p?addressing=sideways",
+    ):
+        with pytest.raises(InvalidArgumentError):
+            parse_s3_url(bad)
+
+
+def test_open_store_finds_the_s3_scheme(moto_server: S3Server, monkeypatch: Any) -> None:
+    for name, value in moto_server.environment().items():
+        monkeypatch.setenv(name, value)
+    bucket = moto_server.new_bucket()
+    url = f"s3://{bucket}/via-url?endpoint_url={moto_server.endpoint_url}&shards=3"
+    store = open_store(url)
+    store.append("x", 0, _records(1))
+    assert open_store(url).read("x")[0].payload == b"r0"
+
+
+def test_a_client_with_retries_on_is_refused(moto_server: S3Server) -> None:
+    client = moto_server.client(retries={"total_max_attempts": 3})
+    with pytest.raises(InvalidArgumentError, match="retries off"):
+        S3Store(moto_server.new_bucket(), "p", client=client)
+
+
+def test_a_missing_bucket_is_a_clear_error(moto_server: S3Server) -> None:
+    with pytest.raises(StoreUnavailableError, match="NoSuchBucket"):
+        S3Store("loom-no-such-bucket", "p", client=moto_server.client())
+
+
+def test_a_bucket_written_by_a_newer_format_is_refused(moto_server: S3Server) -> None:
+    store = moto_server.store()
+    moto_server.client().put_object(
+        Bucket=store.bucket,
+        Key=store.prefix + "!layout.json",
+        Body=json.dumps({"format": 99, "shards": 2}).encode(),
+    )
+    with pytest.raises(StoreUnavailableError, match="newer loom-store-s3"):
+        moto_server.reopen(store)
+
+
+def test_a_damaged_batch_is_a_clear_error(moto_server: S3Server) -> None:
+    store = moto_server.store()
+    store.append("s", 0, _records(2))
+    (key,) = [key for key in _keys(moto_server, store) if "!R" in key]
+    moto_server.client().put_object(Bucket=store.bucket, Key=key, Body=b'{"v":1}\nxx')
+    with pytest.raises(StoreUnavailableError, match="damaged batch object"):
+        store.read("s")
+
+
+def test_one_put_per_append_on_a_known_head_and_one_list_for_a_cold_head(
+    s3_server: S3Server,
+) -> None:
+    client = s3_server.client()
+    store = s3_server.store(client=client)
+    counter = _Counter(client)
+    head = 0
+    head = store.append("run/1", head, _records(1))  # a new stream: LIST, then PUT
+    assert counter.take() == {"ListObjectsV2": 1, "PutObject": 1}
+    for _ in range(5):
+        head = store.append("run/1", head, _records(1))
+        assert counter.take() == {"PutObject": 1}
+    cold = s3_server.twin(store, client)
+    assert counter.take() == {"GetObject": 1}  # opening reads the layout descriptor
+    assert cold.head("run/1") == 6
+    assert counter.take() == {"ListObjectsV2": 1, "GetObject": 1}
+    cold.append("run/1", 6, _records(1))  # learned by head(): one PUT
+    assert counter.take() == {"PutObject": 1}
+    with pytest.raises(ConflictError):
+        store.append("run/1", 6, _records(1))  # stale cache: the PUT meets the twin's batch
+    assert counter.take()["PutObject"] == 1
+
+
+def test_stores_on_other_prefixes_never_see_each_other(moto_server: S3Server) -> None:
+    bucket = moto_server.new_bucket()
+    client = moto_server.client()
+    options = S3Options(shards=2)
+    stores = {p: S3Store(bucket, p, options, client=client) for p in ("", "a", "a/b", "ab")}
+    for prefix, store in stores.items():
+        store.append("a/b/s", 0, [NewRecord("k", prefix.encode(), 1.0)])
+        store.append("b", 0, [NewRecord("k", prefix.encode(), 1.0)])
+    for prefix, store in stores.items():
+        assert store.streams() == ["a/b/s", "b"]
+        assert [r.payload for r in store.read("a/b/s")] == [prefix.encode()]
+
+
+def test_ids_cannot_leave_the_prefix(moto_server: S3Server) -> None:
+    store = moto_server.store()
+    for bad in ("../x", "a/../../x", "/abs", "a!b", "a%2F..", "a\\b"):
+        with pytest.raises(InvalidIdError):
+            store.append(bad, 0, _records(1))
+    assert _keys(moto_server, store) == [store.prefix + "!layout.json"]
+
+
+def test_trim_then_removal_after_retention_keeps_the_first_and_last_batches(
+    s3_server: S3Server,
+) -> None:
+    store = s3_server.store(head_ttl=0, retention=0)
+    head = 0
+    for _ in range(6):
+        head = store.append("s", head, _records(2))
+    store.trim("s", 9)  # floor 8: batches 1-2, 3-4, 5-6, 7-8 are below it
+    batches = sorted(key for key in _keys(s3_server, store) if "!R" in key)
+    assert [int(key[-20:]) for key in batches] == [0, 8, 10]  # first (a stub), 9-10, 11-12
+    assert [r.position for r in store.read("s", 8)] == [9, 10, 11, 12]
+    with pytest.raises(TrimmedError):
+        store.read("s", 7)
+    with pytest.raises(ConflictError):
+        store.append("s", 0, _records(1))  # the first key still blocks a re-creation
+    with pytest.raises(ConflictError):
+        store.append("s", 4, _records(1))  # a removed key: refused by the head check
+    store.trim("s", 13)  # everything: the last batch stays, as a stub, holding the head
+    assert store.head("s") == 12
+    assert store.read("s", 12) == []
+    assert store.append("s", 12, _records(1)) == 13
+
+
+def test_removal_waits_for_the_retention_period_and_sweep_finishes_it(
+    s3_server: S3Server,
+) -> None:
+    patient = s3_server.store()  # default retention: an hour
+    head = 0
+    for _ in range(4):
+        head = patient.append("s", head, _records(1))
+    patient.trim("s", 4)
+    patient.delete("s")
+    patient.append("t", 0, _records(1))
+    before = _keys(s3_server, patient)
+    assert sum("!R" in key for key in before) == 6  # s: 4 batches + tombstone; t: 1
+    hasty = S3Store(
+        patient.bucket, patient.prefix, S3Options(retention=0, head_ttl=0),
+        client=s3_server.client(),
+    )
+    assert hasty.sweep() > 0
+    left = sorted(key for key in _keys(s3_server, patient) if "!R" in key)
+    assert [int(key[-20:]) for key in left] == [0, 4, 0]  # s: first stub + tombstone; t: one
+    with pytest.raises(StreamDeletedError):
+        patient.append("s", 0, _records(1))
+    with pytest.raises(StreamDeletedError):
+        patient.append("s", 4, _records(1))
+    assert patient.streams() == ["t"]
+
+
+def test_delete_on_a_versioned_bucket_still_retires_the_name(s3_server: S3Server) -> None:
+    client = s3_server.client()
+    bucket = s3_server.new_bucket()
+    client.put_bucket_versioning(Bucket=bucket, VersioningConfiguration={"Status": "Enabled"})
+    store = S3Store(bucket, "v", S3Options(shards=2, retention=0, head_ttl=0), client=client)
+    store.append("s", 0, _records(3))
+    store.append("s", 3, _records(2))
+    store.delete("s")
+    store.sweep()
+    fresh = S3Store(bucket, "v", S3Options(), client=client)
+    for expected in (0, 3, 5):
+        with pytest.raises(StreamDeletedError):
+            fresh.append("s", expected, _records(1))
+    assert fresh.streams() == []
+
+
+def test_a_delete_racing_an_append_retires_the_stream_at_its_final_head(
+    s3_server: S3Server,
+) -> None:
+    store = s3_server.store()
+    writer = s3_server.twin(store)
+    writer.append("s", 0, _records(1))
+    store.head("s")  # the deleter learns head 1 ...
+    writer.append("s", 1, _records(1))  # ... and the writer moves it to 2 first
+    store.delete("s")
+    with pytest.raises(StreamDeletedError) as caught:
+        writer.append("s", 2, _records(1))
+    assert caught.value.head == 2
