@@ -16,12 +16,13 @@ from loom_store_s3.testing import MotoServer, RadosGateway, S3Server
 
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Send every test that uses Ceph RGW to one worker, so one cluster serves them all."""
     for item in items:
         callspec = getattr(item, "callspec", None)
-        parameter = callspec.params.get("s3_server") if callspec is not None else None
-        if parameter == "rgw" or "rgw_server" in getattr(item, "fixturenames", ()):
+        parameters = callspec.params if callspec is not None else {}
+        if "rgw" in (parameters.get("s3_server"), parameters.get("target")) or "rgw_server" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.xdist_group("rgw"))
 
 

@@ -144,16 +144,25 @@ class S3Store(JournalStore):
         )
 
     def _open_layout(self) -> Layout:
-        """Read the layout descriptor, or write it for a new store."""
-        probe = Layout(self.prefix, 1)
-        for _ in range(2):
-            body = self._transport.get(probe.descriptor_key)
-            if body is not None:
-                return self._read_descriptor(probe.descriptor_key, body)
+        """Read the layout descriptor (writing it for a new store), then prove the server
+        refuses a conditional write to an existing key: every append relies on it."""
+        key = Layout(self.prefix, 1).descriptor_key
+        body = self._transport.get(key)
+        if body is None:
             descriptor = json.dumps({"format": FORMAT, "shards": self._options.shards}).encode()
-            if self._transport.put_new(probe.descriptor_key, descriptor, uuid.uuid4().hex) == "ours":
-                return Layout(self.prefix, self._options.shards)
-        raise StoreUnavailableError(f"cannot read the layout of s3://{self.bucket}/{self.prefix}")
+            self._transport.put_new(key, descriptor, "layout")  # a racing opener's is as good
+            body = self._transport.get(key)
+            if body is None:
+                raise StoreUnavailableError(f"cannot create the layout descriptor {key!r}")
+        layout = self._read_descriptor(key, body)
+        if self._transport.put_new(key, body, "layout-probe") != "taken":
+            raise StoreUnavailableError(
+                f"s3://{self.bucket}/{self.prefix}: the server accepted a conditional write "
+                "(If-None-Match: *) to an existing key, so appends would not be atomic. "
+                "Ceph RGW before Reef ignores If-None-Match on versioned buckets: use an "
+                "unversioned bucket there, or a server that honours conditional writes"
+            )
+        return layout
 
     def _read_descriptor(self, key: str, body: bytes) -> Layout:
         try:

@@ -133,7 +133,6 @@ class S3Server:
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
             "AWS_DEFAULT_REGION": "us-east-1",
-            "LOOM_S3_ENDPOINT": self.endpoint_url,
         }
 
     def stop(self) -> None:

@@ -1,7 +1,7 @@
-"""A worker process for the SQLite crash and concurrency tests (run as a script).
+"""A worker process for the crash and concurrency tests on real stores (run as a script).
 
-    python sqlite_worker.py crash DB SIDE_FILE EXECUTIONS STEPS
-    python sqlite_worker.py race  DB SIDE_FILE EXECUTIONS STEPS
+    python journal_worker.py crash STORE_URL SIDE_FILE EXECUTIONS STEPS
+    python journal_worker.py race  STORE_URL SIDE_FILE EXECUTIONS STEPS
 
 crash: recover what a killed predecessor left, start every execution (idempotent by
 key) and drive them all to the end. race: the same, with a human gate in each flow
@@ -32,7 +32,7 @@ from loom_kernel import (
 
 
 def main() -> int:
-    mode, db, side_file, executions, steps = sys.argv[1:6]
+    mode, url, side_file, executions, steps = sys.argv[1:6]
     side = os.open(side_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def effect(execution_id: str, index: int) -> int:
@@ -47,7 +47,7 @@ def main() -> int:
             done.append(ctx.step("after-gate", effect, ctx.execution_id, count))
         return done
 
-    store = open_store(f"sqlite://{db}?timeout=30")
+    store = open_store(url)
     engine = Engine(store, [pipeline], retry=RetryPolicy(attempts=1))
     keys = [f"job-{number}" for number in range(int(executions))]
     deadline = time.monotonic() + 120

@@ -1,0 +1,120 @@
+"""Durability with real processes, on SQLite and on S3 (Ceph RGW): SIGKILL at random
+moments, and racing workers."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import attrs
+import pytest
+from loom_kernel import Engine, Status, StepCompleted, decode_events, open_store
+from loom_store_s3.testing import S3Server
+
+WORKER = Path(__file__).parent / "journal_worker.py"
+
+
+@attrs.frozen
+class _Target:
+    """A store the workers share: its URL and the environment that reaches it."""
+
+    url: str
+    environment: dict[str, str]
+    sqlite_file: Path | None = None
+
+
+@pytest.fixture(params=["sqlite", "rgw"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> _Target:
+    if request.param == "sqlite":
+        db = tmp_path / "loom.db"
+        open_store(f"sqlite://{db}").close()  # create the schema before any race
+        return _Target(f"sqlite://{db}?timeout=30", {}, db)
+    server: S3Server = request.getfixturevalue("rgw_server")
+    bucket = server.new_bucket()
+    url = f"s3://{bucket}/durability?endpoint_url={server.endpoint_url}&shards=4"
+    return _Target(url, server.environment())
+
+
+def _worker(
+    mode: str, target: _Target, side: Path, executions: int, steps: int
+) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, str(WORKER), mode, target.url, str(side), str(executions), str(steps)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, **target.environment},
+    )
+
+
+def _check_journals(target: _Target, executions: int, steps: int, gate: bool) -> None:
+    with mock.patch.dict(os.environ, target.environment):
+        store = open_store(target.url)
+    engine = Engine(store, [])
+    for number in range(executions):
+        execution_id = f"job-{number}"
+        assert engine.get(execution_id).status is Status.COMPLETED, execution_id
+        records = store.read(f"ex/{execution_id}")
+        assert [r.position for r in records] == list(range(1, len(records) + 1))
+        events = decode_events(records)
+        kinds = collections.Counter(type(e).__name__ for e in events)
+        assert kinds["ExecutionStarted"] == 1
+        assert kinds["ExecutionCompleted"] == 1
+        indices = [e.index for e in events if isinstance(e, StepCompleted)]
+        expected_steps = steps + (1 if gate else 0)
+        assert sorted(indices) == list(range(expected_steps)), f"{execution_id}: steps {indices}"
+        assert kinds["ExecutionResumed"] == (1 if gate else 0), f"{execution_id}: {kinds}"
+    if target.sqlite_file is not None:
+        with sqlite3.connect(target.sqlite_file) as connection:
+            assert connection.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    store.close()
+
+
+def _side_effects(side: Path) -> collections.Counter[str]:
+    return collections.Counter(side.read_text().splitlines())
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_loses_and_doubles_nothing(
+    tmp_path: Path, target: _Target
+) -> None:
+    side = tmp_path / "side-effects.txt"
+    executions, steps, kills = (40, 5, 12) if target.sqlite_file else (12, 4, 8)
+    rng = random.Random(20261130)
+    killed_mid_work = 0
+    for _ in range(kills):
+        worker = _worker("crash", target, side, executions, steps)
+        time.sleep(rng.uniform(0.25, 0.9) if target.sqlite_file else rng.uniform(1.0, 2.5))  # let it get into the work, then pull the plug
+        if worker.poll() is None:
+            worker.kill()  # SIGKILL: no cleanup, no flush, mid-transaction if it is in one
+            killed_mid_work += 1
+        worker.wait()
+    final = _worker("crash", target, side, executions, steps)
+    _out, err = final.communicate(timeout=300)
+    assert final.returncode == 0, err.decode()
+    assert killed_mid_work >= kills // 2, "the workers finished before they could be killed"
+    _check_journals(target, executions, steps, gate=False)
+    effects = _side_effects(side)
+    for number in range(executions):
+        for index in range(steps):
+            assert effects[f"job-{number}:{index}"] >= 1, "every step ran at least once"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [2, 4])
+def test_racing_worker_processes_double_nothing(
+    tmp_path: Path, target: _Target, workers: int
+) -> None:
+    side = tmp_path / "side-effects.txt"
+    executions, steps = 15, 3
+    running = [_worker("race", target, side, executions, steps) for _ in range(workers)]
+    for worker in running:
+        _out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err.decode()
+    _check_journals(target, executions, steps, gate=True)
