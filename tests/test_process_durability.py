@@ -90,7 +90,9 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(
     killed_mid_work = 0
     for _ in range(kills):
         worker = _worker("crash", target, side, executions, steps)
-        time.sleep(rng.uniform(0.25, 0.9) if target.sqlite_file else rng.uniform(1.0, 2.5))  # let it get into the work, then pull the plug
+        time.sleep(
+            rng.uniform(0.25, 0.9) if target.sqlite_file else rng.uniform(1.0, 2.5)
+        )  # let it get into the work, then pull the plug
         if worker.poll() is None:
             worker.kill()  # SIGKILL: no cleanup, no flush, mid-transaction if it is in one
             killed_mid_work += 1

@@ -32,7 +32,9 @@ def _error(status: int, code: str) -> AWSResponse:
 
 
 def _records(tag: str, count: int = 1) -> list[NewRecord]:
-    return [NewRecord("test.fault", f"{tag}{index}".encode(), 1.0 + index) for index in range(count)]
+    return [
+        NewRecord("test.fault", f"{tag}{index}".encode(), 1.0 + index) for index in range(count)
+    ]
 
 
 class _Injector:

@@ -59,8 +59,14 @@ def test_url_options_are_parsed_and_checked() -> None:
     )
     assert (bucket, prefix) == ("my-bucket", "loom/prod")
     assert options == S3Options(
-        endpoint_url="http://127.0.0.1:9000", region="eu-west-1", shards=16, head_ttl=5,
-        retention=7200, timeout=3, attempts=2, workers=4,
+        endpoint_url="http://127.0.0.1:9000",
+        region="eu-west-1",
+        shards=16,
+        head_ttl=5,
+        retention=7200,
+        timeout=3,
+        attempts=2,
+        workers=4,
     )
     for bad in (
         "s3:///no-bucket",
@@ -198,7 +204,9 @@ def test_removal_waits_for_the_retention_period_and_sweep_finishes_it(
     before = _keys(s3_server, patient)
     assert sum("!R" in key for key in before) == 6  # s: 4 batches + tombstone; t: 1
     hasty = S3Store(
-        patient.bucket, patient.prefix, S3Options(retention=0, head_ttl=0),
+        patient.bucket,
+        patient.prefix,
+        S3Options(retention=0, head_ttl=0),
         client=s3_server.client(),
     )
     assert hasty.sweep() > 0

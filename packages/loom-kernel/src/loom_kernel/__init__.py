@@ -46,6 +46,7 @@ from loom_kernel._events import (
     StepFailed,
     known_event_types,
 )
+from loom_kernel._faults import Fault
 from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
 from loom_kernel._ids import MAX_ID_LENGTH, validate_prefix, validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord, Record
@@ -77,6 +78,7 @@ __all__ = [
     "ExecutionStarted",
     "ExecutionState",
     "ExecutionSuspended",
+    "Fault",
     "Flow",
     "Gate",
     "HistoryEntry",

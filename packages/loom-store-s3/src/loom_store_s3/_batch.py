@@ -77,7 +77,9 @@ def decode_batch(key: str, body: bytes) -> Batch:
             f"batch object {key!r} has format {version}, newer than this loom-store-s3 "
             f"(format {FORMAT}): upgrade loom-store-s3"
         )
-    commit, start, count, state = (header.get(name) for name in ("commit", "start", "count", "state"))
+    commit, start, count, state = (
+        header.get(name) for name in ("commit", "start", "count", "state")
+    )
     if (
         version != FORMAT
         or not isinstance(commit, str)
@@ -86,7 +88,8 @@ def decode_batch(key: str, body: bytes) -> Batch:
         or state not in _STATES
     ):
         raise _damaged(key, "bad header fields")
-    assert isinstance(start, int) and isinstance(count, int)  # for mypy: checked above
+    assert isinstance(start, int)  # for mypy: checked above
+    assert isinstance(count, int)
     if state != "live":
         return Batch(commit, start, count, state)
     kinds, stamps, sizes = header.get("kinds"), header.get("ts"), header.get("sizes")
@@ -102,7 +105,11 @@ def decode_batch(key: str, body: bytes) -> Batch:
     records: list[Record] = []
     offset = 0
     for index, (kind, stamp, size) in enumerate(zip(kinds, stamps, sizes, strict=True)):
-        if not isinstance(kind, str) or isinstance(stamp, bool) or not isinstance(stamp, int | float):
+        if (
+            not isinstance(kind, str)
+            or isinstance(stamp, bool)
+            or not isinstance(stamp, int | float)
+        ):
             raise _damaged(key, f"record {start + index + 1} has a bad kind or timestamp")
         records.append(Record(start + index + 1, kind, rest[offset : offset + size], float(stamp)))
         offset += size

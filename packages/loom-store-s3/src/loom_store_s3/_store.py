@@ -16,8 +16,11 @@ from datetime import datetime
 from typing import Any
 
 import attrs
+import boto3
+from botocore.config import Config
 from loom_kernel import (
     ConflictError,
+    Fault,
     InvalidArgumentError,
     JournalStore,
     NewRecord,
@@ -26,7 +29,6 @@ from loom_kernel import (
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel.testing import Fault
 
 from loom_store_s3._batch import Batch, decode_batch, encode_batch, encode_marker
 from loom_store_s3._layout import FORMAT, Layout
@@ -102,7 +104,8 @@ class S3Store(JournalStore):
         self.bucket = bucket
         self.prefix = prefix
         self._transport = Transport(
-            client if client is not None else self._make_client(session), bucket,
+            client if client is not None else self._make_client(session),
+            bucket,
             self._options.attempts,
         )
         self._layout = self._open_layout()
@@ -116,13 +119,13 @@ class S3Store(JournalStore):
             _log.warning(
                 "S3 store %s/%s: retention %.0f s does not exceed head_ttl %.0f s plus the "
                 "15-minute signature window; a very late writer could reuse a removed key",
-                bucket, prefix, self._options.retention, self._options.head_ttl,
+                bucket,
+                prefix,
+                self._options.retention,
+                self._options.head_ttl,
             )
 
     def _make_client(self, session: Any) -> Any:
-        import boto3
-        from botocore.config import Config
-
         options = self._options
         addressing = options.addressing
         if addressing == "auto" and options.endpoint_url is not None:

@@ -213,7 +213,11 @@ class Transport:
                 raise self._fail("DeleteObjects", exc) from exc
 
     def pages(
-        self, prefix: str, *, start_after: str | None = None, delimiter: str | None = None,
+        self,
+        prefix: str,
+        *,
+        start_after: str | None = None,
+        delimiter: str | None = None,
         page_size: int = 1000,
     ) -> Iterator[dict[str, Any]]:
         """ListObjectsV2 responses, page by page, in key order."""

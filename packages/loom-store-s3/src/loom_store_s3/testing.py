@@ -22,6 +22,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import boto3
+from botocore.config import Config
+
+from loom_store_s3._options import S3Options
+from loom_store_s3._store import S3Store
+
 __all__ = ["MotoServer", "RadosGateway", "S3Server", "free_port", "strip_expect_header"]
 
 _RGW_PROGRAMS = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
@@ -64,9 +70,6 @@ class S3Server:
 
     def client(self, **config: Any) -> Any:
         """A boto3 client for this server with botocore's retries off (as the store needs)."""
-        import boto3
-        from botocore.config import Config
-
         settings: dict[str, Any] = {
             "retries": {"total_max_attempts": 1},
             "s3": {"addressing_style": "path"},
@@ -95,8 +98,6 @@ class S3Server:
             client: the store's boto3 client (a shared one by default).
             **options: S3Options fields.
         """
-        from loom_store_s3 import S3Options, S3Store
-
         if getattr(self, "_shared", None) is None:
             self._shared = (self.new_bucket(), self.client())
         bucket, shared_client = self._shared
@@ -109,15 +110,11 @@ class S3Server:
 
     def reopen(self, store: Any) -> Any:
         """A new S3Store instance over the same bucket and prefix as `store`."""
-        from loom_store_s3 import S3Store
-
         store.close()
         return S3Store(store.bucket, store.prefix, store.options, client=self._shared[1])
 
     def twin(self, store: Any, client: Any = None) -> Any:
         """Another S3Store over the same data as `store` (another process, say)."""
-        from loom_store_s3 import S3Store
-
         return S3Store(store.bucket, store.prefix, store.options, client=client or self._shared[1])
 
     def new_bucket(self) -> str:
@@ -156,7 +153,7 @@ class MotoServer(S3Server):
     bucket_per_store = True
 
     def __init__(self) -> None:
-        from moto.server import ThreadedMotoServer
+        from moto.server import ThreadedMotoServer  # noqa: PLC0415 - the optional 'testing' extra
 
         port = free_port()
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
@@ -286,8 +283,14 @@ rgw dns name = 127.0.0.1
         mon_port, rgw_port = free_port(), free_port()
         conf = str(self._conf(mon_port, rgw_port, fsid))
         self._run(
-            "monmaptool", "--create", "--addv", "a", f"[v1:127.0.0.1:{mon_port}]",
-            "--fsid", fsid, str(d / "monmap"),
+            "monmaptool",
+            "--create",
+            "--addv",
+            "a",
+            f"[v1:127.0.0.1:{mon_port}]",
+            "--fsid",
+            fsid,
+            str(d / "monmap"),
         )
         self._run("ceph-mon", "-c", conf, "--mkfs", "-i", "a", "--monmap", str(d / "monmap"))
         self._spawn("ceph-mon", "-c", conf, "-i", "a")
@@ -300,8 +303,16 @@ rgw dns name = 127.0.0.1
         self.endpoint_url = f"http://127.0.0.1:{rgw_port}"
         _wait_http(self.endpoint_url, self._deadline)
         self._run(
-            "radosgw-admin", "-c", conf, "-n", "client.rgw", "user", "create", "--uid=loom",
-            "--display-name=loom", f"--access-key={self.access_key}",
+            "radosgw-admin",
+            "-c",
+            conf,
+            "-n",
+            "client.rgw",
+            "user",
+            "create",
+            "--uid=loom",
+            "--display-name=loom",
+            f"--access-key={self.access_key}",
             f"--secret={self.secret_key}",
         )
         self._wait_ready()

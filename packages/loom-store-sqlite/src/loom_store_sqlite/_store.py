@@ -16,6 +16,7 @@ from urllib.parse import parse_qsl, urlsplit
 import attrs
 from loom_kernel import (
     ConflictError,
+    Fault,
     InvalidArgumentError,
     JournalStore,
     NewRecord,
@@ -24,7 +25,6 @@ from loom_kernel import (
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel.testing import Fault
 
 from loom_store_sqlite._schema import ensure_schema
 
