@@ -510,6 +510,49 @@ def test_cancel_from_another_engine_stops_a_running_flow_before_its_next_step(
     assert engine.get(ex.id).status is Status.CANCELLED
 
 
+class _CostlyHeadStore(MemoryStore):
+    """A store that says its head is a round trip, as S3's is."""
+
+    head_is_cheap = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.heads = 0
+
+    def _head(self, stream: str) -> int:
+        self.heads += 1
+        return super()._head(stream)
+
+
+def test_a_store_with_a_costly_head_is_not_asked_before_each_step_yet_a_cancel_holds(
+    clock: FakeClock,
+) -> None:
+    store = _CostlyHeadStore()
+    ran: list[str] = []
+    other = Engine(store, [], clock=clock)
+
+    @flow
+    def racing(ctx: Context, _input: Any) -> Any:
+        ctx.step("one", lambda: ran.append("one"))
+        other.cancel(ctx.execution_id, "meanwhile")
+        ctx.step("two", lambda: ran.append("two"))  # runs: nobody looked at the head
+        return "done"
+
+    @flow
+    def ten(ctx: Context, _input: Any) -> Any:
+        return [ctx.step(f"s{index}", lambda index=index: index) for index in range(10)]
+
+    engine = Engine(store, [racing, ten], clock=clock)
+    store.heads = 0
+    engine.start("ten")
+    assert store.heads == 0, "no head lookups between steps"
+    ex = engine.start("racing", key="r")
+    assert ran == ["one", "two"]  # at least once, as documented ...
+    view = engine.get(ex.id)
+    assert view.status is Status.CANCELLED  # ... but its result was never journaled
+    assert [frame.name for frame in engine.frames(ex.id).values()] == ["one"]
+
+
 def test_code_hash_is_pinned_at_start(make_engine: EngineFactory) -> None:
     @flow
     def pinned(ctx: Context, _input: Any) -> int:

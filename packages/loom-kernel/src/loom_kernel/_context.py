@@ -208,7 +208,10 @@ class _Replay:
 
         A cancel, or another worker driving the same run, moves the head; then this
         run stops before it starts a step, instead of finding out at the next append.
+        Skipped on stores whose head is a network round trip (`head_is_cheap`).
         """
+        if not self._engine.store.head_is_cheap:
+            return
         try:
             head = self._engine.store.head(self._stream)
         except LoomError as exc:

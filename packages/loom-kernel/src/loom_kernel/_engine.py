@@ -292,6 +292,8 @@ class Engine:
     def _load_into(
         self, execution_id: str, stream: str, state: ExecutionState | None
     ) -> ExecutionState:
+        if state is not None and state.status.finished:
+            return state  # a finished run's journal never changes: no store round trip
         try:
             if state is not None:
                 try:

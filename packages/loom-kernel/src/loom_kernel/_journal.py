@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Final, NamedTuple
+from typing import ClassVar, Final, NamedTuple
 
 import attrs
 
@@ -88,7 +88,16 @@ class JournalStore(abc.ABC):
     then call the protected hooks a store implements. docs/spi.md is the contract:
     what each hook must do, which errors it raises and how it handles an ambiguous
     failure. Every store must pass the conformance kit in loom_kernel.testing.
+
+    Attributes:
+        head_is_cheap: whether `head()` costs about as little as a local read. The
+            engine looks at the head before each new step, to stop early when a
+            cancel or another worker has moved the run on; a store whose head is a
+            network round trip (S3) sets this False, and the engine then learns of
+            such a move at its next append, which the conflict rule refuses anyway.
     """
+
+    head_is_cheap: ClassVar[bool] = True
 
     def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
         """Append records atomically where the stream's head is exactly `expected`.

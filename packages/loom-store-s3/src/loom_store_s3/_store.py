@@ -91,6 +91,8 @@ class S3Store(JournalStore):
         session: a boto3 Session to make the client from.
     """
 
+    head_is_cheap = False  # a head is a LIST and a GET: the engine skips its pre-step look
+
     def __init__(
         self,
         bucket: str,
@@ -249,9 +251,11 @@ class S3Store(JournalStore):
         fault = self._faults.popleft() if self._faults else None
         if fault is Fault.UNAVAILABLE:
             raise StoreUnavailableError(f"S3 store: injected fault before appending to {stream!r}")
-        if self._trusted_head(stream) != expected:
+        if expected != 0 and self._trusted_head(stream) != expected:
             # Not the one-request path: the head must be a real batch boundary, never a
-            # position inside a batch (that would create an overlapping batch).
+            # position inside a batch (that would create an overlapping batch). Zero
+            # always is one, and key 0 is never removed (see _clean), so an append at
+            # 0 to a stream that exists, or did, meets that key and is refused.
             scan = self._scan(stream)
             if scan.deleted:
                 raise StreamDeletedError(stream, scan.head)
