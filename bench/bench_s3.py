@@ -18,32 +18,15 @@ import argparse
 import statistics
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
 from loom_kernel import Context, Engine, flow
 from loom_store_s3 import S3Options, S3Store
-from loom_store_s3.testing import MotoServer, RadosGateway, S3Server
+from loom_store_s3.testing import MotoServer, RadosGateway, RequestCounter, S3Server
 
 ROUNDS = 5
 BODY = b'{"v":1,"commit":"0123456789abcdef0123456789abcdef","start":7,"count":1}\n' + b"x" * 90
-
-
-class _Requests:
-    """Counts a client's requests by operation."""
-
-    def __init__(self, client: Any) -> None:
-        self.calls: Counter[str] = Counter()
-        client.meta.events.register("before-call.s3", self._count)
-
-    def _count(self, model: Any, **_: Any) -> None:
-        self.calls[model.name] += 1
-
-    def take(self) -> dict[str, int]:
-        calls = dict(self.calls)
-        self.calls.clear()
-        return calls
 
 
 def _timed(func: Callable[[], object]) -> float:
@@ -85,7 +68,7 @@ def _store(server: S3Server, bucket: str, client: Any, prefix: str) -> S3Store:
 def _measure(server: S3Server) -> None:
     client = server.client()
     bucket = server.new_bucket()
-    requests = _Requests(client)
+    requests = RequestCounter(client)
     engine = Engine(_store(server, bucket, client, "bench"), [steps, parked])
     engine.start("bench.steps", 10)  # warm up the connection pool and the code paths
     _raw_puts(client, bucket, 20)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections import Counter
 from typing import Any
 
 import pytest
@@ -19,7 +18,7 @@ from loom_kernel import (
 )
 from loom_store_s3 import S3Options, S3Store
 from loom_store_s3._options import parse_s3_url
-from loom_store_s3.testing import S3Server
+from loom_store_s3.testing import RequestCounter, S3Server
 
 
 def _records(count: int, tag: str = "r") -> list[NewRecord]:
@@ -34,22 +33,6 @@ def _keys(server: S3Server, store: S3Store) -> list[str]:
     ):
         keys.extend(item["Key"] for item in page.get("Contents", []))
     return keys
-
-
-class _Counter:
-    """Counts the requests a client sends, by operation."""
-
-    def __init__(self, client: Any) -> None:
-        self.calls: Counter[str] = Counter()
-        client.meta.events.register("before-call.s3", self._count)
-
-    def _count(self, model: Any, **_: Any) -> None:
-        self.calls[model.name] += 1
-
-    def take(self) -> dict[str, int]:
-        calls = dict(self.calls)
-        self.calls.clear()
-        return calls
 
 
 def test_url_options_are_parsed_and_checked() -> None:
@@ -128,7 +111,7 @@ def test_one_put_per_append_on_a_known_head_and_one_list_for_a_cold_head(
 ) -> None:
     client = s3_server.client()
     store = s3_server.store(client=client)
-    counter = _Counter(client)
+    counter = RequestCounter(client)
     head = 0
     head = store.append("run/1", head, _records(1))  # a new stream: key 0, no look first
     assert counter.take() == {"PutObject": 1}

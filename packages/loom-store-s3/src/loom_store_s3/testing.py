@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,14 @@ from botocore.config import Config
 from loom_store_s3._options import S3Options
 from loom_store_s3._store import S3Store
 
-__all__ = ["MotoServer", "RadosGateway", "S3Server", "free_port", "strip_expect_header"]
+__all__ = [
+    "MotoServer",
+    "RadosGateway",
+    "RequestCounter",
+    "S3Server",
+    "free_port",
+    "strip_expect_header",
+]
 
 _RGW_PROGRAMS = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "monmaptool", "ceph")
 
@@ -43,6 +51,23 @@ def free_port() -> int:
 def strip_expect_header(request: Any, **_: Any) -> None:
     """botocore before-send hook: drop `Expect: 100-continue` (it costs moto ~12 ms a PUT)."""
     request.headers.pop("Expect", None)
+
+
+class RequestCounter:
+    """Counts the requests a boto3 S3 client sends, by operation (for tests and benchmarks)."""
+
+    def __init__(self, client: Any) -> None:
+        self.calls: Counter[str] = Counter()
+        client.meta.events.register("before-call.s3", self._count)
+
+    def _count(self, model: Any, **_: Any) -> None:
+        self.calls[model.name] += 1
+
+    def take(self) -> dict[str, int]:
+        """The counts since the last take(), by operation name; then start again."""
+        calls = dict(self.calls)
+        self.calls.clear()
+        return calls
 
 
 def _wait_http(url: str, deadline: float) -> None:
