@@ -13,8 +13,14 @@ class TestS3Store(StoreContract):
     hypothesis_settings = settings(DEFAULT_SETTINGS, max_examples=15, stateful_step_count=25)
 
     @pytest.fixture(autouse=True)
-    def _server(self, s3_server: S3Server) -> None:
+    def _server(self, s3_server: S3Server, request: pytest.FixtureRequest) -> None:
         self.server = s3_server
+        check = request.node.callspec.params.get("check")
+        if s3_server.name == "moto" and check == "racing_appends_have_one_winner":
+            pytest.skip(
+                "moto's If-None-Match is check-then-act without a lock, so racers can both "
+                "win on moto itself; this check runs on Ceph RGW, which is atomic"
+            )
 
     def make_store(self) -> JournalStore:
         store: JournalStore = self.server.store()
