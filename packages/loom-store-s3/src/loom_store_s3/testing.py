@@ -9,6 +9,7 @@ is absent so a test can skip with a reason.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -324,6 +325,7 @@ rgw dns name = 127.0.0.1
         osd_id = self._run(*ceph, "osd", "new", osd_uuid).strip()
         self._run("ceph-osd", "-c", conf, "-i", osd_id, "--mkfs", "--osd-uuid", osd_uuid)
         self._spawn("ceph-osd", "-c", conf, "-i", osd_id)
+        self._wait_osd_up(ceph)
         self._spawn("radosgw", "-c", conf, "-n", "client.rgw")
         self.endpoint_url = f"http://127.0.0.1:{rgw_port}"
         _wait_http(self.endpoint_url, self._deadline)
@@ -341,6 +343,17 @@ rgw dns name = 127.0.0.1
             f"--secret={self.secret_key}",
         )
         self._wait_ready()
+
+    def _wait_osd_up(self, ceph: tuple[str, ...]) -> None:
+        """Until the OSD reports up; an OSD that failed to register never will, so a
+        short deadline lets the caller start over instead of waiting for radosgw."""
+        deadline = min(self._deadline, time.monotonic() + 20)
+        while time.monotonic() < deadline:
+            dump = json.loads(self._run(*ceph, "osd", "dump", "--format", "json"))
+            if any(osd.get("up") == 1 for osd in dump.get("osds", [])):
+                return
+            time.sleep(0.3)
+        raise RuntimeError("the OSD did not come up")
 
     def _wait_ready(self) -> None:
         """Until a bucket can be created and written (the OSD may still be peering)."""
