@@ -117,6 +117,7 @@ class S3Store(JournalStore):
             max_workers=self._options.workers, thread_name_prefix="loom-s3"
         )
         self._faults: deque[Fault] = deque()
+        self._closed = False
         if not self._options.retention_is_safe:
             _log.warning(
                 "S3 store %s/%s: retention %.0f s does not exceed head_ttl %.0f s plus the "
@@ -195,6 +196,7 @@ class S3Store(JournalStore):
 
     def close(self) -> None:
         """Stop the read workers; the boto3 client needs no closing."""
+        self._closed = True
         self._pool.shutdown(wait=False)
 
     # -- what a stream looks like ------------------------------------------------------
@@ -313,6 +315,8 @@ class S3Store(JournalStore):
             if end > after and key.number < stop:
                 wanted.append(key.key)
         last_key = scan.batches[-1].key
+        if self._closed:
+            raise StoreUnavailableError(f"S3 store s3://{self.bucket}/{self.prefix} is closed")
         fetched = list(
             self._pool.map(
                 lambda key: scan.last if key == last_key else self._get_batch(key), wanted
