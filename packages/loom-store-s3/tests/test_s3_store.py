@@ -236,3 +236,15 @@ def test_a_delete_racing_an_append_retires_the_stream_at_its_final_head(
     with pytest.raises(StreamDeletedError) as caught:
         writer.append("s", 2, _records(1))
     assert caught.value.head == 2
+
+
+def test_missing_credentials_are_a_clear_error_not_a_botocore_one(
+    moto_server: S3Server, monkeypatch: Any, tmp_path: Any
+) -> None:
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    with pytest.raises(StoreUnavailableError, match="NoCredentialsError"):
+        S3Store(moto_server.new_bucket(), "p", S3Options(endpoint_url=moto_server.endpoint_url))

@@ -13,7 +13,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final, Literal, TypeVar
 
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
+from botocore.exceptions import ConnectionError as BotoConnectionError
 from loom_kernel import InvalidArgumentError, StoreUnavailableError
 
 __all__ = ["Outcome", "Transport", "classify"]
@@ -28,6 +29,8 @@ _PERMANENT: Final = frozenset(
     {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "NoSuchBucket"}
 )
 _NOT_FOUND: Final = frozenset({"NoSuchKey", "404", "NotFound"})
+#: botocore's errors for a request that failed in transit (timeouts, lost connections).
+_TRANSPORT_FAULTS: Final = (BotoConnectionError, HTTPClientError)
 
 
 def classify(exc: BaseException) -> Literal["conflict", "missing", "permanent", "transient"]:
@@ -49,6 +52,8 @@ def classify(exc: BaseException) -> Literal["conflict", "missing", "permanent", 
         if code in _PERMANENT or status in (400, 401, 403):
             return "permanent"
         return "transient"
+    if isinstance(exc, BotoCoreError) and not isinstance(exc, _TRANSPORT_FAULTS):
+        return "permanent"  # no credentials, a bad parameter: retrying cannot help
     return "transient"
 
 
@@ -85,9 +90,8 @@ class Transport:
             try:
                 return call()
             except (ClientError, BotoCoreError) as exc:
-                kind = classify(exc)
-                if kind != "transient":
-                    raise
+                if classify(exc) != "transient":
+                    raise self._fail(what, exc) from exc
                 if attempt + 1 == self.attempts:
                     raise StoreUnavailableError(
                         f"S3 {what} failed {self.attempts} times on bucket {self.bucket!r}: "
@@ -118,10 +122,7 @@ class Transport:
                     return None
                 raise
 
-        try:
-            return self._retrying(f"GET {key}", call)
-        except ClientError as exc:
-            raise self._fail(f"GET {key}", exc) from exc
+        return self._retrying(f"GET {key}", call)
 
     def commit_of(self, key: str) -> str | None:
         """The commit id stored with an object (HEAD), None when it does not exist."""
@@ -135,22 +136,16 @@ class Transport:
                 raise
             return str(response.get("Metadata", {}).get("loom-commit", ""))
 
-        try:
-            return self._retrying(f"HEAD {key}", call)
-        except ClientError as exc:
-            raise self._fail(f"HEAD {key}", exc) from exc
+        return self._retrying(f"HEAD {key}", call)
 
     def put(self, key: str, body: bytes, commit: str = "") -> None:
         """An unconditional write (idempotent: markers, stubs, index entries)."""
-        try:
-            self._retrying(
-                f"PUT {key}",
-                lambda: self.client.put_object(
-                    Bucket=self.bucket, Key=key, Body=body, Metadata={"loom-commit": commit}
-                ),
-            )
-        except ClientError as exc:
-            raise self._fail(f"PUT {key}", exc) from exc
+        self._retrying(
+            f"PUT {key}",
+            lambda: self.client.put_object(
+                Bucket=self.bucket, Key=key, Body=body, Metadata={"loom-commit": commit}
+            ),
+        )
 
     def put_new(self, key: str, body: bytes, commit: str, *, lose_reply: bool = False) -> Outcome:
         """Create `key` only if it does not exist (If-None-Match: *).
@@ -207,10 +202,7 @@ class Transport:
                 if errors:
                     raise StoreUnavailableError(f"S3 DeleteObjects left {len(errors)} objects")
 
-            try:
-                self._retrying("DeleteObjects", call)
-            except ClientError as exc:
-                raise self._fail("DeleteObjects", exc) from exc
+            self._retrying("DeleteObjects", call)
 
     def pages(
         self,
@@ -227,12 +219,9 @@ class Transport:
         if delimiter is not None:
             arguments["Delimiter"] = delimiter
         while True:
-            try:
-                page: dict[str, Any] = self._retrying(
-                    f"LIST {prefix}", lambda: self.client.list_objects_v2(**arguments)
-                )
-            except ClientError as exc:
-                raise self._fail(f"LIST {prefix}", exc) from exc
+            page: dict[str, Any] = self._retrying(
+                f"LIST {prefix}", lambda: self.client.list_objects_v2(**arguments)
+            )
             yield page
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
