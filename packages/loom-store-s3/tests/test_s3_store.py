@@ -248,3 +248,20 @@ def test_missing_credentials_are_a_clear_error_not_a_botocore_one(
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     with pytest.raises(StoreUnavailableError, match="NoCredentialsError"):
         S3Store(moto_server.new_bucket(), "p", S3Options(endpoint_url=moto_server.endpoint_url))
+
+
+def test_a_writer_that_no_longer_trusts_its_head_is_refused_at_a_removed_key(
+    s3_server: S3Server,
+) -> None:
+    hasty = s3_server.store(head_ttl=0, retention=0)
+    stale = s3_server.twin(hasty)  # the same head_ttl=0: it checks before every append
+    stale.append("s", 0, _records(2))  # it learns head 2 ...
+    head = 2
+    for _ in range(3):
+        head = hasty.append("s", head, _records(2))  # ... others append R2, R4, R6 ...
+    hasty.trim("s", 7)  # ... and trim, removing R2 and R4 at once (retention 0)
+    assert not any(key.endswith("R" + "2".zfill(20)) for key in _keys(s3_server, hasty))
+    with pytest.raises(ConflictError) as caught:
+        stale.append("s", 2, _records(1, "late"))
+    assert caught.value.actual == 8
+    assert [r.position for r in hasty.read("s", 6)] == [7, 8]
