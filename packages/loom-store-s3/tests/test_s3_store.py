@@ -75,10 +75,18 @@ def test_open_store_finds_the_s3_scheme(moto_server: S3Server, monkeypatch: Any)
     assert open_store(url).read("x")[0].payload == b"r0"
 
 
-def test_a_client_with_retries_on_is_refused(moto_server: S3Server) -> None:
-    client = moto_server.client(retries={"total_max_attempts": 3})
+@pytest.mark.parametrize(
+    "retries", [{"total_max_attempts": 3}, {"max_attempts": 2}, {"mode": "standard"}, None]
+)
+def test_a_client_with_retries_on_is_refused(moto_server: S3Server, retries: Any) -> None:
+    client = moto_server.client(retries=retries)
     with pytest.raises(InvalidArgumentError, match="retries off"):
         S3Store(moto_server.new_bucket(), "p", client=client)
+
+
+def test_a_client_with_retries_off_is_accepted(moto_server: S3Server) -> None:
+    client = moto_server.client(retries={"max_attempts": 0})
+    S3Store(moto_server.new_bucket(), "p", client=client).append("s", 0, _records(1))
 
 
 def test_a_missing_bucket_is_a_clear_error(moto_server: S3Server) -> None:

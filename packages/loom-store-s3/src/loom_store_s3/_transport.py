@@ -72,8 +72,10 @@ class Transport:
 
     def __init__(self, client: Any, bucket: str, attempts: int) -> None:
         retries = client.meta.config.retries or {}
-        total = retries.get("total_max_attempts", retries.get("max_attempts", 0) + 1)
-        if total != 1:
+        total = retries.get("total_max_attempts")
+        if total is None and "max_attempts" in retries:
+            total = retries["max_attempts"] + 1
+        if total != 1:  # None: botocore's default, which retries
             raise InvalidArgumentError(
                 "the S3 client passed to the store must have botocore's retries off "
                 "(Config(retries={'total_max_attempts': 1})): a conditional write retried "
