@@ -89,6 +89,16 @@ def test_a_client_with_retries_off_is_accepted(moto_server: S3Server) -> None:
     S3Store(moto_server.new_bucket(), "p", client=client).append("s", 0, _records(1))
 
 
+@pytest.mark.parametrize(
+    ("bucket", "prefix"), [("UPPER", "p"), ("a", "p"), ("ok-bucket", "../up"), ("ok-bucket", "a!b")]
+)
+def test_bad_bucket_names_and_prefixes_are_refused_before_any_request(
+    bucket: str, prefix: str
+) -> None:
+    with pytest.raises(InvalidArgumentError):
+        S3Store(bucket, prefix, client=object())
+
+
 def test_a_missing_bucket_is_a_clear_error(moto_server: S3Server) -> None:
     with pytest.raises(StoreUnavailableError, match="NoSuchBucket"):
         S3Store("loom-no-such-bucket", "p", client=moto_server.client())

@@ -6,6 +6,7 @@ import heapq
 import itertools
 import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -28,16 +29,18 @@ from loom_kernel import (
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
+    validate_stream_id,
 )
 
 from loom_store_s3._batch import Batch, decode_batch, encode_batch, encode_marker
-from loom_store_s3._layout import FORMAT, Layout
+from loom_store_s3._layout import FORMAT, MAX_SHARDS, Layout
 from loom_store_s3._options import S3Options
 from loom_store_s3._transport import Transport
 
 __all__ = ["S3Store"]
 
 _log = logging.getLogger("loom.s3")
+_BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]")
 
 
 @attrs.frozen
@@ -103,6 +106,13 @@ class S3Store(JournalStore):
         session: Any = None,
     ) -> None:
         self._options = options or S3Options()
+        if not isinstance(bucket, str) or not _BUCKET.fullmatch(bucket):
+            raise InvalidArgumentError(
+                f"not an S3 bucket name (3-63 of a-z 0-9 . -, starting and ending with a "
+                f"letter or digit): {bucket!r}"
+            )
+        if prefix:
+            validate_stream_id(prefix)  # the stream-id rules: it cannot climb out of the bucket
         self.bucket = bucket
         self.prefix = prefix
         self._transport = Transport(
@@ -181,7 +191,7 @@ class S3Store(JournalStore):
                 f"s3://{self.bucket}/{self.prefix} was written by a newer loom-store-s3 "
                 f"(format {version}; this one reads format {FORMAT}): upgrade loom-store-s3"
             )
-        if not isinstance(shards, int) or not 1 <= shards <= 256:
+        if not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
             raise StoreUnavailableError(f"damaged layout descriptor {key!r}: shards={shards!r}")
         return Layout(self.prefix, shards)
 
