@@ -173,22 +173,22 @@ def test_fast_step_encoding_is_byte_identical(
     assert fast == general
 
 
-@pytest.mark.parametrize("parser", ["json", "orjson"])
+@pytest.mark.parametrize("parser", ["json", "msgspec"])
 def test_both_parsers_give_the_same_events_and_errors(
     parser: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """orjson (the `fast` extra) reads journals when installed; json.loads otherwise."""
+    """msgspec (the `fast` extra) reads journals when installed; json.loads otherwise."""
     from loom_kernel import _codec
 
     if parser == "json":
         monkeypatch.setattr(_codec, "_parse_many", json.loads)
     else:
-        orjson = pytest.importorskip(
-            "orjson"
+        msgspec = pytest.importorskip(
+            "msgspec"
         )  # the workspace installs it; the kernel alone does not
-        monkeypatch.setattr(_codec, "_parse_many", orjson.loads)
+        monkeypatch.setattr(_codec, "_parse_many", msgspec.json.decode)
     records = [_stored(event, position) for position, event in enumerate(ALL_EVENTS, start=1)]
-    big = encode_event(StepCompleted(0, "big", 2**80), 1.0)  # beyond orjson's integers
+    big = encode_event(StepCompleted(0, "big", 2**80), 1.0)  # beyond 64-bit integers
     records.append(Record(len(records) + 1, big.kind, big.payload, big.timestamp))
     decoded = _codec.decode_events(records, "exec/1")
     assert decoded[: len(ALL_EVENTS)] == ALL_EVENTS

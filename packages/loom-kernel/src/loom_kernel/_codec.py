@@ -30,17 +30,19 @@ __all__ = [
     "register_upcaster",
 ]
 
-#: Parses a joined journal: orjson (the optional `fast` extra) when installed,
-#: measured at about half the time of json.loads on 10,000 records. Anything it
-#: refuses is decoded record by record with the standard library, so both give the
-#: same events and the same errors. Writing always uses the standard library.
+#: Parses a joined journal: msgspec (the optional `fast` extra) when installed,
+#: measured at about half the time of json.loads on 10,000 records. It reads every
+#: integer exactly (orjson, tried first, turned integers beyond 64 bits into floats).
+#: Anything it refuses (1e400, say) is parsed record by record with the standard
+#: library, so both give the same envelopes and the same errors. Writing always uses
+#: the standard library.
 _parse_many: Callable[[bytes], Any]
 try:
-    from orjson import loads as _orjson_loads
+    from msgspec.json import decode as _msgspec_decode  # its errors are ValueErrors
 except ImportError:  # pragma: no cover - depends on what is installed
     _parse_many = json.loads
 else:
-    _parse_many = _orjson_loads
+    _parse_many = _msgspec_decode
 
 #: The kernel's one converter: events and user values (attrs classes, dataclasses) go through it.
 CONVERTER: Final = cattrs.Converter()
@@ -199,21 +201,31 @@ def decode_event(record: Record, stream: str | None = None) -> Event:
         SchemaError: unknown kind, a newer major version, a payload that is not JSON
             or does not fit the kind; naming the kind, the version and the stream.
     """
-    where: dict[str, Any] = {"kind": record.kind, "stream": stream, "position": record.position}
+    return decode_envelope(record, _parse_one(record, stream), stream)
+
+
+def _parse_one(record: Record, stream: str | None) -> Any:
+    """A record's payload as JSON, with the standard library's parser."""
     try:
-        envelope = json.loads(record.payload)
+        return json.loads(record.payload)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        where: dict[str, Any] = {
+            "kind": record.kind,
+            "stream": stream,
+            "position": record.position,
+        }
         if event_class(record.kind) is None:
             raise SchemaError("unknown record kind", **where) from None
         raise SchemaError(f"payload is not JSON: {exc}", **where) from exc
-    return decode_envelope(record, envelope, stream)
 
 
 def parse_envelopes(records: list[Record], stream: str | None = None) -> list[Any]:
     """Parse many payloads at once; the same errors as decode_event for a bad one.
 
     The payloads are parsed as one JSON array, which costs one parser call instead of
-    one per record; if that fails, each record is decoded alone to name the bad one.
+    one per record. If that fails, each is parsed alone by the standard library's
+    parser, which names a bad one; so the fast parser's narrower numbers (msgspec
+    refuses 1e400) never change what a journal reads as.
     """
     if not records:
         return []
@@ -223,9 +235,7 @@ def parse_envelopes(records: list[Record], stream: str | None = None) -> list[An
         if len(envelopes) != len(records):
             raise ValueError("a payload held more than one JSON value")
     except ValueError:
-        for record in records:
-            decode_event(record, stream)  # raises the SchemaError that names the record
-        raise SchemaError("payloads do not parse together", stream=stream) from None
+        return [_parse_one(record, stream) for record in records]
     return envelopes
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
 
 import attrs
 
-from loom_kernel._codec import CONVERTER, decode_envelope, parse_envelopes
+from loom_kernel._codec import CONVERTER, decode_envelope, decode_event, parse_envelopes
 from loom_kernel._errors import SchemaError
 from loom_kernel._events import (
     EVENT_SCHEMA,
@@ -25,6 +25,7 @@ from loom_kernel._events import (
     StepCompleted,
     StepFailed,
 )
+from loom_kernel._fast_steps import StepEnvelope, decode_steps
 from loom_kernel._journal import Record
 
 STEP_KIND: Final = StepCompleted.KIND
@@ -219,6 +220,8 @@ def fold_records(state: ExecutionState, records: list[Record], stream: str) -> N
     decoder makes, instead of through an event object. Everything else takes the
     general path (decode_envelope, upcasters, apply).
     """
+    if decode_steps is not None and _fold_typed(state, records, stream, decode_steps):
+        return
     envelopes = parse_envelopes(records, stream)
     steps = state.steps
     for record, envelope in zip(records, envelopes, strict=True):
@@ -239,6 +242,37 @@ def fold_records(state: ExecutionState, records: list[Record], stream: str) -> N
             except (KeyError, TypeError):
                 pass  # the general path below names what is wrong
         state.apply(decode_envelope(record, envelope, stream))
+
+
+def _fold_typed(
+    state: ExecutionState,
+    records: list[Record],
+    stream: str,
+    decode: Callable[[bytes], Sequence[StepEnvelope]],
+) -> bool:
+    """fold_records with the steps decoded by msgspec; False (nothing folded) when any
+    step payload does not fit the current shape exactly, for the general path to judge."""
+    payloads = [record[2] for record in records if record[1] == STEP_KIND]
+    try:
+        decoded = decode(b"[" + b",".join(payloads) + b"]") if payloads else ()
+    except ValueError:
+        return False
+    others = [record for record in records if record[1] != STEP_KIND]
+    other_envelopes = iter(parse_envelopes(others, stream))
+    step_envelopes = iter(decoded)
+    steps = state.steps
+    for record in records:
+        if record[1] == STEP_KIND:
+            envelope = next(step_envelopes)
+            if envelope.v == EVENT_SCHEMA:
+                data = envelope.d
+                steps[data.index] = StepFrame(data.name, data.result, None, data.attempts)
+                state.position += 1
+            else:  # an older schema: the upcasters
+                state.apply(decode_event(record, stream))
+        else:
+            state.apply(decode_envelope(record, next(other_envelopes), stream))
+    return True
 
 
 def fold(events: Iterable[Event], start: ExecutionState | str) -> ExecutionState:
