@@ -401,7 +401,9 @@ class S3Store(JournalStore):
             key = self._layout.batch_key(stream, scan.head)
             body = encode_marker(commit, scan.head, 0, "tomb")
             if self._transport.put_new(key, body, commit) == "ours":
-                scan = self._scan(stream)
+                # what a listing would show now, without listing again
+                tomb = _Key(key, scan.head, time.time())
+                scan = _Scan((*scan.batches, tomb), scan.floors, decode_batch(key, body))
                 break
             # another writer appended first: retire the stream at its new head
         self._transport.put(self._layout.deleted_key(stream), b"")
