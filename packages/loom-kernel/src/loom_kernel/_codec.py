@@ -94,6 +94,11 @@ def register_upcaster(kind: str, before: str, lift: Lift) -> None:
         _upcasters.sort(key=lambda item: item.before)
 
 
+#: json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False),
+#: without building an encoder on every call (twice per journaled step).
+_ENCODE: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+
+
 def dump_json(value: Any) -> str:
     """Compact JSON for journal payloads (not canonical: use stable_stringify for hashing).
 
@@ -101,7 +106,7 @@ def dump_json(value: Any) -> str:
         InvalidArgumentError: the value is not JSON (a set, NaN, an object...).
     """
     try:
-        return json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        return _ENCODE(value)
     except (TypeError, ValueError) as exc:
         raise InvalidArgumentError(f"value is not JSON: {exc}") from exc
 

@@ -6,13 +6,14 @@ structs, checking every field's type, about three times faster than parsing to
 dicts and checking by hand. Any payload that does not fit exactly (an older
 schema's shape, an extra or missing field, a wrong type, a number out of range)
 fails the whole batch, and the caller takes the general path instead, so the
-fold's result never depends on which path ran.
+fold's result never depends on which path ran. So does a step written under
+another schema version: the general path runs its upcasters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 __all__ = ["StepEnvelope", "decode_steps"]
 
@@ -48,15 +49,17 @@ try:
 except ImportError:  # pragma: no cover - the kernel alone does not install it
     decode_steps = None
 else:
+    from loom_kernel._events import EVENT_SCHEMA
 
-    class _StepData(msgspec.Struct, forbid_unknown_fields=True):
+    # gc=False: these are read once and dropped, and cannot be part of a cycle.
+    class _StepData(msgspec.Struct, forbid_unknown_fields=True, gc=False):
         index: int
         name: str
         result: Any
         attempts: int
 
-    class _StepEnvelope(msgspec.Struct, forbid_unknown_fields=True):
-        v: str
+    class _StepEnvelope(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+        v: Literal[EVENT_SCHEMA]  # type: ignore[valid-type]
         d: _StepData
 
     _decoder = msgspec.json.Decoder(list[_StepEnvelope])

@@ -5,11 +5,13 @@ from __future__ import annotations
 import copy
 import enum
 from collections.abc import Callable, Iterable, Sequence
+from itertools import groupby, islice
+from operator import attrgetter
 from typing import Any, Final
 
 import attrs
 
-from loom_kernel._codec import CONVERTER, decode_envelope, decode_event, parse_envelopes
+from loom_kernel._codec import CONVERTER, decode_envelope, parse_envelopes
 from loom_kernel._errors import SchemaError
 from loom_kernel._events import (
     EVENT_SCHEMA,
@@ -251,7 +253,13 @@ def _fold_typed(
     decode: Callable[[bytes], Sequence[StepEnvelope]],
 ) -> bool:
     """fold_records with the steps decoded by msgspec; False (nothing folded) when any
-    step payload does not fit the current shape exactly, for the general path to judge."""
+    step payload does not fit the current schema's shape exactly, for the general path
+    to judge.
+
+    A journal is runs of steps between a few other events; each run of steps goes
+    into the frames at once, the others through `apply`, in journal order.
+    """
+    kinds = [record[1] for record in records]
     payloads = [record[2] for record in records if record[1] == STEP_KIND]
     try:
         decoded = decode(b"[" + b",".join(payloads) + b"]") if payloads else ()
@@ -259,19 +267,23 @@ def _fold_typed(
         return False
     others = [record for record in records if record[1] != STEP_KIND]
     other_envelopes = iter(parse_envelopes(others, stream))
-    step_envelopes = iter(decoded)
+    step_data = map(attrgetter("d"), decoded)
     steps = state.steps
-    for record in records:
-        if record[1] == STEP_KIND:
-            envelope = next(step_envelopes)
-            if envelope.v == EVENT_SCHEMA:
-                data = envelope.d
-                steps[data.index] = StepFrame(data.name, data.result, None, data.attempts)
-                state.position += 1
-            else:  # an older schema: the upcasters
-                state.apply(decode_event(record, stream))
+    position = 0
+    for kind, run in groupby(kinds):
+        length = sum(1 for _ in run)
+        if kind == STEP_KIND:
+            steps.update(
+                {
+                    data.index: StepFrame(data.name, data.result, None, data.attempts)
+                    for data in islice(step_data, length)
+                }
+            )
+            state.position += length
         else:
-            state.apply(decode_envelope(record, next(other_envelopes), stream))
+            for record in records[position : position + length]:
+                state.apply(decode_envelope(record, next(other_envelopes), stream))
+        position += length
     return True
 
 

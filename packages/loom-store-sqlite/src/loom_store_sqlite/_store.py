@@ -8,9 +8,10 @@ import sqlite3
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Final
+from functools import partial
+from typing import Any, Final, cast
 from urllib.parse import parse_qsl, urlsplit
 
 import attrs
@@ -79,6 +80,11 @@ _INSERT_RECORD: Final = (
     "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
     "VALUES (?, ?, ?, ?, ?, ?)"
 )
+
+#: A row (position, kind, payload, timestamp) as a Record, without `Record._make`'s
+#: Python-level wrapper (measured: a tenth of reading 10,000 records). The STRICT
+#: table returns exactly int, str, bytes and float for these four columns.
+_as_record: Final = cast(Callable[[tuple[Any, ...]], Record], partial(tuple.__new__, Record))
 
 
 class _LostReplyError(Exception):
@@ -312,8 +318,7 @@ class SqliteStore(JournalStore):
                 ).fetchall()
         except sqlite3.Error as exc:
             raise StoreUnavailableError(f"cannot read {stream!r}: {exc}") from exc
-        # STRICT tables return exactly int, str, bytes and float for these columns.
-        return list(map(Record._make, rows))
+        return list(map(_as_record, rows))
 
     def _head(self, stream: str) -> int:
         try:
