@@ -206,3 +206,6 @@ def test_any_mix_of_gates_sleeps_and_steps(
     assert done.status is Status.COMPLETED
     assert done.result == expected
     assert len(engine.state(ex.id).resume_payloads) == wakes
+    # The state the engine built while driving is the fold of what it journaled.
+    fresh = Engine(engine.store, [scripted], clock=clock).state(ex.id)
+    assert repr(engine.state(ex.id)) == repr(fresh)

@@ -27,7 +27,6 @@ from loom_kernel._events import (
     Event,
     ExecutionResumed,
     ExecutionSuspended,
-    StepCompleted,
     StepFailed,
 )
 from loom_kernel._flows import RetryPolicy
@@ -152,15 +151,16 @@ class _Replay:
 
     def _append(self, events: list[Event]) -> None:
         now = self._engine.clock()
-        self._append_records([encode_event(event, now) for event in events], events)
+        self._write([encode_event(event, now) for event in events])
+        for event in events:
+            self._state.apply(event)
 
-    def _append_records(self, records: list[NewRecord], events: list[Event]) -> None:
+    def _write(self, records: list[NewRecord]) -> None:
+        """Append at the position this run has folded to; any store error stops the run."""
         try:
             self._engine.store.append(self._stream, self._state.position, records)
         except LoomError as exc:
             raise self._abort(exc) from None
-        for event in events:
-            self._state.apply(event)
 
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
         if not isinstance(name, str) or not name:
@@ -222,8 +222,11 @@ class _Replay:
         except InvalidArgumentError as exc:
             raise self._abort(exc) from None
         data = json.loads(text)
-        record = encode_step_completed(index, name, text, attempts, self._engine.clock())
-        self._append_records([record], [StepCompleted(index, name, data, attempts)])
+        self._write([encode_step_completed(index, name, text, attempts, self._engine.clock())])
+        # What state.apply(StepCompleted(...)) does, without building the event: the
+        # write path of every step (a property test holds it to a fresh fold).
+        self._state.steps[index] = StepFrame(name, data, None, attempts)
+        self._state.position += 1
         return data if returns is None else CONVERTER.structure(data, returns)
 
     def _journal_failure(
@@ -339,7 +342,7 @@ class Context(_Replay):
             except Exception as exc:
                 self._engine.sleep(self._retry_delay(policy, index, name, exc, attempt))
                 continue
-            if inspect.isawaitable(value):
+            if type(value) not in _PLAIN and inspect.isawaitable(value):
                 if inspect.iscoroutine(value):
                     value.close()
                 raise self._abort(

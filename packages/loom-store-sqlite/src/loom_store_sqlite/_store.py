@@ -230,11 +230,13 @@ class SqliteStore(JournalStore):
         lose_reply: bool,
     ) -> int:
         new_head = expected + len(records)
+        # The commit id marks the batch's first record.
         rows: list[tuple[str, int, str, bytes, float, str | None]] = [
-            (stream, expected + offset, r.kind, r.payload, float(r.timestamp), None)
+            (stream, expected + offset, r.kind, r.payload, float(r.timestamp), txn)
+            if offset == 1
+            else (stream, expected + offset, r.kind, r.payload, float(r.timestamp), None)
             for offset, r in enumerate(records, start=1)
         ]
-        rows[0] = (*rows[0][:5], txn)  # the commit id marks the batch's first record
         if self._serial is None:
             self._commit(stream, expected, rows)
         else:
