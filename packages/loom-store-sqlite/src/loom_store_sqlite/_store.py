@@ -27,6 +27,7 @@ from loom_kernel import (
     TrimmedError,
 )
 
+from loom_store_sqlite._heads import DATA_VERSION, KnownHeads
 from loom_store_sqlite._schema import ensure_schema
 
 __all__ = ["SqliteOptions", "SqliteStore", "open_sqlite_store"]
@@ -150,7 +151,16 @@ class SqliteStore(JournalStore):
         connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
         if connection is None:
             connection = self._local.connection = self._connect()
+            self._local.heads = KnownHeads()
         return connection
+
+    def _known_heads(self) -> KnownHeads | None:
+        """This thread's known heads; None for the in-memory database, whose one
+        connection every thread shares (so its data_version never sees their writes)."""
+        if self._memory:
+            return None
+        heads: KnownHeads | None = getattr(self._local, "heads", None)
+        return heads
 
     @contextmanager
     def _serialised(self) -> Iterator[None]:
@@ -269,6 +279,7 @@ class SqliteStore(JournalStore):
             head = 0 if row is None else row[0]
             if head != expected or (row is not None and row[2]):
                 connection.execute("ROLLBACK")
+                self._forget_head(stream)
                 if row is not None and row[2]:
                     raise StreamDeletedError(stream, row[0])
                 raise ConflictError(stream, expected, 0 if row is None else row[0])
@@ -282,10 +293,20 @@ class SqliteStore(JournalStore):
         except sqlite3.Error as exc:
             if connection.in_transaction:
                 connection.execute("ROLLBACK")
+            self._forget_head(stream)
             raise StoreUnavailableError(f"sqlite append failed on {self.path!r}: {exc}") from exc
+        known = self._known_heads()
+        if known is not None:
+            known.learn(stream, expected + len(rows))
+
+    def _forget_head(self, stream: str) -> None:
+        known = self._known_heads()
+        if known is not None:
+            known.forget(stream)
 
     def _confirm(self, stream: str, expected: int, count: int, txn: str) -> int:
         """After an ambiguous commit: the batch's first record tells whose write landed."""
+        self._forget_head(stream)
         try:
             with self._transaction() as connection:
                 row = self._stream_row(connection, stream)
@@ -323,12 +344,21 @@ class SqliteStore(JournalStore):
         return list(map(_as_record, rows))
 
     def _head(self, stream: str) -> int:
+        """The head; while no other connection has committed since this one last read
+        or wrote it, without reading the stream (the engine asks before every step)."""
         try:
-            if self._serial is None:
-                row = self._stream_row(self._connection, stream)
-            else:
+            if self._serial is not None:
                 with self._serial:
                     row = self._stream_row(self._connection, stream)
+            else:
+                connection = self._connection
+                known: KnownHeads = self._local.heads
+                head = known.lookup(connection.execute(DATA_VERSION).fetchone()[0], stream)
+                if head is not None:
+                    return head
+                row = self._stream_row(connection, stream)
+                if row is not None and not row[2]:
+                    known.learn(stream, row[0])
         except sqlite3.Error as exc:
             raise StoreUnavailableError(f"cannot read the head of {stream!r}: {exc}") from exc
         if row is None:
@@ -359,6 +389,7 @@ class SqliteStore(JournalStore):
         return [str(row[0]) for row in rows]
 
     def _trim(self, stream: str, before: int) -> None:
+        self._forget_head(stream)
         try:
             with self._transaction("BEGIN IMMEDIATE") as connection:
                 row = self._stream_row(connection, stream)
@@ -381,6 +412,7 @@ class SqliteStore(JournalStore):
             raise StoreUnavailableError(f"cannot trim {stream!r}: {exc}") from exc
 
     def _delete(self, stream: str) -> None:
+        self._forget_head(stream)
         try:
             with self._transaction("BEGIN IMMEDIATE") as connection:
                 row = self._stream_row(connection, stream)

@@ -1,0 +1,172 @@
+"""head() answers from what its connection knows only while no other connection wrote.
+
+The engine asks for the head before every step; the store answers from the heads its
+connection last read or wrote while `PRAGMA data_version` shows that no other
+connection (another store object, another thread's connection, another process) has
+committed since. These tests hold every head() to the database's truth.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel import (
+    ConflictError,
+    Fault,
+    NewRecord,
+    StoreUnavailableError,
+    StreamDeletedError,
+)
+from loom_store_sqlite import SqliteStore, open_sqlite_store
+
+STREAMS = ("ex/a", "ex/b")
+
+
+def _record() -> list[NewRecord]:
+    return [NewRecord("k", b"{}", 1.0)]
+
+
+def _truth(path: Path, stream: str) -> int | str:
+    """The head as the database holds it, read by a connection of its own."""
+    with sqlite3.connect(path) as connection:
+        row = connection.execute(
+            "SELECT (SELECT MAX(position) FROM loom_records WHERE stream = s.name), "
+            "s.floor, s.deleted FROM loom_streams AS s WHERE s.name = ?",
+            (stream,),
+        ).fetchone()
+    if row is None:
+        return 0
+    head, floor, deleted = row
+    if deleted:
+        return "deleted"
+    return floor if head is None else max(head, floor)
+
+
+def _head(store: SqliteStore, stream: str) -> int | str:
+    try:
+        return store.head(stream)
+    except StreamDeletedError:
+        return "deleted"
+
+
+def _apply(store: SqliteStore, op: str, stream: str) -> None:
+    """One write by `store`; refusals are part of the game, not failures."""
+    try:
+        head = store.head(stream)
+        if op == "append":
+            store.append(stream, head, _record())
+        elif op == "trim":
+            store.trim(stream, head + 1)
+        elif op == "delete":
+            store.delete(stream)
+        elif op == "lost":
+            store.inject_fault(Fault.LOST_REPLY)
+            store.append(stream, head, _record())
+    except (ConflictError, StreamDeletedError):
+        pass
+
+
+def _in_thread(func: Any, *args: Any) -> None:
+    worker = threading.Thread(target=func, args=args)
+    worker.start()
+    worker.join()
+
+
+writes = st.sampled_from(["append", "append", "append", "trim", "delete", "lost"])
+writers = st.sampled_from(["one", "other store", "one, another thread", "raw"])
+
+
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(script=st.lists(st.tuples(writers, writes, st.sampled_from(STREAMS)), max_size=25))
+def test_every_head_is_the_databases_head(
+    tmp_path_factory: pytest.TempPathFactory, script: list[tuple[str, str, str]]
+) -> None:
+    path = tmp_path_factory.mktemp("heads") / "h.db"
+    one = open_sqlite_store(f"sqlite://{path}?synchronous=off")
+    other = open_sqlite_store(f"sqlite://{path}?synchronous=off")
+    try:
+        for writer, op, stream in script:
+            if writer == "one":
+                _apply(one, op, stream)
+            elif writer == "other store":
+                _apply(other, op, stream)
+            elif writer == "one, another thread":
+                _in_thread(_apply, one, op, stream)
+            elif op == "append":  # "raw": a writer that is not a Loom store at all
+                head = _truth(path, stream)
+                if isinstance(head, int):
+                    with sqlite3.connect(path) as connection:
+                        if head == 0:
+                            connection.execute(
+                                "INSERT OR IGNORE INTO loom_streams (name, floor, deleted) "
+                                "VALUES (?, 0, 0)",
+                                (stream,),
+                            )
+                        connection.execute(
+                            "INSERT INTO loom_records (stream, position, kind, payload, "
+                            "timestamp, txn) VALUES (?, ?, 'k', x'7b7d', 1.0, NULL)",
+                            (stream, head + 1),
+                        )
+            for checked in STREAMS:
+                truth = _truth(path, checked)
+                assert _head(one, checked) == truth, (writer, op, stream, checked)
+                assert _head(other, checked) == truth, (writer, op, stream, checked)
+    finally:
+        one.close()
+        other.close()
+
+
+def test_another_process_writing_is_seen(tmp_path: Path) -> None:
+    path = tmp_path / "p.db"
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("ex/a", 0, _record())
+    assert store.head("ex/a") == 1
+    code = (
+        "from loom_kernel import NewRecord, open_store\n"
+        f"s = open_store('sqlite://{path}')\n"
+        "s.append('ex/a', 1, [NewRecord('k', b'{}', 1.0)])\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    assert store.head("ex/a") == 2
+    with pytest.raises(ConflictError):
+        store.append("ex/a", 1, _record())
+
+
+def test_after_its_own_append_a_head_reads_no_records(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
+    store.append("ex/a", 0, _record())
+    assert store.head("ex/a") == 1  # as the engine does before a step
+    statements: list[str] = []
+    store._connection.set_trace_callback(statements.append)
+    store.append("ex/a", 1, _record())
+    statements.clear()
+    assert store.head("ex/a") == 2
+    assert statements == ["PRAGMA data_version"]
+    other = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
+    other.append("ex/b", 0, _record())  # any commit by another connection
+    statements.clear()
+    assert store.head("ex/a") == 2
+    assert len(statements) == 2  # the version moved: the head is read again
+
+
+def test_an_append_that_failed_on_the_way_is_forgotten(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/f.db")
+    store.append("ex/a", 0, _record())
+    assert store.head("ex/a") == 1
+    store.inject_fault(Fault.UNAVAILABLE)
+    with pytest.raises(StoreUnavailableError):
+        store.append("ex/a", 1, _record())
+    assert store.head("ex/a") == 1
+    store.inject_fault(Fault.LOST_REPLY)
+    assert store.append("ex/a", 1, _record()) == 2
+    assert store.head("ex/a") == 2
