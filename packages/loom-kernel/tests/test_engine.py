@@ -378,13 +378,18 @@ def test_attrs_and_dataclass_results_go_through_the_converter(make_engine: Engin
     }
 
 
+@pytest.mark.parametrize(
+    "value",
+    [{1, 2}, "\ud800", {"key": ["\udfff"]}],  # a lone surrogate has no UTF-8 form
+    ids=["set", "lone surrogate", "nested lone surrogate"],
+)
 def test_a_step_result_that_is_not_json_is_refused_before_it_is_journaled(
-    make_engine: EngineFactory, store: JournalStore
+    make_engine: EngineFactory, store: JournalStore, value: Any
 ) -> None:
     @flow
     def bad(ctx: Context, _input: Any) -> Any:
         ctx.step("ok", lambda: 1)
-        return ctx.step("bad", lambda: {1, 2})
+        return ctx.step("bad", lambda: value)
 
     engine = make_engine([bad])
     with pytest.raises(InvalidArgumentError, match="result of step 'bad' is not JSON"):
@@ -392,6 +397,9 @@ def test_a_step_result_that_is_not_json_is_refused_before_it_is_journaled(
     kinds = [kind for _, kind, _ in _journal(store, "bad-1")]
     assert kinds == ["EXECUTION_STARTED", "STEP_COMPLETED"]
     assert engine.get("bad-1").status is Status.RUNNING
+    with pytest.raises(InvalidArgumentError, match="not JSON"):
+        engine.start("bad", value, key="bad-2")  # the same goes for a flow's input
+    assert store.head(engine.stream_of("bad-2")) == 0
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ def _truth(path: Path, stream: str) -> int | str:
     head, floor, deleted = row
     if deleted:
         return "deleted"
-    return floor if head is None else max(head, floor)
+    return int(floor if head is None else max(head, floor))
 
 
 def _head(store: SqliteStore, stream: str) -> int | str:

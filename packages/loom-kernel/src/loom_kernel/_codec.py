@@ -25,6 +25,7 @@ __all__ = [
     "decode_events",
     "dump_json",
     "encode_event",
+    "load_json",
     "parse_envelopes",
     "parse_version",
     "register_upcaster",
@@ -66,6 +67,10 @@ def parse_version(text: object) -> Version:
 
 _CURRENT: Final = parse_version(EVENT_SCHEMA)
 
+#: Reads back JSON text that dump_json wrote: the fast parser gives the same values
+#: for it (no NaN or infinity is ever written; integers of any size read exactly).
+load_json: Final[Callable[[str], Any]] = _parse_many
+
 
 @attrs.frozen
 class Upcaster:
@@ -106,9 +111,12 @@ def dump_json(value: Any) -> str:
         InvalidArgumentError: the value is not JSON (a set, NaN, an object...).
     """
     try:
-        return _ENCODE(value)
-    except (TypeError, ValueError) as exc:
+        text: str = _ENCODE(value)
+        if not text.isascii():
+            text.encode("utf-8")  # a lone surrogate has no UTF-8 form: no JSON text either
+    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
         raise InvalidArgumentError(f"value is not JSON: {exc}") from exc
+    return text
 
 
 @attrs.frozen
@@ -184,6 +192,10 @@ def encode_event(event: Event, timestamp: float) -> NewRecord:
     return NewRecord(kind=event.KIND, payload=payload.encode("utf-8"), timestamp=timestamp)
 
 
+_NAMES_KEPT: Final = 4096
+_name_json: dict[str, str] = {}
+
+
 def encode_step_completed(
     index: int, name: str, result_json: str, attempts: int, timestamp: float
 ) -> NewRecord:
@@ -192,8 +204,13 @@ def encode_step_completed(
     The engine has the step result's JSON text in hand (it made it to check the result
     is JSON), so the hot path does not dump it a second time.
     """
+    name_json = _name_json.get(name)
+    if name_json is None:
+        name_json = dump_json(name)
+        if len(_name_json) < _NAMES_KEPT:  # flows reuse a few names; keep their JSON
+            _name_json[name] = name_json
     payload = (
-        f'{{"v":"{EVENT_SCHEMA}","d":{{"index":{index},"name":{dump_json(name)},'
+        f'{{"v":"{EVENT_SCHEMA}","d":{{"index":{index},"name":{name_json},'
         f'"result":{result_json},"attempts":{attempts}}}}}'
     )
     return NewRecord(kind=StepCompleted.KIND, payload=payload.encode("utf-8"), timestamp=timestamp)

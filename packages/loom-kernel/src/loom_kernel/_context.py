@@ -14,7 +14,13 @@ from datetime import timedelta
 from math import isfinite
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from loom_kernel._codec import CONVERTER, dump_json, encode_event, encode_step_completed
+from loom_kernel._codec import (
+    CONVERTER,
+    dump_json,
+    encode_event,
+    encode_step_completed,
+    load_json,
+)
 from loom_kernel._errors import (
     ConflictError,
     InvalidArgumentError,
@@ -221,7 +227,7 @@ class _Replay:
             text = to_json_text(value, f"the result of step {name!r}")
         except InvalidArgumentError as exc:
             raise self._abort(exc) from None
-        data = json.loads(text)
+        data = load_json(text)
         self._write([encode_step_completed(index, name, text, attempts, self._engine.clock())])
         # What state.apply(StepCompleted(...)) does, without building the event: the
         # write path of every step (a property test holds it to a fresh fold).

@@ -16,29 +16,6 @@ __all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record"]
 MAX_KIND_LENGTH: Final = 64
 
 
-def _check_kind(_instance: object, _attribute: object, kind: str) -> None:
-    if (
-        not isinstance(kind, str)
-        or not kind
-        or len(kind) > MAX_KIND_LENGTH
-        or not kind.isascii()
-        or not kind.isprintable()
-    ):
-        raise InvalidArgumentError(
-            f"a record kind must be 1 to {MAX_KIND_LENGTH} printable ASCII characters, not {kind!r}"
-        )
-
-
-def _check_payload(_instance: object, _attribute: object, payload: bytes) -> None:
-    if not isinstance(payload, bytes):
-        raise InvalidArgumentError(f"a record payload must be bytes, not {type(payload).__name__}")
-
-
-def _check_timestamp(_instance: object, _attribute: object, timestamp: float) -> None:
-    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
-        raise InvalidArgumentError(f"a record timestamp must be a number, not {timestamp!r}")
-
-
 @attrs.frozen
 class NewRecord:
     """A record to append: the store gives it its position.
@@ -49,9 +26,31 @@ class NewRecord:
         timestamp: seconds since the epoch, from the kernel's injected clock.
     """
 
-    kind: str = attrs.field(validator=_check_kind)
-    payload: bytes = attrs.field(validator=_check_payload)
-    timestamp: float = attrs.field(validator=_check_timestamp)
+    kind: str
+    payload: bytes
+    timestamp: float
+
+    def __attrs_post_init__(self) -> None:
+        # One check after init rather than a validator call per field: the kernel
+        # makes one of these for every journaled step.
+        kind, payload, timestamp = self.kind, self.payload, self.timestamp
+        if (
+            not isinstance(kind, str)
+            or not kind
+            or len(kind) > MAX_KIND_LENGTH
+            or not kind.isascii()
+            or not kind.isprintable()
+        ):
+            raise InvalidArgumentError(
+                f"a record kind must be 1 to {MAX_KIND_LENGTH} printable ASCII characters, "
+                f"not {kind!r}"
+            )
+        if not isinstance(payload, bytes):
+            raise InvalidArgumentError(
+                f"a record payload must be bytes, not {type(payload).__name__}"
+            )
+        if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
+            raise InvalidArgumentError(f"a record timestamp must be a number, not {timestamp!r}")
 
 
 class Record(NamedTuple):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import secrets
 import sqlite3
 import tempfile
 import threading
@@ -224,7 +223,7 @@ class SqliteStore(JournalStore):
             raise StoreUnavailableError(
                 f"sqlite store: injected fault before appending to {stream!r}"
             )
-        txn = secrets.token_hex(8)
+        txn = os.urandom(8).hex()  # secrets.token_hex(8), two calls fewer
         try:
             return self._write(stream, expected, records, txn, lose_reply=fault is Fault.LOST_REPLY)
         except (_LostReplyError, StoreUnavailableError):
