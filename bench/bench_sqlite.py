@@ -207,22 +207,31 @@ def replay_against_eventsourcing(directory: str, events: int) -> tuple[str, str]
     return _spread(replays), _spread(folds)
 
 
+@flow(name="approval", version="1")
+def approval(ctx: Context, _input: Any) -> Any:
+    first = ctx.suspend("review")
+    return first, ctx.suspend("sign-off")
+
+
+def _resume_each(engine: Engine, parked: list[str]) -> None:
+    for execution_id in parked:
+        engine.resume(execution_id, {"ok": True})
+
+
 def loom_resume_latency(directory: str, resumes: int) -> str:
-    """Median over rounds of (resume call to parked at the next gate) ÷ (a raw commit)."""
+    """Median over rounds of (resume call to parked at the next gate) ÷ (a raw commit).
 
-    @flow(name="gates", version="1")
-    def gates(ctx: Context, _input: Any) -> None:
-        while True:
-            ctx.suspend("next")
-
+    Each round parks `resumes` fresh runs at their first gate (not timed), then times
+    resuming each until it parks at the second: the resume and the park, two commits.
+    """
     raw = RawSqlite(os.path.join(directory, "raw-latency.db"))
     store = open_store(f"sqlite://{directory}/resume.db")
-    engine = Engine(store, [gates])
-    ex = engine.start("gates")
+    engine = Engine(store, [approval])
     ratios = []
     for _ in range(ROUNDS):
+        parked = [engine.start("approval").id for _ in range(resumes)]
         commit = raw.commits(resumes) / resumes
-        resume = _timed(lambda: [engine.resume(ex.id, {"ok": True}) for _ in range(resumes)])
+        resume = _timed(partial(_resume_each, engine, parked))
         ratios.append(resume / resumes / commit)
     store.close()
     return _spread(ratios)
