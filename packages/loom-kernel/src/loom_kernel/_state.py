@@ -271,7 +271,7 @@ def _fold_typed(
     steps = state.steps
     position = 0
     for kind, run in groupby(kinds):
-        length = sum(1 for _ in run)
+        length = len(list(run))
         if kind == STEP_KIND:
             steps.update(
                 {
