@@ -86,30 +86,49 @@ def empty(ctx: Context, number: int) -> int:
     return number
 
 
-def loom_against_raw(directory: str) -> tuple[float, float, str, str]:
+def loom_against_raw(directory: str) -> tuple[str, str]:
     """Loom and raw sqlite3 in short alternating rounds, so drift hits both alike.
 
-    Returns medians over the rounds of: Loom steps/s over whole workflows, seconds per
-    start of an empty workflow, a durable step's cost over a raw commit's, and the
-    start overhead over a raw commit's.
+    Returns the spread over the rounds of a durable step's cost over a raw commit's,
+    and of the start overhead over a raw commit's.
     """
     raw = RawSqlite(os.path.join(directory, "raw.db"))
     store = open_store(f"sqlite://{directory}/loom.db")
     engine = Engine(store, [ten_steps, empty])
-    rates, starts, step_ratios, start_ratios = [], [], [], []
+    step_ratios, start_ratios = [], []
     workflows = WORKFLOWS_PER_ROUND
     for _ in range(STEP_ROUNDS):
         commit = raw.commits(workflows * STEPS) / (workflows * STEPS)
         whole = _timed(lambda: [engine.start("ten_steps", n) for n in range(workflows)])
         start = _timed(lambda: [engine.start("empty", n) for n in range(workflows)]) / workflows
         step = (whole / workflows - start) / STEPS
-        rates.append(workflows * STEPS / whole)
-        starts.append(start)
         step_ratios.append(step / commit)
         start_ratios.append(start / commit)
     store.close()
-    median = statistics.median
-    return median(rates), median(starts), _spread(step_ratios), _spread(start_ratios)
+    return _spread(step_ratios), _spread(start_ratios)
+
+
+def _best_of(
+    workflow: Callable[[int], object], empty_workflow: Callable[[int], object], workflows: int
+) -> tuple[float, float]:
+    """(steps/s, seconds per start of an empty workflow), each the best of REPEAT."""
+    elapsed = min(_timed(lambda: [workflow(n) for n in range(workflows)]) for _ in range(REPEAT))
+    start = min(
+        _timed(lambda: [empty_workflow(n) for n in range(workflows)]) for _ in range(REPEAT)
+    )
+    return workflows * STEPS / elapsed, start / workflows
+
+
+def loom_best_of(directory: str, workflows: int) -> tuple[float, float]:
+    """Loom timed as DBOS is (DBOS cannot alternate with it: it owns process state)."""
+    store = open_store(f"sqlite://{directory}/loom-best.db")
+    engine = Engine(store, [ten_steps, empty])
+    try:
+        return _best_of(
+            partial(engine.start, "ten_steps"), partial(engine.start, "empty"), workflows
+        )
+    finally:
+        store.close()
 
 
 def dbos_steps_per_second(directory: str, workflows: int) -> tuple[float, float] | None:
@@ -140,18 +159,9 @@ def dbos_steps_per_second(directory: str, workflows: int) -> tuple[float, float]
         DBOS(config=config)
         DBOS.launch()
     try:
-        elapsed = min(
-            _timed(lambda: [workflow(n) for n in range(workflows)]) for _ in range(REPEAT)
-        )
-        start = (
-            min(
-                _timed(lambda: [empty_workflow(n) for n in range(workflows)]) for _ in range(REPEAT)
-            )
-            / workflows
-        )
+        return _best_of(workflow, empty_workflow, workflows)
     finally:
         DBOS.destroy()
-    return workflows * STEPS / elapsed, start
 
 
 @flow(name="long", version="1")
@@ -243,7 +253,8 @@ def main() -> None:
     parser.add_argument("--events", type=int, default=10_000)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="loom-bench-") as directory:
-        loom, loom_start, step_ratio, start_ratio = loom_against_raw(directory)
+        step_ratio, start_ratio = loom_against_raw(directory)
+        loom, loom_start = loom_best_of(directory, args.workflows)
         dbos = dbos_steps_per_second(directory, args.workflows)
         replay = replay_against_eventsourcing(directory, args.events)
         latency_ratio = loom_resume_latency(directory, 50)
@@ -261,7 +272,9 @@ def main() -> None:
         rows.append(("DBOS", "not installed: run with `--with dbos`"))
     else:
         dbos_rate, dbos_start = dbos
-        rows.append(("Loom steps/s ÷ DBOS steps/s (target ≥ 5)", f"{loom / dbos_rate:.2f}x"))
+        rows.append(
+            ("Loom steps/s ÷ DBOS steps/s, best of 5 each (target ≥ 5)", f"{loom / dbos_rate:.2f}x")
+        )
         rows.append(
             ("DBOS workflow start ÷ Loom workflow start", f"{dbos_start / loom_start:.2f}x")
         )

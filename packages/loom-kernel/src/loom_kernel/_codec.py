@@ -99,9 +99,39 @@ def register_upcaster(kind: str, before: str, lift: Lift) -> None:
         _upcasters.sort(key=lambda item: item.before)
 
 
-#: json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False),
-#: without building an encoder on every call (twice per journaled step).
-_ENCODE: Final = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode
+def _compact_encoder() -> Callable[[Any], str]:
+    """json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).
+
+    The standard library builds its C encoder anew on every call, most of the cost
+    of dumping a step's small result; this builds it once, with the same settings, so
+    the text is the same byte for byte (property-tested). Without the per-call
+    circular-reference markers, a cycle ends in RecursionError, which dump_json
+    reports like any other value that is not JSON. Where the C accelerator is
+    missing, the standard encoder itself is used.
+    """
+    reference = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:  # pragma: no cover - CPython has it
+        return reference.encode
+    chunks_of = make(
+        None,  # no circular-reference markers
+        reference.default,
+        json.encoder.encode_basestring,
+        None,  # indent
+        reference.key_separator,
+        reference.item_separator,
+        False,  # sort_keys
+        False,  # skipkeys
+        False,  # allow_nan
+    )
+
+    def encode(value: Any) -> str:
+        return "".join(chunks_of(value, 0))
+
+    return encode
+
+
+_ENCODE: Final = _compact_encoder()
 
 
 def dump_json(value: Any) -> str:
@@ -114,7 +144,7 @@ def dump_json(value: Any) -> str:
         text: str = _ENCODE(value)
         if not text.isascii():
             text.encode("utf-8")  # a lone surrogate has no UTF-8 form: no JSON text either
-    except (TypeError, ValueError) as exc:  # UnicodeEncodeError is a ValueError
+    except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError: a ValueError
         raise InvalidArgumentError(f"value is not JSON: {exc}") from exc
     return text
 
