@@ -80,6 +80,33 @@ def _side_effects(side: Path) -> collections.Counter[str]:
     return collections.Counter(side.read_text().splitlines())
 
 
+def _lines(side: Path) -> int:
+    return side.read_bytes().count(b"\n") if side.exists() else 0
+
+
+def _kill_after_progress(
+    worker: subprocess.Popen[bytes], side: Path, effects: int, rng: random.Random
+) -> bool:
+    """SIGKILL the worker once `effects` more step side effects have appended, then a
+    random moment more, so the kill lands anywhere in a step's life (before its
+    journal record, inside the transaction, after it); False if it finished first.
+
+    Paced by the work itself, not by the clock, so a faster kernel or machine does not
+    outrun the kills.
+    """
+    goal = _lines(side) + effects
+    deadline = time.monotonic() + 300
+    while worker.poll() is None and _lines(side) < goal and time.monotonic() < deadline:
+        pass  # no sleep: a step's side effect comes well under a millisecond before its commit
+    if rng.random() < 0.5:
+        time.sleep(rng.uniform(0, 0.002))
+    if worker.poll() is not None:
+        return False
+    worker.kill()  # SIGKILL: no cleanup, no flush, mid-transaction if it is in one
+    worker.wait()
+    return True
+
+
 @pytest.mark.slow
 def test_sigkill_at_random_moments_loses_and_doubles_nothing(
     tmp_path: Path, target: _Target
@@ -87,20 +114,16 @@ def test_sigkill_at_random_moments_loses_and_doubles_nothing(
     side = tmp_path / "side-effects.txt"
     executions, steps, kills = (40, 5, 12) if target.sqlite_file else (12, 4, 8)
     rng = random.Random(20261130)
+    # Spread the kills over the work: each lets at most a share of the steps run.
+    share = executions * steps // (kills + 1)
     killed_mid_work = 0
     for _ in range(kills):
         worker = _worker("crash", target, side, executions, steps)
-        time.sleep(
-            rng.uniform(0.25, 0.9) if target.sqlite_file else rng.uniform(1.0, 2.5)
-        )  # let it get into the work, then pull the plug
-        if worker.poll() is None:
-            worker.kill()  # SIGKILL: no cleanup, no flush, mid-transaction if it is in one
-            killed_mid_work += 1
-        worker.wait()
+        killed_mid_work += _kill_after_progress(worker, side, rng.randint(1, share), rng)
     final = _worker("crash", target, side, executions, steps)
     _out, err = final.communicate(timeout=300)
     assert final.returncode == 0, err.decode()
-    assert killed_mid_work >= kills // 2, "the workers finished before they could be killed"
+    assert killed_mid_work == kills, "a worker finished before it could be killed"
     _check_journals(target, executions, steps, gate=False)
     effects = _side_effects(side)
     for number in range(executions):
