@@ -43,6 +43,9 @@ odd_steps = st.sampled_from(
         b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1,"attempts":1,"extra":2}}',
         b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1e400,"attempts":1}}',
         b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1,"attempts":1.0}}',
+        # two envelopes in one record: must not shift the frames after it
+        b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1,"attempts":1}},'
+        b'{"v":"1.16.0","d":{"index":99,"name":"y","result":2,"attempts":1}}',
     ]
 )
 

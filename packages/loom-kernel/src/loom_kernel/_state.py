@@ -5,8 +5,8 @@ from __future__ import annotations
 import copy
 import enum
 from collections.abc import Callable, Iterable, Sequence
-from itertools import groupby, islice
-from operator import attrgetter
+from itertools import groupby
+from operator import attrgetter, itemgetter
 from typing import Any, Final
 
 import attrs
@@ -31,6 +31,9 @@ from loom_kernel._fast_steps import StepEnvelope, decode_steps
 from loom_kernel._journal import Record
 
 STEP_KIND: Final = StepCompleted.KIND
+_KIND: Final = itemgetter(1)  # of a Record
+_PAYLOAD: Final = itemgetter(2)
+_DATA: Final = attrgetter("d")  # of a decoded step envelope
 
 __all__ = [
     "RESUME_PAYLOAD",
@@ -256,34 +259,39 @@ def _fold_typed(
     step payload does not fit the current schema's shape exactly, for the general path
     to judge.
 
-    A journal is runs of steps between a few other events; each run of steps goes
-    into the frames at once, the others through `apply`, in journal order.
+    A journal is runs of steps between a few other events. Every run of steps is
+    decoded first, in one call each, so nothing is folded unless all fit; then each
+    run goes into the frames at once, and the others through `apply`, in journal order.
     """
-    kinds = [record[1] for record in records]
-    payloads = [record[2] for record in records if record[1] == STEP_KIND]
-    try:
-        decoded = decode(b"[" + b",".join(payloads) + b"]") if payloads else ()
-    except ValueError:
-        return False
-    others = [record for record in records if record[1] != STEP_KIND]
-    other_envelopes = iter(parse_envelopes(others, stream))
-    step_data = map(attrgetter("d"), decoded)
-    steps = state.steps
+    runs: list[tuple[int, int, Sequence[StepEnvelope] | None]] = []
     position = 0
-    for kind, run in groupby(kinds):
-        length = len(list(run))
+    for kind, run in groupby(map(_KIND, records)):
+        end = position + len(list(run))
         if kind == STEP_KIND:
+            try:
+                decoded = decode(b"[" + b",".join(map(_PAYLOAD, records[position:end])) + b"]")
+            except ValueError:
+                return False
+            if len(decoded) != end - position:  # a payload held more than one value
+                return False
+            runs.append((position, end, decoded))
+        else:
+            runs.append((position, end, None))
+        position = end
+    steps = state.steps
+    for start, end, step_envelopes in runs:
+        if step_envelopes is None:
+            others = records[start:end]
+            for record, envelope in zip(others, parse_envelopes(others, stream), strict=True):
+                state.apply(decode_envelope(record, envelope, stream))
+        else:
             steps.update(
                 {
                     data.index: StepFrame(data.name, data.result, None, data.attempts)
-                    for data in islice(step_data, length)
+                    for data in map(_DATA, step_envelopes)
                 }
             )
-            state.position += length
-        else:
-            for record in records[position : position + length]:
-                state.apply(decode_envelope(record, next(other_envelopes), stream))
-        position += length
+            state.position += end - start
     return True
 
 
