@@ -30,7 +30,7 @@ register_store("jsonl", jsonl.open_jsonl_store)
 
 class TestJsonlExampleStore(StoreContract):
     def make_store(self) -> JournalStore:
-        self.directory = tempfile.mkdtemp(prefix="loom-jsonl-")
+        self.directory = tempfile.mkdtemp(dir=self.scratch)
         return open_store(f"jsonl://{self.directory}")
 
     def reopen_store(self, store: JournalStore) -> JournalStore:

@@ -15,7 +15,7 @@ class TestSqliteFileStore(StoreContract):
     hypothesis_settings = settings(DEFAULT_SETTINGS, max_examples=30)
 
     def make_store(self) -> JournalStore:
-        self.path = Path(tempfile.mkdtemp(prefix="loom-sqlite-")) / "loom.db"
+        self.path = Path(tempfile.mkdtemp(dir=self.scratch)) / "loom.db"
         return open_store(f"sqlite://{self.path}?synchronous=normal")
 
     def reopen_store(self, store: JournalStore) -> JournalStore:

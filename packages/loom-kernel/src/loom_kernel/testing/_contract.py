@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -39,10 +40,18 @@ class StoreContract:
     """Subclass as ``Test<YourStore>(StoreContract)`` and define `make_store`.
 
     Override `reopen_store` where the store can be closed and opened again over the
-    same data, and `hypothesis_settings` to run the state machine longer.
+    same data, and `hypothesis_settings` to run the state machine longer. A store
+    that keeps files puts them under `self.scratch`, a directory pytest gives each
+    test and removes with its other temporary directories (the state machine makes
+    a store per example: hundreds of them).
     """
 
     hypothesis_settings: ClassVar[Settings] = DEFAULT_SETTINGS
+    scratch: Path
+
+    @pytest.fixture(autouse=True)
+    def _scratch_directory(self, tmp_path: Path) -> None:
+        self.scratch = tmp_path
 
     def make_store(self) -> JournalStore:
         """Return a new, empty store."""
