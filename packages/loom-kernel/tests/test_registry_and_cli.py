@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from loom_kernel import (
     InvalidArgumentError,
@@ -67,6 +69,11 @@ def test_loom_stores_checks_each_store(capsys: pytest.CaptureFixture[str]) -> No
     out = capsys.readouterr().out
     assert "memory://" in out
     assert "append+read round trip ok" in out
+    scratch = [line.split()[0] for line in out.splitlines() if "sqlite://" in line and ":" in line]
+    checked = [url for url in scratch if url.endswith("check.db:")]
+    assert checked, out  # the SQLite store was checked in a scratch file...
+    path = Path("/" + checked[0].removeprefix("sqlite:///").removesuffix(":"))
+    assert not path.parent.exists()  # ...which is gone afterwards
 
 
 def test_loom_stores_reports_a_failing_url(capsys: pytest.CaptureFixture[str]) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Sequence
@@ -15,10 +16,11 @@ from loom_kernel._registry import installed_stores, open_store, store_factory
 __all__ = ["check_store", "main"]
 
 
-def _self_check_url(scheme: str) -> str | None:
+def _self_check_url(scheme: str, scratch: str) -> str | None:
     """A URL a store can be checked at with no configuration, if the store offers one.
 
-    A store factory offers it as a `self_check_url()` attribute (a scratch file, say).
+    A store factory offers it as a `self_check_url(scratch)` attribute: a URL under
+    the scratch directory it is given (a file there, say), removed after the checks.
     """
     if scheme == "memory":
         return "memory://"
@@ -27,7 +29,7 @@ def _self_check_url(scheme: str) -> str | None:
     except LoomError:
         return None
     make_url = getattr(factory, "self_check_url", None)
-    return make_url() if callable(make_url) else None
+    return make_url(scratch) if callable(make_url) else None
 
 
 def check_store(store: JournalStore) -> str:
@@ -63,18 +65,19 @@ def _stores_command(urls: Sequence[str]) -> int:
     print("installed stores:")
     for scheme, origin in installed.items():
         print(f"  {scheme + '://':<12} from {origin}")
-    checkable = {scheme: _self_check_url(scheme) for scheme in installed}
-    targets = list(urls) or [url for url in checkable.values() if url is not None]
-    print("checks:")
-    for url in targets:
-        try:
-            with open_store(url) as store:
-                summary = check_store(store)
-        except LoomError as exc:
-            failures += 1
-            print(f"  {url}: FAILED: {type(exc).__name__}: {exc}")
-        else:
-            print(f"  {url}: {summary}")
+    with tempfile.TemporaryDirectory(prefix="loom-check-") as scratch:
+        checkable = {scheme: _self_check_url(scheme, scratch) for scheme in installed}
+        targets = list(urls) or [url for url in checkable.values() if url is not None]
+        print("checks:")
+        for url in targets:
+            try:
+                with open_store(url) as store:
+                    summary = check_store(store)
+            except LoomError as exc:
+                failures += 1
+                print(f"  {url}: FAILED: {type(exc).__name__}: {exc}")
+            else:
+                print(f"  {url}: {summary}")
     unchecked = sorted(scheme for scheme, url in checkable.items() if url is None)
     if unchecked and not urls:
         print(f"  not checked (need a URL): {', '.join(unchecked)}; run `loom stores URL ...`")

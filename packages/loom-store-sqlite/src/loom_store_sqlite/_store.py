@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -449,11 +448,9 @@ def open_sqlite_store(url: str) -> SqliteStore:
     return SqliteStore(path, SqliteOptions.parse(parts.query))
 
 
-def _self_check_url() -> str:
-    """A scratch database for `loom stores` to check the store with."""
-    return "sqlite:///" + os.path.join(tempfile.mkdtemp(prefix="loom-check-"), "check.db").lstrip(
-        "/"
-    )
+def _self_check_url(scratch: str) -> str:
+    """A database in `loom stores`' scratch directory to check the store with."""
+    return "sqlite:///" + os.path.join(scratch, "check.db").lstrip("/")
 
 
 open_sqlite_store.self_check_url = _self_check_url  # type: ignore[attr-defined]
