@@ -77,14 +77,19 @@ def _journal(store: S3Store) -> list[bytes]:
     return [record.payload for record in store.read("s")]
 
 
+#: Refusals that do not say whether the write landed: the store must find out.
+AMBIGUOUS_REFUSALS = [
+    (409, "ConditionalRequestConflict"),
+    (500, "InternalError"),
+    (503, "SlowDown"),
+]
+
+
 def _raise_read_timeout() -> None:
     raise ReadTimeoutError(endpoint_url="http://injected")
 
 
-@pytest.mark.parametrize(
-    ("status", "code"),
-    [(409, "ConditionalRequestConflict"), (500, "InternalError"), (503, "SlowDown")],
-)
+@pytest.mark.parametrize(("status", "code"), AMBIGUOUS_REFUSALS)
 def test_an_ambiguous_refusal_that_did_not_land_is_sent_again(
     faulty: tuple[S3Store, _Injector, S3Server], status: int, code: str
 ) -> None:
@@ -94,10 +99,7 @@ def test_an_ambiguous_refusal_that_did_not_land_is_sent_again(
     assert _journal(store) == [b"base0", b"base1", b"new0"]
 
 
-@pytest.mark.parametrize(
-    ("status", "code"),
-    [(409, "ConditionalRequestConflict"), (500, "InternalError"), (503, "SlowDown")],
-)
+@pytest.mark.parametrize(("status", "code"), AMBIGUOUS_REFUSALS)
 def test_a_lasting_outage_is_unavailable_and_writes_nothing(
     faulty: tuple[S3Store, _Injector, S3Server], status: int, code: str
 ) -> None:
