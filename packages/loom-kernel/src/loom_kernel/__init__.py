@@ -25,10 +25,12 @@ from loom_kernel._errors import (
     NotSuspendedError,
     SchemaError,
     StepFailedError,
+    StoreMisconfiguredError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
     UnknownFlowError,
+    publish_errors,
 )
 from loom_kernel._events import (
     EVENT_SCHEMA,
@@ -100,6 +102,7 @@ __all__ = [
     "StepFailed",
     "StepFailedError",
     "StepFrame",
+    "StoreMisconfiguredError",
     "StoreUnavailableError",
     "StreamDeletedError",
     "TrimmedError",
@@ -121,3 +124,5 @@ __all__ = [
     "validate_prefix",
     "validate_stream_id",
 ]
+
+publish_errors(__name__, [globals()[name] for name in __all__])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import itertools
 import json
@@ -38,16 +39,45 @@ from loom_kernel._events import (
 from loom_kernel._flows import RetryPolicy
 from loom_kernel._journal import NewRecord
 from loom_kernel._state import ExecutionState, StepFrame
+from loom_kernel._timers import TIMER_GATE, timer_resume_key
 
 if TYPE_CHECKING:
     from loom_kernel._engine import Engine
 
-__all__ = ["AsyncContext", "Context", "Unwind", "error_info", "to_json"]
+__all__ = [
+    "MAX_SLEEP",
+    "AsyncContext",
+    "Context",
+    "DriveControl",
+    "Unwind",
+    "error_info",
+    "to_json",
+]
 
 T = TypeVar("T")
 
-TIMER_GATE: Final = "loom.timer"
 _RESERVED_PREFIX: Final = "loom."
+#: The longest sleep, in seconds: 100 years (longer is a mistake, not a plan).
+MAX_SLEEP: Final = 100 * 365.25 * 86_400
+
+#: The context whose step function is running in this flow of control, and the
+#: step's name: a ctx call from inside a step function is refused.
+_RUNNING_STEP: contextvars.ContextVar[tuple[object, str] | None] = contextvars.ContextVar(
+    "loom_running_step", default=None
+)
+
+
+class DriveControl:
+    """What an engine can tell a drive in progress: stop before the next step.
+
+    A cancel sets `stopped` once its record is journaled, so the run stops before
+    its next step even on a store whose head the context does not look at.
+    """
+
+    __slots__ = ("stopped",)
+
+    def __init__(self) -> None:
+        self.stopped = False
 
 
 _MISSING: Final = object()
@@ -108,25 +138,34 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 def _seconds(duration: object) -> float:
     if isinstance(duration, timedelta):
-        return duration.total_seconds()
-    if (
+        seconds = duration.total_seconds()
+    elif (
         isinstance(duration, bool)
         or not isinstance(duration, int | float)
-        or not isfinite(duration)
+        or (isinstance(duration, float) and not isfinite(duration))
     ):
         raise InvalidArgumentError(f"a sleep takes seconds or a timedelta, not {duration!r}")
-    return float(duration)
+    else:
+        seconds = duration
+    if seconds > MAX_SLEEP:
+        raise InvalidArgumentError(
+            f"a sleep is at most {MAX_SLEEP:.0f} seconds (100 years), not {duration!r}"
+        )
+    return float(seconds)
 
 
 class _Replay:
     """The bookkeeping both contexts share: call counters, frames, appends."""
 
-    def __init__(self, engine: Engine, state: ExecutionState) -> None:
+    def __init__(
+        self, engine: Engine, state: ExecutionState, control: DriveControl | None = None
+    ) -> None:
         self._engine = engine
         self._state = state
         self._stream = engine.stream_of(state.id)
         self._step_index = 0
         self._gate_index = 0
+        self._control = control or DriveControl()
 
     @property
     def execution_id(self) -> str:
@@ -168,9 +207,23 @@ class _Replay:
         except LoomError as exc:
             raise self._abort(exc) from None
 
+    def _refuse_inside_step(self, call: str) -> None:
+        """A ctx call from inside a step function would be journaled out of order."""
+        running = _RUNNING_STEP.get()
+        if running is not None and running[0] is self:
+            raise self._abort(
+                InvalidArgumentError(
+                    f"{call} was called inside the function of step {running[1]!r}: a step "
+                    "function must not use ctx (its call would be journaled before the step "
+                    "that contains it, and every replay would diverge); call ctx between "
+                    "steps, or start another flow from the step"
+                )
+            )
+
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
         if not isinstance(name, str) or not name:
             raise self._abort(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
+        self._refuse_inside_step(f"ctx.step({name!r})")
         index = self._step_index
         self._step_index += 1
         frame = self._state.steps.get(index)
@@ -205,13 +258,14 @@ class _Replay:
         run stops before it starts a step, instead of finding out at the next append.
         Skipped on stores whose head is a network round trip (`head_is_cheap`).
         """
-        if not self._engine.store.head_is_cheap:
+        stopped = self._control.stopped
+        if not stopped and not self._engine.store.head_is_cheap:
             return
         try:
             head = self._engine.store.head(self._stream)
         except LoomError as exc:
             raise self._abort(exc) from None
-        if head != self._state.position:
+        if stopped or head != self._state.position:
             raise self._abort(ConflictError(self._stream, self._state.position, head))
 
     @staticmethod
@@ -251,6 +305,7 @@ class _Replay:
 
     def _gate(self, on: str, wake_after: float | None) -> tuple[bool, Any]:
         """Pass a gate: (True, payload) when recorded resumes cover it; else park."""
+        self._refuse_inside_step("ctx.sleep" if on == TIMER_GATE else f"ctx.suspend({on!r})")
         gate = self._gate_index
         self._gate_index += 1
         state = self._state
@@ -269,7 +324,10 @@ class _Replay:
         wake_at = now + wake_after
         if wake_after <= 0:
             self._append(
-                [ExecutionSuspended(gate, on, wake_at), ExecutionResumed(None, f"timer:{gate}")]
+                [
+                    ExecutionSuspended(gate, on, wake_at),
+                    ExecutionResumed(None, timer_resume_key(gate)),
+                ]
             )
             return True, None
         self._engine.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
@@ -341,8 +399,12 @@ class Context(_Replay):
             return replayed
         policy = retry or self._engine.retry
         for attempt in itertools.count(1):
+            running = _RUNNING_STEP.set((self, name))
             try:
-                value = fn(*args, **kwargs)
+                try:
+                    value = fn(*args, **kwargs)
+                finally:
+                    _RUNNING_STEP.reset(running)
             except Unwind:
                 raise
             except Exception as exc:
@@ -400,10 +462,14 @@ class AsyncContext(_Replay):
             return replayed
         policy = retry or self._engine.retry
         for attempt in itertools.count(1):
+            running = _RUNNING_STEP.set((self, name))
             try:
-                value = fn(*args, **kwargs)
-                if inspect.isawaitable(value):
-                    value = await value
+                try:
+                    value = fn(*args, **kwargs)
+                    if inspect.isawaitable(value):
+                        value = await value
+                finally:
+                    _RUNNING_STEP.reset(running)
             except Unwind:
                 raise
             except Exception as exc:

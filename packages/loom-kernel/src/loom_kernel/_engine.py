@@ -3,32 +3,34 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
-import json
-import logging
+import contextvars
 import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Any, Final
+from typing import Any
 
 import attrs
 
+from loom_kernel._cache import StateCache
 from loom_kernel._codec import decode_events, encode_event
-from loom_kernel._context import TIMER_GATE, AsyncContext, Context, Unwind, error_info, to_json
+from loom_kernel._context import (
+    AsyncContext,
+    Context,
+    DriveControl,
+    Unwind,
+    error_info,
+    to_json,
+)
+from loom_kernel._each import raise_first, try_each
 from loom_kernel._errors import (
     ConflictError,
     ExecutionNotFoundError,
     InvalidArgumentError,
-    InvalidIdError,
     LoomError,
     NotSuspendedError,
-    SchemaError,
     StreamDeletedError,
     TrimmedError,
     UnknownFlowError,
@@ -42,20 +44,15 @@ from loom_kernel._events import (
     ExecutionResumed,
     ExecutionStarted,
 )
+from loom_kernel._executions import compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
-from loom_kernel._ids import validate_stream_id
-from loom_kernel._journal import JournalStore, NewRecord
-from loom_kernel._state import ExecutionState, Status, StepFrame, fold_records
-from loom_kernel._timers import TimerIndex
+from loom_kernel._journal import JournalStore, check_gapless
+from loom_kernel._listeners import Listener, Listeners, installed_listeners
+from loom_kernel._locks import KeyedLocks
+from loom_kernel._state import ExecutionState, Status, StepFrame
+from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
 
 __all__ = ["Engine", "Execution", "HistoryEntry", "Listener"]
-
-Listener = Callable[["Engine", "Execution"], None]
-
-EXECUTION_PREFIX: Final = "ex/"
-SNAPSHOT_PREFIX: Final = "snap/"
-SNAPSHOT_KIND: Final = "loom.snapshot"
-_LOCK_STRIPES: Final = 64
 
 
 @attrs.frozen
@@ -119,53 +116,27 @@ class HistoryEntry:
     event: Event
 
 
-_log = logging.getLogger("loom")
-
-LISTENER_GROUP: Final = "loom.listeners"
-_installed: list[Listener] | None = None
-
-
-def installed_listeners() -> list[Listener]:
-    """The listeners published in the `loom.listeners` entry-point group (loaded once)."""
-    global _installed  # noqa: PLW0603 - a process-wide cache of installed plugins
-    if _installed is None:
-        _installed = [ep.load() for ep in entry_points(group=LISTENER_GROUP)]
-    return list(_installed)
-
-
-@contextlib.contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic collector while a journal is decoded and folded.
-
-    A load allocates a few objects per record and frees none, so the collector runs
-    again and again over a growing heap for nothing (measured with
-    bench/bench_replay.py: a third of a 10,000-record cold load, and most of its
-    variance). Whatever state the collector was in is restored.
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
-
-
 def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """Run an async flow to its end, in this thread or, under a running loop, in a helper."""
+    """Run an async flow to its end, in this thread or, under a running loop, in a helper.
+
+    The helper runs in a copy of this context, so it holds what its caller holds
+    (the run's lock, the listener queue) instead of waiting for it.
+    """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coroutine)
+    context = contextvars.copy_context()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-flow") as pool:
-        return pool.submit(asyncio.run, coroutine).result()
+        return pool.submit(context.run, asyncio.run, coroutine).result()
 
 
 class Engine:
     """Drives flows: starts, resumes, cancels and recovers executions on a store.
 
-    Every method is safe to call from many threads; calls on the same execution are
-    serialised within one engine, and across engines and processes the store's
+    Every method is safe to call from many threads. Drives of the same execution
+    (start, resume, a timer, recover) are serialised within one engine; reads and
+    cancels never wait for a drive. Across engines and processes the store's
     expected-head rule decides: one writer wins, the other gets ConflictError.
 
     Args:
@@ -197,13 +168,11 @@ class Engine:
         self.retry = retry or RetryPolicy()
         self.timers = TimerIndex(store, clock)
         self._flows: dict[str, Flow] = {}
-        self._cache: OrderedDict[str, ExecutionState] = OrderedDict()
-        self._cache_size = cache_size
-        self._cache_lock = threading.Lock()
-        self._locks = [threading.RLock() for _ in range(_LOCK_STRIPES)]
-        self._listeners: list[Listener] = []
-        for listener in installed_listeners() if listeners is None else listeners:
-            self.add_listener(listener)
+        self._cache = StateCache(cache_size)
+        self._locks = KeyedLocks()
+        self._drives: dict[str, DriveControl] = {}
+        self._drives_lock = threading.Lock()
+        self._listeners = Listeners(installed_listeners() if listeners is None else listeners)
         for item in flows:
             self.register(item)
 
@@ -215,22 +184,20 @@ class Engine:
         parked or ended run, so a listener that a crash cut short gets another chance:
         write listeners to be idempotent. A LoomError a listener raises is swallowed
         (the next recover retries it); any other error propagates.
+
+        Deliveries never nest: a run that a listener parks or ends is delivered to
+        the listeners after the current delivery returns, in the same call, so a
+        chain of any length (200 children finishing in turn) runs in a loop.
         """
-        if listener not in self._listeners:
-            self._listeners.append(listener)
+        self._listeners.add(listener)
 
     def _settled(self, execution: Execution) -> Execution:
         """Tell the listeners about a run that parked or ended; return its view after them
         (a listener may have moved it on, by resuming it, say)."""
         if execution.status is Status.RUNNING or not self._listeners:
             return execution
-        for listener in self._listeners:
-            try:
-                listener(self, execution)
-            except LoomError as exc:  # recover() calls it again
-                _log.warning(
-                    "listener %r on %r: %s: %s", listener, execution.id, type(exc).__name__, exc
-                )
+        if not self._listeners.deliver(self, execution):
+            return execution  # queued for the delivery loop this call runs inside
         try:
             return self.get(execution.id)
         except LoomError:
@@ -259,71 +226,21 @@ class Engine:
         Raises:
             InvalidIdError: the id is not a valid stream id.
         """
-        if not isinstance(execution_id, str):
-            raise InvalidIdError(execution_id, "an execution id is a str")
-        try:
-            return validate_stream_id(EXECUTION_PREFIX + execution_id)
-        except InvalidIdError as exc:
-            raise InvalidIdError(execution_id, exc.reason) from None
-
-    def _lock(self, execution_id: str) -> threading.RLock:
-        return self._locks[hash(execution_id) % _LOCK_STRIPES]
+        return stream_of(execution_id)
 
     # -- loading --------------------------------------------------------------
 
-    def _remember(self, state: ExecutionState) -> None:
-        with self._cache_lock:
-            self._cache[state.id] = state
-            self._cache.move_to_end(state.id)
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+    def _checkout(self, execution_id: str) -> ExecutionState:
+        """The execution's current state, for this caller alone (see StateCache)."""
+        self.stream_of(execution_id)
+        return load(self.store, execution_id, self._cache.take(execution_id))
 
-    def _forget(self, execution_id: str) -> None:
-        with self._cache_lock:
-            self._cache.pop(execution_id, None)
-
-    def _load(self, execution_id: str) -> ExecutionState:
-        stream = self.stream_of(execution_id)
-        with self._cache_lock:
-            state = self._cache.get(execution_id)
-        with _gc_paused():
-            return self._load_into(execution_id, stream, state)
-
-    def _load_into(
-        self, execution_id: str, stream: str, state: ExecutionState | None
-    ) -> ExecutionState:
-        if state is not None and state.status.finished:
-            return state  # a finished run's journal never changes: no store round trip
+    def _view(self, execution_id: str, read: Callable[[ExecutionState], Any]) -> Any:
+        state = self._checkout(execution_id)
         try:
-            if state is not None:
-                try:
-                    tail = self.store.read(stream, state.position)
-                except TrimmedError:
-                    state = None
-                else:
-                    fold_records(state, tail, stream)
-            if state is None:
-                state = self._load_snapshot(execution_id) or ExecutionState(id=execution_id)
-                fold_records(state, self.store.read(stream, state.position), stream)
-        except StreamDeletedError:
-            self._forget(execution_id)
-            raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted") from None
-        if state.position == 0:
-            raise ExecutionNotFoundError(f"no execution with id {execution_id!r}")
-        self._remember(state)
-        return state
-
-    def _load_snapshot(self, execution_id: str) -> ExecutionState | None:
-        stream = SNAPSHOT_PREFIX + execution_id
-        head = self.store.head(stream)
-        if head == 0:
-            return None
-        (record,) = self.store.read(stream, head - 1, 1)
-        try:
-            data = json.loads(record.payload)
-        except ValueError as exc:
-            raise SchemaError(f"snapshot is not JSON: {exc}", stream=stream, position=head) from exc
-        return ExecutionState.from_snapshot(data)
+            return read(state)
+        finally:
+            self._cache.give_back(state)
 
     # -- driving ----------------------------------------------------------------
 
@@ -334,7 +251,7 @@ class Engine:
         for event in events:
             state.apply(event)
 
-    def _drive(self, state: ExecutionState) -> None:
+    def _drive(self, state: ExecutionState, control: DriveControl | None = None) -> None:
         """Re-run the flow from the top until it parks or ends.
 
         Raises:
@@ -347,9 +264,10 @@ class Engine:
         definition = self._flow(state.flow)
         try:
             if definition.is_async:
-                result = _run_coroutine(definition.fn(AsyncContext(self, state), state.input))
+                context = AsyncContext(self, state, control)
+                result = _run_coroutine(definition.fn(context, state.input))
             else:
-                result = definition.fn(Context(self, state), state.input)
+                result = definition.fn(Context(self, state, control), state.input)
         except Unwind as unwind:
             if unwind.error is not None:
                 raise unwind.error from None
@@ -362,12 +280,28 @@ class Engine:
         data = to_json(result, f"the result of flow {definition.name!r}")
         self._append(state, [ExecutionCompleted(data)])
 
-    def _drive_quietly(self, state: ExecutionState) -> None:
-        """Drive, treating a racing writer as the one now in charge of the run."""
+    def _drive_owned(self, state: ExecutionState) -> ExecutionState:
+        """Drive a state this caller owns (holding the run's lock) and cache the result.
+
+        A racing writer (another engine, or a cancel) is the one now in charge: the
+        run stops and the state returned is the journal's, read afresh.
+
+        Returns:
+            The run's state after the drive.
+        """
+        control = DriveControl()
+        with self._drives_lock:
+            self._drives[state.id] = control
         try:
-            self._drive(state)
+            self._drive(state, control)
         except ConflictError:
-            self._forget(state.id)
+            state = load(self.store, state.id, None)
+        finally:
+            with self._drives_lock:
+                if self._drives.get(state.id) is control:
+                    del self._drives[state.id]
+        self._cache.give_back(state)
+        return state
 
     # -- the public API -----------------------------------------------------------
 
@@ -399,7 +333,7 @@ class Engine:
         execution_id = key if key is not None else uuid.uuid4().hex
         stream = self.stream_of(execution_id)
         event = ExecutionStarted(definition.name, definition.code_hash, data, key, parent)
-        with self._lock(execution_id):
+        with self._locks.hold(execution_id):
             try:
                 self.store.append(stream, 0, [encode_event(event, self.clock())])
             except ConflictError:
@@ -410,9 +344,7 @@ class Engine:
                 ) from None
             state = ExecutionState(id=execution_id)
             state.apply(event)
-            self._remember(state)
-            self._drive_quietly(state)
-            execution = Execution.of(state)
+            execution = Execution.of(self._drive_owned(state))
         return self._settled(execution)
 
     def resume(
@@ -454,46 +386,61 @@ class Engine:
         timer: bool,
         on: str | None = None,
     ) -> Execution:
-        with self._lock(execution_id):
-            state = self._load(execution_id)
-            if key is not None and key in state.resume_keys:
-                return Execution.of(state)
-            gate = state.pending_gate
-            if gate is None:
-                raise NotSuspendedError(execution_id, state.status)
-            if (gate.on == TIMER_GATE) != timer:
-                detail = (
-                    f"it sleeps until {gate.wake_at}; fire_due_timers wakes it"
-                    if gate.on == TIMER_GATE
-                    else f"it waits on {gate.on!r}, not on a timer"
-                )
-                raise NotSuspendedError(execution_id, "suspended", detail)
-            if on is not None and gate.on != on:
-                raise NotSuspendedError(
-                    execution_id, "suspended", f"it waits on {gate.on!r}, not {on!r}"
-                )
+        with self._locks.hold(execution_id):
+            state = self._checkout(execution_id)
             try:
+                self._check_parked(state, key, timer=timer, on=on)
                 self._append(state, [ExecutionResumed(data, key)])
-            except ConflictError:
-                self._forget(execution_id)
+            except _AlreadyDeliveredError:
+                self._cache.give_back(state)
+                return Execution.of(state)
+            except LoomError:
+                self._cache.give_back(state)
                 raise
-            self._drive_quietly(state)
-            execution = Execution.of(state)
+            execution = Execution.of(self._drive_owned(state))
         return self._settled(execution)
 
+    @staticmethod
+    def _check_parked(
+        state: ExecutionState, key: str | None, *, timer: bool, on: str | None
+    ) -> None:
+        if key is not None and key in state.resume_keys:
+            raise _AlreadyDeliveredError
+        gate = state.pending_gate
+        if gate is None:
+            raise NotSuspendedError(state.id, state.status)
+        if (gate.on == TIMER_GATE) != timer:
+            detail = (
+                f"it sleeps until {gate.wake_at}; fire_due_timers wakes it"
+                if gate.on == TIMER_GATE
+                else f"it waits on {gate.on!r}, not on a timer"
+            )
+            raise NotSuspendedError(state.id, "suspended", detail)
+        if on is not None and gate.on != on:
+            raise NotSuspendedError(state.id, "suspended", f"it waits on {gate.on!r}, not {on!r}")
+
     def cancel(self, execution_id: str, reason: str | None = None) -> Execution:
-        """End a run: it never starts another step. Cancelling a finished run changes nothing."""
-        with self._lock(execution_id):
-            while True:
-                state = self._load(execution_id)
-                if state.status.finished:
-                    return Execution.of(state)
-                try:
-                    self._append(state, [ExecutionCancelled(reason)])
-                except ConflictError:
-                    self._forget(execution_id)
-                    continue
-                break
+        """End a run: it never starts another step. Cancelling a finished run changes nothing.
+
+        A cancel does not wait for a drive in progress: it journals the cancel at
+        once, and the drive stops before its next step, whichever engine or thread
+        runs it (a step already running finishes, and its result is not journaled).
+        """
+        while True:
+            state = self._checkout(execution_id)
+            if state.status.finished:
+                self._cache.give_back(state)
+                return Execution.of(state)
+            try:
+                self._append(state, [ExecutionCancelled(reason)])
+            except ConflictError:
+                continue  # the run moved on meanwhile: look again
+            break
+        self._cache.give_back(state)
+        with self._drives_lock:
+            control = self._drives.get(execution_id)
+        if control is not None:
+            control.stopped = True
         return self._settled(Execution.of(state))
 
     def get(self, execution_id: str) -> Execution:
@@ -502,13 +449,13 @@ class Engine:
         Raises:
             ExecutionNotFoundError: no such execution.
         """
-        with self._lock(execution_id):
-            return Execution.of(self._load(execution_id))
+        view: Execution = self._view(execution_id, Execution.of)
+        return view
 
     def state(self, execution_id: str) -> ExecutionState:
         """A copy of the execution's full folded state (frames, gates, variables)."""
-        with self._lock(execution_id):
-            return self._load(execution_id).copy()
+        copy: ExecutionState = self._view(execution_id, ExecutionState.copy)
+        return copy
 
     def frames(self, execution_id: str) -> Mapping[int, StepFrame]:
         """The execution's recorded steps by call index, read-only.
@@ -516,145 +463,132 @@ class Engine:
         A shallow copy (frames are not copied), so it is cheap and a run driven
         meanwhile does not change it under the caller.
         """
-        with self._lock(execution_id):
-            return MappingProxyType(dict(self._load(execution_id).steps))
+        frames: Mapping[int, StepFrame] = self._view(
+            execution_id, lambda state: MappingProxyType(dict(state.steps))
+        )
+        return frames
 
     def history(self, execution_id: str) -> list[HistoryEntry]:
         """The decoded journal (from the last snapshot on, if the run was compacted)."""
         stream = self.stream_of(execution_id)
+        after = 0
         try:
             try:
                 records = self.store.read(stream)
             except TrimmedError as exc:
-                records = self.store.read(stream, exc.floor)
+                after = exc.floor
+                records = self.store.read(stream, after)
         except StreamDeletedError:
             raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted") from None
         if not records:
             raise ExecutionNotFoundError(f"no execution with id {execution_id!r}")
+        check_gapless(records, after, stream)
         events = decode_events(records, stream)
         return [
             HistoryEntry(r.position, r.timestamp, e) for r, e in zip(records, events, strict=True)
         ]
 
     def executions(self) -> Iterator[Execution]:
-        """Every execution in the store, in id order."""
-        after: str | None = None
-        while names := self.store.streams(EXECUTION_PREFIX, after, 500):
-            for name in names:
-                try:
-                    yield self.get(name.removeprefix(EXECUTION_PREFIX))
-                except ExecutionNotFoundError:
-                    continue
-            after = names[-1]
+        """Every execution in the store, in id order.
+
+        Raises:
+            SchemaError: a journal cannot be folded (the listing stops there; `recover`
+                and `loom ls` go on past it and report it).
+        """
+        for execution_id in execution_ids(self.store):
+            try:
+                yield self.get(execution_id)
+            except ExecutionNotFoundError:
+                continue
 
     def recover(self) -> list[str]:
         """Drive every run left running (by a crash, or a process that stopped mid-run),
         and call the listeners again for every parked or ended run.
 
-        A run that cannot be driven (its flow diverged from its journal, say) does not
-        stop the others: every run is tried, then the first such error is raised.
+        A run that cannot be loaded or driven (a damaged journal, or code that
+        diverged from it) does not stop the others: every run is tried and each
+        failure logged, then the first is raised.
 
         Returns:
             The ids of the executions it drove.
         """
-        driven = []
-        failures: list[LoomError] = []
-        for view in list(self.executions()):
-            execution = view
-            if view.status is Status.RUNNING and view.flow in self._flows:
-                try:
-                    with self._lock(view.id):
-                        state = self._load(view.id)
-                        if state.status is Status.RUNNING:
-                            self._drive_quietly(state)
-                            driven.append(view.id)
-                        execution = Execution.of(state)
-                except LoomError as exc:
-                    _log.warning("recover: execution %r: %s: %s", view.id, type(exc).__name__, exc)
-                    failures.append(exc)
-                    continue
-            if self._listeners:
-                self._settled(execution)
-        if failures:
-            raise failures[0]
+        driven, failures = try_each(execution_ids(self.store), self._recover_one, "recover")
+        raise_first(failures)
+        return [execution_id for execution_id in driven if execution_id is not None]
+
+    def _recover_one(self, execution_id: str) -> str | None:
+        """Drive one run if it is left running; its id if it was driven."""
+        driven = None
+        with self._locks.hold(execution_id):
+            try:
+                state = self._checkout(execution_id)
+            except ExecutionNotFoundError:
+                return None  # deleted since the listing
+            if state.status is Status.RUNNING and state.flow in self._flows:
+                state = self._drive_owned(state)
+                driven = execution_id
+            else:
+                self._cache.give_back(state)
+            execution = Execution.of(state)
+        self._settled(execution)
         return driven
 
     def fire_due_timers(self) -> list[str]:
         """Wake every run whose timer is due by the engine's clock.
 
-        A run that cannot be woken (its flow diverged from its journal, say) does not
-        stop the others: every due timer is tried, then the first such error is raised.
+        A run that cannot be woken (its flow diverged from its journal, say), or a
+        damaged timer record, does not stop the others: every due timer is tried,
+        then the first error is raised.
 
         Returns:
             The ids of the executions it woke.
         """
         now = self.clock()
-        woken: list[str] = []
-        failures: list[LoomError] = []
-        for stream, head, entries in self.timers.due_buckets(now):
-            settled = True
-            for entry in entries:
-                if entry.wake_at > now:
-                    settled = False
-                    continue
-                try:
-                    outcome = self._fire(entry.execution_id, entry.gate, now)
-                except (ConflictError, NotSuspendedError):
-                    settled = False  # another worker moved the run: look again next time
-                    continue
-                except LoomError as exc:
-                    _log.warning("timer of %r: %s: %s", entry.execution_id, type(exc).__name__, exc)
-                    failures.append(exc)
-                    settled = False
-                    continue
-                if outcome is None:
-                    settled = False
-                elif outcome:
-                    woken.append(entry.execution_id)
-            if settled:
-                self.timers.settle(stream, head, now)
-        if failures:
-            raise failures[0]
+        woken, failures = self.timers.fire_due(now, lambda entry: self._fire(entry, now))
+        raise_first(failures)
         return woken
 
-    def _fire(self, execution_id: str, gate: int, now: float) -> bool | None:
+    def _fire(self, entry: TimerEntry, now: float) -> bool | None:
         """Wake one timer: True if woken, False if the hint is obsolete, None if not yet known."""
-        with self._lock(execution_id):
-            try:
-                state = self._load(execution_id)
-            except ExecutionNotFoundError:
-                return False
-            if state.status.finished:
-                return False
-            if gate >= len(state.gates):
-                return None  # the hint is ahead of the journal: the suspend may still land
-            if gate < len(state.resume_payloads):
-                return False  # already woken
-            recorded = state.gates[gate]
-            if recorded.on != TIMER_GATE or recorded.wake_at is None or recorded.wake_at > now:
-                return False  # a hint from an earlier attempt; the recorded wake has its own
-            self._resume(execution_id, None, f"timer:{gate}", timer=True)
-            return True
+        try:
+            due = self._view(entry.execution_id, lambda state: _timer_due(state, entry.gate, now))
+        except ExecutionNotFoundError:
+            return False
+        if due is not True:
+            return due  # type: ignore[no-any-return]
+        self._resume(entry.execution_id, None, timer_resume_key(entry.gate), timer=True)
+        return True
 
     def compact(self, execution_id: str) -> int:
         """Snapshot the folded state, then trim the journal below it (K10.4).
 
         The snapshot is written first, so a crash between the two writes loses
-        nothing. Returns the position the snapshot covers.
+        nothing. Engines may compact the same run at once: a snapshot never replaces
+        one that covers more, so a load always finds the journal from its snapshot on.
+
+        Returns:
+            The position the latest snapshot covers.
         """
-        with self._lock(execution_id):
-            state = self._load(execution_id)
-            stream = SNAPSHOT_PREFIX + execution_id
-            payload = json.dumps(state.to_snapshot(), separators=(",", ":")).encode()
-            while True:
-                head = self.store.head(stream)
-                try:
-                    self.store.append(
-                        stream, head, [NewRecord(SNAPSHOT_KIND, payload, self.clock())]
-                    )
-                except ConflictError:
-                    continue
-                break
-            self.store.trim(stream, head + 1)
-            self.store.trim(self.stream_of(execution_id), state.position + 1)
-            return state.position
+        state = self._checkout(execution_id)
+        try:
+            return compact(self.store, state, self.clock)
+        finally:
+            self._cache.give_back(state)
+
+
+def _timer_due(state: ExecutionState, gate: int, now: float) -> bool | None:
+    """Whether timer gate `gate` is due to be woken now: True; False when the hint is
+    obsolete; None when the journal does not show the gate yet."""
+    if state.status.finished:
+        return False
+    if gate >= len(state.gates):
+        return None  # the hint is ahead of the journal: the suspend may still land
+    if gate < len(state.resume_payloads):
+        return False  # already woken
+    recorded = state.gates[gate]
+    # A hint from an earlier attempt is obsolete; the recorded wake has its own.
+    return recorded.on == TIMER_GATE and recorded.wake_at is not None and recorded.wake_at <= now
+
+
+class _AlreadyDeliveredError(Exception):
+    """Inside the engine only: a resume whose dedupe key was already delivered."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = [
     "CanonicalJSONError",
     "ConflictError",
@@ -14,15 +16,44 @@ __all__ = [
     "NotSuspendedError",
     "SchemaError",
     "StepFailedError",
+    "StoreMisconfiguredError",
     "StoreUnavailableError",
     "StreamDeletedError",
     "TrimmedError",
     "UnknownFlowError",
+    "publish_errors",
 ]
 
 
+def _restore(cls: type[LoomError], args: tuple[object, ...], state: dict[str, object]) -> LoomError:
+    """Rebuild a pickled error without calling its __init__ (whose signature varies)."""
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+def publish_errors(module: str, exported: Iterable[object]) -> None:
+    """Name the exported error classes by the public module that exports them.
+
+    Tracebacks, reprs and the journal's error records then say
+    `loom_kernel.StepFailedError`, not the private module that defines it; pickle
+    finds them there too.
+    """
+    for value in exported:
+        if isinstance(value, type) and issubclass(value, BaseException):
+            value.__module__ = module
+
+
 class LoomError(Exception):
-    """Root of every error the kernel and its stores raise on purpose."""
+    """Root of every error the kernel and its stores raise on purpose.
+
+    Every error of the tree survives pickling (across a process pool, say) with its
+    message and attributes, whatever its constructor takes.
+    """
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
 
 
 class InvalidArgumentError(LoomError, ValueError):
@@ -149,11 +180,21 @@ class SchemaError(LoomError):
 
 
 class StoreUnavailableError(LoomError):
-    """A transient fault in the store's backend (I/O error, timeout, throttling).
+    """A transient fault in the store's backend (I/O error, timeout, throttling, a lock).
 
     The operation may be retried. For an append, the store has already done what it
     could to learn whether the write landed; when it raises this error the write did
     not land or could not be confirmed, so callers must re-read before retrying.
+    """
+
+
+class StoreMisconfiguredError(LoomError):
+    """The store refuses on purpose and will go on refusing until its setup changes.
+
+    Missing or wrong credentials, a permission denied, a bucket or directory that
+    does not exist, a read-only database, a file that is not a database. Retrying
+    cannot help, so callers should stop and report it; the message says what to fix.
+    Nothing was written.
     """
 
 

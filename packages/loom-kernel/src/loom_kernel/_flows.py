@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import math
 import re
 import textwrap
 from collections.abc import Callable
@@ -37,12 +38,43 @@ class RetryPolicy:
     retry_on: tuple[type[BaseException], ...] = (Exception,)
 
     def __attrs_post_init__(self) -> None:
-        if self.attempts < 1 or self.backoff < 0 or self.factor < 1 or self.max_backoff < 0:
-            raise InvalidArgumentError(f"invalid retry policy {self!r}")
+        attempts = self.attempts
+        if isinstance(attempts, bool) or not isinstance(attempts, int) or attempts < 1:
+            raise InvalidArgumentError(f"attempts must be an int >= 1, not {attempts!r}")
+        for name, least in (("backoff", 0.0), ("factor", 1.0), ("max_backoff", 0.0)):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value < least
+            ):
+                raise InvalidArgumentError(
+                    f"{name} must be a finite number >= {least:g}, not {value!r}"
+                )
+        retry_on = self.retry_on
+        if not isinstance(retry_on, tuple) or not all(
+            isinstance(kind, type) and issubclass(kind, BaseException) for kind in retry_on
+        ):
+            raise InvalidArgumentError(
+                f"retry_on must be a tuple of exception types, not {retry_on!r}"
+            )
 
     def delay(self, attempt: int) -> float:
-        """Seconds to wait after failed attempt number `attempt` (1-based)."""
-        return float(min(self.max_backoff, self.backoff * self.factor ** (attempt - 1)))
+        """Seconds to wait after failed attempt number `attempt` (1-based).
+
+        The cap applies before the growth can overflow: any attempt number, however
+        large, gives at most `max_backoff`.
+        """
+        if self.backoff == 0 or self.max_backoff == 0:
+            return 0.0
+        exponent = max(0, attempt - 1)
+        # backoff * factor**exponent > max_backoff, in logarithms so it cannot overflow
+        if self.factor > 1 and exponent * math.log(self.factor) > math.log(
+            self.max_backoff / self.backoff
+        ):
+            return float(self.max_backoff)
+        return float(min(self.max_backoff, self.backoff * self.factor**exponent))
 
 
 def code_hash(fn: Callable[..., Any], version: str | None = None) -> str:

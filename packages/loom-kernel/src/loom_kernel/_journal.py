@@ -4,16 +4,24 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from math import isfinite
 from typing import ClassVar, Final, NamedTuple
 
 import attrs
 
-from loom_kernel._errors import InvalidArgumentError
+from loom_kernel._errors import InvalidArgumentError, SchemaError
 from loom_kernel._ids import validate_prefix, validate_stream_id
 
-__all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record"]
+__all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record", "check_gapless"]
 
 MAX_KIND_LENGTH: Final = 64
+
+
+def _finite(value: float) -> bool:
+    try:
+        return isfinite(value)
+    except OverflowError:  # an int beyond any float
+        return False
 
 
 @attrs.frozen
@@ -23,7 +31,9 @@ class NewRecord:
     Attributes:
         kind: what the record is (printable ASCII, at most 64 characters).
         payload: opaque bytes; stores never parse them.
-        timestamp: seconds since the epoch, from the kernel's injected clock.
+        timestamp: seconds since the epoch, from the kernel's injected clock; a
+            finite number (NaN and infinities are refused: no store could keep them
+            exactly, and no clock gives them).
     """
 
     kind: str
@@ -49,8 +59,14 @@ class NewRecord:
             raise InvalidArgumentError(
                 f"a record payload must be bytes, not {type(payload).__name__}"
             )
-        if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
-            raise InvalidArgumentError(f"a record timestamp must be a number, not {timestamp!r}")
+        if (
+            isinstance(timestamp, bool)
+            or not isinstance(timestamp, (int, float))
+            or not _finite(timestamp)
+        ):
+            raise InvalidArgumentError(
+                f"a record timestamp must be a finite number, not {timestamp!r}"
+            )
 
 
 class Record(NamedTuple):
@@ -64,6 +80,35 @@ class Record(NamedTuple):
     kind: str
     payload: bytes
     timestamp: float
+
+
+def check_gapless(records: Sequence[Record], after: int, stream: str) -> None:
+    """Check that `records` are exactly positions after+1, after+2, ... of `stream`.
+
+    A store returns records in strictly increasing order, so the two ends decide; only
+    a failure looks at every record, to name the first one out of place.
+
+    Raises:
+        SchemaError: a record is missing (a gap), or out of place; naming the stream
+            and the position where the journal breaks.
+    """
+    if not records:
+        return
+    if records[0][0] == after + 1 and records[-1][0] == after + len(records):
+        return
+    for expected, record in enumerate(records, start=after + 1):
+        if record[0] != expected:
+            found = record[0]
+            break
+    else:  # pragma: no cover - the ends above disagree, so some record is out of place
+        expected, found = after + len(records), records[-1][0]
+    what = f"record {expected} is missing" if found > expected else f"found record {found} again"
+    raise SchemaError(
+        f"the journal has a gap: {what} (the store lost or reordered a record; the run "
+        "cannot be folded without it)",
+        stream=stream,
+        position=expected,
+    )
 
 
 def _check_position(name: str, value: object) -> int:

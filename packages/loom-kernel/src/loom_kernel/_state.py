@@ -28,7 +28,7 @@ from loom_kernel._events import (
     StepFailed,
 )
 from loom_kernel._fast_steps import StepEnvelope, decode_steps
-from loom_kernel._journal import Record
+from loom_kernel._journal import Record, check_gapless
 
 STEP_KIND: Final = StepCompleted.KIND
 _KIND: Final = itemgetter(1)  # of a Record
@@ -224,7 +224,12 @@ def fold_records(state: ExecutionState, records: list[Record], stream: str) -> N
     go straight from their parsed payload into a frame, with the same checks the
     decoder makes, instead of through an event object. Everything else takes the
     general path (decode_envelope, upcasters, apply).
+
+    Raises:
+        SchemaError: a record is missing (the records are not exactly the positions
+            after `state.position`), or one cannot be decoded.
     """
+    check_gapless(records, state.position, stream)
     if decode_steps is not None and _fold_typed(state, records, stream, decode_steps):
         return
     envelopes = parse_envelopes(records, stream)

@@ -6,7 +6,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from loom_kernel._context import TIMER_GATE
 from loom_kernel._engine import HistoryEntry
 from loom_kernel._events import (
     ExecutionCancelled,
@@ -19,6 +18,7 @@ from loom_kernel._events import (
     StepCompleted,
     StepFailed,
 )
+from loom_kernel._timers import TIMER_GATE
 
 __all__ = ["format_timeline"]
 

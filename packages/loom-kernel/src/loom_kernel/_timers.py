@@ -4,30 +4,72 @@ Timers live in per-minute bucket streams `timers/<minute>`; each record names an
 execution, a gate and a wake time. The execution's journal is the truth: firing
 checks that the run is still parked at that gate before it resumes it, so a stale,
 doubled or orphaned hint wakes nothing by mistake.
+
+Buckets are retired (deleted) once every hint in them is handled, so an idle poll
+lists only the buckets that still hold work. Retiring must never lose a hint that a
+writer is adding at the same moment, whatever the writers' clocks say:
+
+- the firing side first *seals* the bucket: it appends a seal record at exactly the
+  head it has handled, which fails if any hint arrived since, and only then deletes;
+- a writer looks at a bucket's last record before it appends: a sealed or deleted
+  bucket sends the hint to the overdue stream instead, which is never retired.
+
+A writer and a sealer that race append at the same head, so exactly one wins: the
+hint lands before the seal (and the sealer sees it next time) or after the writer
+has seen the seal. No clock decides anything here, so a writer whose clock runs a
+day late (or a year) still parks its run where a poll will find it.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Final
+import logging
+from collections.abc import Callable, Iterator
+from math import isfinite
+from typing import Final
 
 import attrs
 
-from loom_kernel._errors import ConflictError, StreamDeletedError, TrimmedError
+from loom_kernel._errors import (
+    ConflictError,
+    InvalidArgumentError,
+    LoomError,
+    NotSuspendedError,
+    SchemaError,
+    StreamDeletedError,
+    TrimmedError,
+)
 from loom_kernel._journal import JournalStore, NewRecord, Record
 
-if TYPE_CHECKING:
-    from collections.abc import Callable
+__all__ = [
+    "OVERDUE",
+    "QUARANTINE",
+    "TIMER_GATE",
+    "TimerEntry",
+    "TimerIndex",
+    "timer_resume_key",
+]
 
-__all__ = ["TimerEntry", "TimerIndex"]
-
+#: The gate name a sleep parks at.
+TIMER_GATE: Final = "loom.timer"
 TIMER_KIND: Final = "loom.timer"
+SEAL_KIND: Final = "loom.timer.sealed"
 PREFIX: Final = "timers/"
+#: Hints whose bucket was already retired. It sorts before every minute bucket
+#: ('-' < '0'), is read on every poll, and is trimmed but never deleted.
+OVERDUE: Final = PREFIX + "-overdue"
+#: Hints that cannot be read (damaged records) are copied here, then dropped.
+QUARANTINE: Final = "quarantine/timers"
 BUCKET_SECONDS: Final = 60
-#: Fully handled buckets older than this are deleted; younger ones are only trimmed,
-#: so a writer whose clock runs late never meets a retired bucket name.
-DELETE_AFTER: Final = 86_400
+_LAST_BUCKET: Final = 10**12 - 1  # bucket names have 12 digits
+_PAGE: Final = 100
+
+_log = logging.getLogger("loom")
+
+
+def timer_resume_key(gate: int) -> str:
+    """The dedupe key of the resume that wakes timer gate number `gate`."""
+    return f"timer:{gate}"
 
 
 @attrs.frozen
@@ -39,12 +81,59 @@ class TimerEntry:
     wake_at: float
 
 
+@attrs.frozen
+class _Hint:
+    position: int
+    entry: TimerEntry | None  # None: the record cannot be read
+    record: Record
+
+
+@attrs.frozen
+class _Bucket:
+    stream: str
+    head: int
+    hints: tuple[_Hint, ...]
+    sealed: bool
+
+
 def _bucket_of(moment: float) -> int:
-    return int(moment // BUCKET_SECONDS)
+    if not isfinite(moment):
+        raise InvalidArgumentError(f"a wake time must be a finite number, not {moment!r}")
+    return min(_LAST_BUCKET, max(0, int(moment // BUCKET_SECONDS)))
 
 
 def _stream(bucket: int) -> str:
     return f"{PREFIX}{bucket:012d}"
+
+
+def _bucket_number(stream: str) -> int | None:
+    digits = stream.removeprefix(PREFIX)
+    return int(digits) if len(digits) == 12 and digits.isdigit() else None
+
+
+def _entry(record: Record) -> TimerEntry | None:
+    """A hint record's entry; None when it is damaged."""
+    if record.kind != TIMER_KIND:
+        return None
+    try:
+        data = json.loads(record.payload)
+        execution_id, gate, wake_at = data["id"], data["gate"], data["wake_at"]
+    except (ValueError, TypeError, KeyError):
+        return None
+    if (
+        not isinstance(execution_id, str)
+        or isinstance(gate, bool)
+        or not isinstance(gate, int)
+        or gate < 0
+        or isinstance(wake_at, bool)
+        or not isinstance(wake_at, int | float)
+    ):
+        return None
+    return TimerEntry(execution_id, gate, float(wake_at))
+
+
+#: What firing one hint did: True woken, False nothing to do (obsolete), None not yet.
+Wake = Callable[[TimerEntry], "bool | None"]
 
 
 class TimerIndex:
@@ -54,62 +143,183 @@ class TimerIndex:
         self._store = store
         self._clock = clock
 
+    # -- writing --------------------------------------------------------------
+
     def add(self, execution_id: str, gate: int, wake_at: float) -> None:
-        """Record a hint (retrying on a racing writer of the same bucket)."""
+        """Record a hint, in its minute's bucket or, if that one is retired, in OVERDUE."""
         payload = json.dumps({"id": execution_id, "gate": gate, "wake_at": wake_at}).encode()
         record = NewRecord(TIMER_KIND, payload, self._clock())
         stream = _stream(_bucket_of(wake_at))
         while True:
             try:
                 head = self._store.head(stream)
+                if stream != OVERDUE and head and self._sealed(stream, head):
+                    stream = OVERDUE
+                    continue
                 self._store.append(stream, head, [record])
                 return
             except ConflictError:
-                continue
+                continue  # another hint or a seal landed first: look again
             except StreamDeletedError:
-                # The bucket was handled and retired: this wake time is long past,
-                # so the bucket of the present minute serves (it is due at once).
-                stream = _stream(_bucket_of(self._clock()))
+                if stream == OVERDUE:
+                    raise  # never retired by Loom: the store was tampered with
+                stream = OVERDUE
 
-    def due_buckets(self, now: float) -> Iterator[tuple[str, int, list[TimerEntry]]]:
-        """Yield (stream, head, entries) for every bucket that holds anything due at `now`."""
+    def _sealed(self, stream: str, head: int) -> bool:
+        try:
+            last = self._store.read(stream, head - 1, 1)
+        except TrimmedError:
+            return False  # a seal is never trimmed away: the last record was a hint
+        return bool(last) and last[0].kind == SEAL_KIND
+
+    # -- firing ---------------------------------------------------------------
+
+    def fire_due(self, now: float, wake: Wake) -> tuple[list[str], list[LoomError]]:
+        """Offer every due hint to `wake`, then drop what is handled.
+
+        A hint is handled when `wake` returns True or False; one it returns None for,
+        or that meets ConflictError or NotSuspendedError (another worker is moving
+        the run), stays for the next poll. Any other LoomError is logged, kept for
+        the caller, and the hint stays too. A damaged hint is copied to QUARANTINE,
+        reported as a SchemaError and dropped; it never stops the others.
+
+        Returns:
+            The ids woken, and the errors met, in order.
+        """
+        woken: list[str] = []
+        failures: list[LoomError] = []
+        for bucket in self._due(now):
+            first_open: int | None = None
+            for hint in bucket.hints:
+                if not self._handle(hint, bucket.stream, (now, wake), woken, failures):
+                    first_open = hint.position if first_open is None else first_open
+            try:
+                self._settle(bucket, first_open, now)
+            except LoomError as exc:  # the hints stay; the next poll settles them
+                _log.warning("timer bucket %r: %s: %s", bucket.stream, type(exc).__name__, exc)
+                failures.append(exc)
+        return woken, failures
+
+    def _handle(
+        self,
+        hint: _Hint,
+        stream: str,
+        waking: tuple[float, Wake],
+        woken: list[str],
+        failures: list[LoomError],
+    ) -> bool:
+        """Offer one hint; True when it is handled and may be dropped."""
+        now, wake = waking
+        entry = hint.entry
+        if entry is None:
+            try:
+                failures.append(self._quarantine(stream, hint.record))
+            except LoomError as exc:  # kept where it is until it can be copied
+                failures.append(exc)
+                return False
+            return True
+        if entry.wake_at > now:
+            return False
+        try:
+            outcome = wake(entry)
+        except (ConflictError, NotSuspendedError):
+            return False  # another worker moved the run: look again next time
+        except LoomError as exc:
+            _log.warning("timer of %r: %s: %s", entry.execution_id, type(exc).__name__, exc)
+            failures.append(exc)
+            return False
+        if outcome:
+            woken.append(entry.execution_id)
+        return outcome is not None
+
+    def _quarantine(self, stream: str, record: Record) -> SchemaError:
+        error = SchemaError(
+            f"damaged timer hint, copied to {QUARANTINE!r} and dropped",
+            kind=record.kind,
+            stream=stream,
+            position=record.position,
+        )
+        _log.warning("%s", error)
+        copy = NewRecord(
+            "loom.timer.damaged",
+            json.dumps(
+                {
+                    "stream": stream,
+                    "position": record.position,
+                    "kind": record.kind,
+                    "payload": record.payload.decode("utf-8", "backslashreplace"),
+                }
+            ).encode(),
+            self._clock(),
+        )
+        while True:
+            try:
+                self._store.append(QUARANTINE, self._store.head(QUARANTINE), [copy])
+                return error
+            except ConflictError:
+                continue
+
+    def _due(self, now: float) -> Iterator[_Bucket]:
+        """Every live bucket up to the present minute (and OVERDUE first), as read now."""
         last = _stream(_bucket_of(now))
         after: str | None = None
-        while True:
-            names = self._store.streams(PREFIX, after, 100)
-            if not names:
-                return
+        while names := self._store.streams(PREFIX, after, _PAGE):
             for name in names:
                 if name > last:
                     return
-                try:
-                    head = self._store.head(name)
-                    records = self._retained(name)
-                except StreamDeletedError:
-                    continue
-                entries = []
-                for record in records:
-                    data = json.loads(record.payload)
-                    entries.append(
-                        TimerEntry(data["id"], int(data["gate"]), float(data["wake_at"]))
-                    )
-                yield name, head, entries
+                bucket = self._read(name)
+                if bucket is not None:
+                    yield bucket
             after = names[-1]
 
-    def _retained(self, stream: str) -> list[Record]:
-        """A bucket's records not yet trimmed away (buckets are trimmed once handled)."""
+    def _read(self, stream: str) -> _Bucket | None:
+        """A bucket's retained records up to its head now; None if it was retired."""
         try:
-            return self._store.read(stream)
-        except TrimmedError as exc:
-            return self._store.read(stream, exc.floor)
-
-    def settle(self, stream: str, head: int, now: float) -> None:
-        """Drop a bucket's handled hints: trim it, or delete it once it is old."""
-        bucket_end = (int(stream.removeprefix(PREFIX)) + 1) * BUCKET_SECONDS
-        try:
-            if bucket_end + DELETE_AFTER <= now and self._store.head(stream) == head:
-                self._store.delete(stream)
-            else:
-                self._store.trim(stream, head + 1)
+            head = self._store.head(stream)
+            try:
+                records = self._store.read(stream, 0, head) if head else []
+            except TrimmedError as exc:
+                rest = head - exc.floor
+                records = self._store.read(stream, exc.floor, rest) if rest > 0 else []
         except StreamDeletedError:
-            pass
+            return None
+        sealed = bool(records) and records[-1].kind == SEAL_KIND
+        hints = tuple(
+            _Hint(record.position, _entry(record), record)
+            for record in records
+            if record.kind != SEAL_KIND
+        )
+        return _Bucket(stream, head, hints, sealed)
+
+    def _settle(self, bucket: _Bucket, first_open: int | None, now: float) -> None:
+        """Drop a bucket's handled hints: trim them off, or retire a finished bucket."""
+        store, stream = self._store, bucket.stream
+        try:
+            if bucket.sealed:
+                store.delete(stream)  # sealed earlier, by a poll that stopped before this
+            elif first_open is not None:
+                store.trim(stream, first_open)
+            elif not self._may_retire(stream, now):
+                store.trim(stream, bucket.head + 1)
+            else:
+                try:
+                    store.append(stream, bucket.head, [NewRecord(SEAL_KIND, b"{}", self._clock())])
+                except ConflictError:
+                    store.trim(stream, bucket.head + 1)  # new hints: the next poll has them
+                else:
+                    store.delete(stream)
+        except StreamDeletedError:
+            pass  # another poll retired it
+
+    @staticmethod
+    def _may_retire(stream: str, now: float) -> bool:
+        """Only buckets wholly in the past: a writer of a later wake keeps its bucket."""
+        number = _bucket_number(stream)
+        return number is not None and (number + 1) * BUCKET_SECONDS <= now
+
+    def buckets(self) -> list[str]:
+        """The live bucket streams (OVERDUE included, if it exists), in order."""
+        found: list[str] = []
+        while names := self._store.streams(PREFIX, found[-1] if found else None, _PAGE):
+            found.extend(names)
+        return found

@@ -42,3 +42,8 @@ __all__ = [
     "supervise_children",
     "supervision",
 ]
+
+# Shown as loom_orchestration.ChildFailedError (tracebacks, reprs, journal error records).
+for _error in (ChildCancelledError, ChildFailedError, SupervisorEscalationError):
+    _error.__module__ = __name__
+del _error

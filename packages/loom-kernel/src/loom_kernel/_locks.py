@@ -1,0 +1,77 @@
+"""Per-execution locks: one lock per id, never shared between ids, reentrant per caller.
+
+An engine serialises the drives of one execution (a start, a resume, a timer, a
+recover) with one of these. Two facts shape them:
+
+- Locks are keyed by the execution id itself, created on demand and dropped when no
+  one holds or waits for them, so two unrelated runs never share a lock and no lock
+  order can come from hashing. The only nesting is a drive that starts a child
+  inline, which takes the child's lock while it holds the parent's: parent before
+  child, a tree, so it cannot cycle.
+- Reentrancy follows the caller's context (`contextvars`), not its thread. An async
+  flow called from inside a running event loop runs on a helper thread with a copy
+  of its caller's context, so a step there that drives its own run again finds the
+  lock already held instead of waiting for a thread that waits for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+from collections.abc import Iterator
+
+import attrs
+
+__all__ = ["KeyedLocks"]
+
+
+@attrs.define
+class _Entry:
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+    users: int = 0
+
+
+class KeyedLocks:
+    """A lock per key, held through `hold(key)`."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self._mutex = threading.Lock()
+        self._held: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+            f"loom_locks_{id(self)}", default=frozenset()
+        )
+
+    def held(self, key: str) -> bool:
+        """Whether the current context holds `key`."""
+        return key in self._held.get()
+
+    @contextlib.contextmanager
+    def hold(self, key: str) -> Iterator[None]:
+        """Hold `key`'s lock for the block; a no-op when this context holds it already."""
+        held = self._held.get()
+        if key in held:
+            yield
+            return
+        with self._mutex:
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._entries[key] = _Entry()
+            entry.users += 1
+        try:
+            with entry.lock:
+                token = self._held.set(held | {key})
+                try:
+                    yield
+                finally:
+                    self._held.reset(token)
+        finally:
+            with self._mutex:
+                entry.users -= 1
+                if entry.users == 0:
+                    del self._entries[key]
+
+    def __len__(self) -> int:
+        """How many keys are held or waited for (tests use it to prove none leak)."""
+        with self._mutex:
+            return len(self._entries)
