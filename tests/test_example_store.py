@@ -36,3 +36,6 @@ class TestJsonlExampleStore(StoreContract):
     def reopen_store(self, store: JournalStore) -> JournalStore:
         store.close()
         return open_store(f"jsonl://{self.directory}")
+
+    def twin_store(self, store: JournalStore) -> JournalStore:
+        return open_store(f"jsonl://{self.directory}")

@@ -5,11 +5,18 @@ Each broken store below is the memory store with one bug a real backend could ha
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 from hypothesis import Phase, settings
-from loom_kernel import ConflictError, MemoryStore, NewRecord, Record
+from loom_kernel import ConflictError, JournalStore, MemoryStore, NewRecord, Record
 from loom_kernel._memory_store import _LostReplyError
-from loom_kernel.testing import DEFAULT_SETTINGS, StoreHarness, run_store_machine, verify_store
+from loom_kernel.testing import (
+    DEFAULT_SETTINGS,
+    StoreHarness,
+    run_store_machine,
+    verify_store,
+)
 
 
 class LostUpdateStore(MemoryStore):
@@ -130,6 +137,60 @@ class LimitIgnoringReadStore(MemoryStore):
         return super()._read(stream, after, None)
 
 
+class PerInstanceHeadStore(MemoryStore):
+    """Checks `expected` against the heads this instance wrote, not the shared data, so two
+    instances (two processes) both win an append at one expected head."""
+
+    def __init__(self, name: str | None = None) -> None:
+        super().__init__(name)
+        self._written: dict[str, int] = {}
+
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        mine = self._written.get(stream, 0)
+        if mine != expected:
+            raise ConflictError(stream, expected, mine)
+        head = super()._append(stream, self._head(stream), records)
+        self._written[stream] = head
+        return head
+
+
+class TrimDropsHeadStore(MemoryStore):
+    """trim(stream, head) drops the head record too."""
+
+    def _trim(self, stream: str, before: int) -> None:
+        head = self._head(stream)
+        super()._trim(stream, before + 1 if before == head else before)
+
+
+class KindCuttingStore(MemoryStore):
+    """Keeps only the first 24 characters of a kind (the SPI allows 64)."""
+
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        cut = tuple(NewRecord(r.kind[:24], r.payload, r.timestamp) for r in records)
+        return super()._append(stream, expected, cut)
+
+
+class RoundingTimestampStore(MemoryStore):
+    """Keeps timestamps to the microsecond, as a DATETIME column would."""
+
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        rounded = tuple(NewRecord(r.kind, r.payload, round(r.timestamp, 6)) for r in records)
+        return super()._append(stream, expected, rounded)
+
+
+class DeletedOnLaterPagesStore(MemoryStore):
+    """Lists deleted names again on every page after the first."""
+
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
+        if after is None:
+            return super()._streams(prefix, after, limit)
+        with self._state.lock:
+            names = sorted(
+                name for name in self._state.streams if name.startswith(prefix) and name > after
+            )
+        return names[:limit]
+
+
 BROKEN_STORES: tuple[type[MemoryStore], ...] = (
     LostUpdateStore,
     NonAtomicBatchStore,
@@ -142,6 +203,11 @@ BROKEN_STORES: tuple[type[MemoryStore], ...] = (
     BlindRetryStore,
     OptimisticLostReplyStore,
     LimitIgnoringReadStore,
+    PerInstanceHeadStore,
+    TrimDropsHeadStore,
+    KindCuttingStore,
+    RoundingTimestampStore,
+    DeletedOnLaterPagesStore,
 )
 
 
@@ -157,8 +223,62 @@ KIT_SETTINGS = settings(
 )
 
 
+def _harness(cls: type[MemoryStore]) -> StoreHarness:
+    """Each store over its own shared state, so the kit can reopen it and open a twin."""
+
+    def reopen(store: JournalStore) -> JournalStore:
+        store.close()
+        return twin(store)
+
+    def twin(store: JournalStore) -> JournalStore:
+        assert isinstance(store, MemoryStore)
+        return cls(store.name)
+
+    return StoreHarness(
+        open=lambda: cls(f"kit-{uuid.uuid4().hex}"), reopen=reopen, twin=twin, name=cls.__name__
+    )
+
+
 def test_kit_passes_the_reference_store() -> None:
-    assert verify_store(StoreHarness(open=MemoryStore, name="memory"), KIT_SETTINGS) == {}
+    report = verify_store(_harness(MemoryStore), KIT_SETTINGS)
+    assert report == {}
+    assert report.not_applicable == {}, "every check applies to the reference store"
+
+
+class PlainStore(JournalStore):
+    """A correct store with no fault-injection seam (the memory store behind a wrapper)."""
+
+    def __init__(self) -> None:
+        self.inner = MemoryStore()
+
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        return self.inner.append(stream, expected, records)
+
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Record]:
+        return self.inner.read(stream, after, limit)
+
+    def _head(self, stream: str) -> int:
+        return self.inner.head(stream)
+
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
+        return self.inner.streams(prefix, after, limit)
+
+    def _trim(self, stream: str, before: int) -> None:
+        self.inner.trim(stream, before)
+
+    def _delete(self, stream: str) -> None:
+        self.inner.delete(stream)
+
+
+def test_checks_that_cannot_apply_are_reported_as_not_applicable_never_as_passed() -> None:
+    report = verify_store(StoreHarness(open=PlainStore, name="plain"), KIT_SETTINGS)
+    assert report == {}
+    assert set(report.not_applicable) == {
+        "ambiguous_failures_resolve_exactly_once",
+        "reopen_keeps_everything",
+        "a_second_instance_sees_and_refuses_the_same",
+    }
+    assert "inject_fault" in report.not_applicable["ambiguous_failures_resolve_exactly_once"]
 
 
 # The check of the kit that names each bug (others may fail too).
@@ -174,6 +294,11 @@ CAUGHT_BY = {
     BlindRetryStore: "ambiguous_failures_resolve_exactly_once",
     OptimisticLostReplyStore: "ambiguous_failures_resolve_exactly_once",
     LimitIgnoringReadStore: "read_windows_and_pages",
+    PerInstanceHeadStore: "a_second_instance_sees_and_refuses_the_same",
+    TrimDropsHeadStore: "trim_at_the_head_keeps_the_head_record",
+    KindCuttingStore: "limits_are_kept_exactly",
+    RoundingTimestampStore: "limits_are_kept_exactly",
+    DeletedOnLaterPagesStore: "deleted_streams_stay_off_every_page",
 }
 
 
@@ -183,7 +308,7 @@ def test_every_broken_store_is_listed() -> None:
 
 @pytest.mark.parametrize("broken", BROKEN_STORES, ids=lambda cls: cls.__name__)
 def test_kit_fails_a_broken_store(broken: type[MemoryStore]) -> None:
-    failures = verify_store(StoreHarness(open=broken, name=broken.__name__), KIT_SETTINGS)
+    failures = verify_store(_harness(broken), KIT_SETTINGS)
     assert CAUGHT_BY[broken] in failures, (
         f"the conformance kit's {CAUGHT_BY[broken]} check passed {broken.__name__} "
         f"(failed: {sorted(failures)})"
@@ -202,4 +327,4 @@ def test_kit_fails_a_broken_store(broken: type[MemoryStore]) -> None:
 def test_state_machine_alone_fails_a_broken_store(broken: type[MemoryStore]) -> None:
     """The stateful comparison finds each bug by itself, not only the example checks."""
     with pytest.raises(AssertionError):
-        run_store_machine(StoreHarness(open=broken, name=broken.__name__), KIT_SETTINGS)
+        run_store_machine(_harness(broken), KIT_SETTINGS)

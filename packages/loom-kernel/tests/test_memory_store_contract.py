@@ -23,3 +23,7 @@ class TestNamedMemoryStore(StoreContract):
     def reopen_store(self, store: JournalStore) -> JournalStore:
         store.close()
         return open_store(self.url)
+
+    def twin_store(self, store: JournalStore) -> JournalStore:
+        assert isinstance(store, MemoryStore)
+        return open_store(f"memory://{store.name}")

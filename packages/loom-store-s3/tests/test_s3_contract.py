@@ -29,3 +29,7 @@ class TestS3Store(StoreContract):
     def reopen_store(self, store: JournalStore) -> JournalStore:
         reopened: JournalStore = self.server.reopen(store)
         return reopened
+
+    def twin_store(self, store: JournalStore) -> JournalStore:
+        twin: JournalStore = self.server.twin(store)
+        return twin

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel import NewRecord, StoreUnavailableError
+from loom_kernel import NewRecord, SchemaError, StoreUnavailableError
 from loom_kernel._ids import ID_ALPHABET
 from loom_store_s3._batch import decode_batch, encode_batch, encode_marker
 from loom_store_s3._layout import Layout
@@ -58,7 +58,8 @@ def test_no_two_streams_or_stores_share_a_key(
         st.tuples(
             st.text(alphabet="abc.XYZ", min_size=1, max_size=10),
             st.binary(max_size=64),
-            st.floats(allow_nan=False, allow_infinity=False) | st.integers(-(2**40), 2**40).map(float),
+            st.floats(allow_nan=False, allow_infinity=False)
+            | st.integers(-(2**40), 2**40).map(float),
         ),
         min_size=1,
         max_size=8,
@@ -107,5 +108,5 @@ def test_a_damaged_batch_is_store_unavailable_naming_the_key(body: bytes) -> Non
 
 
 def test_a_batch_from_a_newer_format_asks_for_an_upgrade() -> None:
-    with pytest.raises(StoreUnavailableError, match="upgrade loom-store-s3"):
+    with pytest.raises(SchemaError, match="upgrade loom-store-s3"):
         decode_batch("k", b'{"v":2,"commit":"c","start":0,"count":0,"state":"tomb"}')

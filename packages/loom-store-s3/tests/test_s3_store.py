@@ -11,6 +11,8 @@ from loom_kernel import (
     InvalidArgumentError,
     InvalidIdError,
     NewRecord,
+    SchemaError,
+    StoreMisconfiguredError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
@@ -100,7 +102,7 @@ def test_bad_bucket_names_and_prefixes_are_refused_before_any_request(
 
 
 def test_a_missing_bucket_is_a_clear_error(moto_server: S3Server) -> None:
-    with pytest.raises(StoreUnavailableError, match="NoSuchBucket"):
+    with pytest.raises(StoreMisconfiguredError, match=r"NoSuchBucket.*create it"):
         S3Store("loom-no-such-bucket", "p", client=moto_server.client())
 
 
@@ -111,7 +113,7 @@ def test_a_bucket_written_by_a_newer_format_is_refused(moto_server: S3Server) ->
         Key=store.prefix + "!layout.json",
         Body=json.dumps({"format": 99, "shards": 2}).encode(),
     )
-    with pytest.raises(StoreUnavailableError, match="newer loom-store-s3"):
+    with pytest.raises(SchemaError, match="newer loom-store-s3"):
         moto_server.reopen(store)
 
 
@@ -227,7 +229,7 @@ def test_delete_on_a_versioned_bucket_still_retires_the_name(s3_server: S3Server
     if s3_server.name == "rgw":
         # Ceph RGW 16 (Pacific) ignores If-None-Match on versioned buckets: the store
         # proves that at open and refuses, rather than appending without atomicity.
-        with pytest.raises(StoreUnavailableError, match="versioned buckets"):
+        with pytest.raises(StoreMisconfiguredError, match="versioned buckets"):
             S3Store(bucket, "v", S3Options(), client=client)
         return
     store = S3Store(bucket, "v", S3Options(shards=2, retention=0, head_ttl=0), client=client)
@@ -264,7 +266,7 @@ def test_missing_credentials_are_a_clear_error_not_a_botocore_one(
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-    with pytest.raises(StoreUnavailableError, match="NoCredentialsError"):
+    with pytest.raises(StoreMisconfiguredError, match=r"NoCredentialsError.*no credentials"):
         S3Store(moto_server.new_bucket(), "p", S3Options(endpoint_url=moto_server.endpoint_url))
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from hypothesis import settings
 from loom_kernel import JournalStore, open_store
 from loom_kernel.testing import DEFAULT_SETTINGS, StoreContract
+from loom_store_sqlite import SqliteStore
 
 
 class TestSqliteFileStore(StoreContract):
@@ -21,6 +22,10 @@ class TestSqliteFileStore(StoreContract):
     def reopen_store(self, store: JournalStore) -> JournalStore:
         store.close()
         return open_store(f"sqlite://{self.path}?synchronous=normal")
+
+    def twin_store(self, store: JournalStore) -> JournalStore:
+        assert isinstance(store, SqliteStore)
+        return open_store(f"sqlite://{store.path}?synchronous=normal")
 
 
 class TestSqliteMemoryStore(StoreContract):

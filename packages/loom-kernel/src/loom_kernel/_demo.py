@@ -5,12 +5,12 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from loom_kernel._clock import FakeClock
 from loom_kernel._context import Context
 from loom_kernel._engine import Engine
 from loom_kernel._flows import flow
 from loom_kernel._registry import open_store
 from loom_kernel._timeline import format_timeline
-from loom_kernel.testing._clock import FakeClock
 
 __all__ = ["run_demo"]
 

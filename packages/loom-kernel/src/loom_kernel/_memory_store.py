@@ -55,10 +55,14 @@ class MemoryStore(JournalStore):
 
     `memory://` gives a new, private store. `memory://NAME` gives a store over the
     process-wide state named NAME, so opening the same URL again sees the same streams
-    (the kit uses it to close and reopen).
+    (the kit uses it to close and reopen, and to open a second instance).
+
+    Attributes:
+        name: the shared state's name; None for a private store.
     """
 
     def __init__(self, name: str | None = None) -> None:
+        self.name = name
         if name is None:
             self._state = _State()
         else:

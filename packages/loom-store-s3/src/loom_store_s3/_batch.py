@@ -14,7 +14,7 @@ import json
 from typing import Final, Literal
 
 import attrs
-from loom_kernel import NewRecord, Record, StoreUnavailableError
+from loom_kernel import NewRecord, Record, SchemaError, StoreUnavailableError
 
 from loom_store_s3._layout import FORMAT
 
@@ -73,7 +73,7 @@ def decode_batch(key: str, body: bytes) -> Batch:
         raise _damaged(key, "the header is not an object")
     version = header.get("v")
     if isinstance(version, int) and version > FORMAT:
-        raise StoreUnavailableError(
+        raise SchemaError(
             f"batch object {key!r} has format {version}, newer than this loom-store-s3 "
             f"(format {FORMAT}): upgrade loom-store-s3"
         )

@@ -26,6 +26,8 @@ from loom_kernel import (
     JournalStore,
     NewRecord,
     Record,
+    SchemaError,
+    StoreMisconfiguredError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
@@ -172,7 +174,7 @@ class S3Store(JournalStore):
                 raise StoreUnavailableError(f"cannot create the layout descriptor {key!r}")
         layout = self._read_descriptor(key, body)
         if self._transport.put_new(key, body, "layout-probe") != "taken":
-            raise StoreUnavailableError(
+            raise StoreMisconfiguredError(
                 f"s3://{self.bucket}/{self.prefix}: the server accepted a conditional write "
                 "(If-None-Match: *) to an existing key, so appends would not be atomic. "
                 "Ceph RGW before Reef ignores If-None-Match on versioned buckets: use an "
@@ -185,14 +187,14 @@ class S3Store(JournalStore):
             descriptor = json.loads(body)
             version, shards = descriptor["format"], descriptor["shards"]
         except (ValueError, KeyError, TypeError):
-            raise StoreUnavailableError(f"damaged layout descriptor {key!r}") from None
+            raise StoreMisconfiguredError(f"damaged layout descriptor {key!r}") from None
         if not isinstance(version, int) or version > FORMAT:
-            raise StoreUnavailableError(
+            raise SchemaError(
                 f"s3://{self.bucket}/{self.prefix} was written by a newer loom-store-s3 "
                 f"(format {version}; this one reads format {FORMAT}): upgrade loom-store-s3"
             )
         if not isinstance(shards, int) or not 1 <= shards <= MAX_SHARDS:
-            raise StoreUnavailableError(f"damaged layout descriptor {key!r}: shards={shards!r}")
+            raise StoreMisconfiguredError(f"damaged layout descriptor {key!r}: shards={shards!r}")
         return Layout(self.prefix, shards)
 
     @property

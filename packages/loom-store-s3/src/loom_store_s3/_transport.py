@@ -15,9 +15,9 @@ from typing import Any, Final, Literal, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
-from loom_kernel import InvalidArgumentError, StoreUnavailableError
+from loom_kernel import InvalidArgumentError, StoreMisconfiguredError, StoreUnavailableError
 
-__all__ = ["Outcome", "Transport", "classify"]
+__all__ = ["Outcome", "Transport", "classify", "remedy"]
 
 _log = logging.getLogger("loom.s3")
 
@@ -55,6 +55,29 @@ def classify(exc: BaseException) -> Literal["conflict", "missing", "permanent", 
     if isinstance(exc, BotoCoreError) and not isinstance(exc, _TRANSPORT_FAULTS):
         return "permanent"  # no credentials, a bad parameter: retrying cannot help
     return "transient"
+
+
+def remedy(exc: BaseException) -> str:
+    """What to fix after a permanent refusal (see `classify`)."""
+    code, status = "", None
+    if isinstance(exc, ClientError):
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    if code == "NoSuchBucket":
+        return "the bucket does not exist: create it, or fix the bucket name, endpoint or region"
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch") or status == 401:
+        return "the credentials are wrong: check the access key, the secret and the region"
+    if code == "AccessDenied" or status == 403:
+        return (
+            "the credentials may not do this: grant s3:GetObject, s3:PutObject, "
+            "s3:DeleteObject and s3:ListBucket on the bucket and prefix (docs/stores/s3.md)"
+        )
+    if isinstance(exc, BotoCoreError) and "Credentials" in type(exc).__name__:
+        return (
+            "no credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "a profile, or a role"
+        )
+    return "the request itself is refused: check the endpoint, region and addressing options"
 
 
 def _describe(exc: BaseException) -> str:
@@ -107,8 +130,11 @@ class Transport:
     def backoff(attempt: int) -> None:
         time.sleep(min(1.0, 0.02 * 2**attempt) * (0.5 + random.random()))  # noqa: S311
 
-    def _fail(self, what: str, exc: BaseException) -> StoreUnavailableError:
-        return StoreUnavailableError(f"S3 {what} on bucket {self.bucket!r}: {_describe(exc)}")
+    def _fail(self, what: str, exc: BaseException) -> StoreMisconfiguredError:
+        """A refusal no retry can change, with what to do about it."""
+        return StoreMisconfiguredError(
+            f"S3 {what} on bucket {self.bucket!r}: {_describe(exc)} ({remedy(exc)})"
+        )
 
     # -- the requests the store makes -------------------------------------------------
 

@@ -48,27 +48,46 @@ def _create_v1(db: sqlite_utils.Database) -> None:
 MIGRATIONS: Final[dict[int, Callable[[sqlite_utils.Database], None]]] = {0: _create_v1}
 
 
+def _found_version(connection: sqlite3.Connection) -> int:
+    """The store schema a database holds: 0 for a new one."""
+    if not connection.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'loom_meta'"
+    ).fetchone():
+        return 0
+    row = connection.execute("SELECT value FROM loom_meta WHERE key = 'schema_version'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _refuse_newer(found: int, location: str) -> None:
+    if found > SCHEMA_VERSION:
+        raise SchemaError(
+            f"{location} holds store schema {found}, newer than this loom-store-sqlite's "
+            f"{SCHEMA_VERSION}; upgrade loom-store-sqlite to open it"
+        )
+
+
 def ensure_schema(connection: sqlite3.Connection, location: str) -> None:
     """Create or upgrade the store's tables; refuse a database from a newer store.
 
+    A database already at this schema is only read, so opening it never waits for
+    another connection's write lock.
+
     Raises:
         SchemaError: the database was written by a newer loom-store-sqlite.
+        sqlite3.Error: SQLite failed (the store turns it into a kernel error).
     """
+    found = _found_version(connection)
+    _refuse_newer(found, location)
+    if found == SCHEMA_VERSION:
+        return
     db = sqlite_utils.Database(connection)
     connection.execute("BEGIN IMMEDIATE")
     try:
         db["loom_meta"].create(  # type: ignore[union-attr]
             {"key": str, "value": str}, pk="key", not_null={"key", "value"}, if_not_exists=True
         )
-        row = connection.execute(
-            "SELECT value FROM loom_meta WHERE key = 'schema_version'"
-        ).fetchone()
-        found = int(row[0]) if row else 0
-        if found > SCHEMA_VERSION:
-            raise SchemaError(
-                f"{location} holds store schema {found}, newer than this loom-store-sqlite's "
-                f"{SCHEMA_VERSION}; upgrade loom-store-sqlite to open it"
-            )
+        found = _found_version(connection)  # another opener may have created it meanwhile
+        _refuse_newer(found, location)
         for version in range(found, SCHEMA_VERSION):
             MIGRATIONS[version](db)
         if found != SCHEMA_VERSION:
@@ -78,5 +97,6 @@ def ensure_schema(connection: sqlite3.Connection, location: str) -> None:
             )
         connection.execute("COMMIT")
     except BaseException:
-        connection.execute("ROLLBACK")
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
         raise

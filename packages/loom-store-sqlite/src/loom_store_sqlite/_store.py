@@ -7,10 +7,11 @@ import sqlite3
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
+from math import isfinite
 from typing import Any, Final, cast
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
 from loom_kernel import (
@@ -25,6 +26,7 @@ from loom_kernel import (
     TrimmedError,
 )
 
+from loom_store_sqlite._failures import store_error
 from loom_store_sqlite._heads import DATA_VERSION, KnownHeads
 from loom_store_sqlite._schema import ensure_schema
 
@@ -50,8 +52,16 @@ class SqliteOptions:
 
     @classmethod
     def parse(cls, query: str) -> SqliteOptions:
-        """Read `synchronous=` and `timeout=` from a URL query string."""
-        values = dict(parse_qsl(query, keep_blank_values=True, strict_parsing=False))
+        """Read `synchronous=` and `timeout=` from a URL query string.
+
+        Raises:
+            InvalidArgumentError: an unknown or repeated option, or a bad value.
+        """
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=False)
+        values = dict(pairs)
+        if len(values) != len(pairs):
+            repeated = sorted({name for name, _ in pairs if [n for n, _ in pairs].count(name) > 1})
+            raise InvalidArgumentError(f"sqlite store options given more than once: {repeated}")
         unknown = set(values) - {"synchronous", "timeout"}
         if unknown:
             raise InvalidArgumentError(f"unknown sqlite store options: {sorted(unknown)}")
@@ -66,8 +76,10 @@ class SqliteOptions:
             raise InvalidArgumentError(
                 f"timeout must be seconds, not {values['timeout']!r}"
             ) from None
-        if timeout < 0:
-            raise InvalidArgumentError("timeout must not be negative")
+        if not isfinite(timeout) or timeout < 0:
+            raise InvalidArgumentError(
+                f"timeout must be a finite number of seconds >= 0, not {values['timeout']!r}"
+            )
         return cls(synchronous=synchronous, timeout=timeout)
 
 
@@ -84,6 +96,13 @@ _INSERT_RECORD: Final = (
 #: Python-level wrapper (measured: a tenth of reading 10,000 records). The STRICT
 #: table returns exactly int, str, bytes and float for these four columns.
 _as_record: Final = cast(Callable[[tuple[Any, ...]], Record], partial(tuple.__new__, Record))
+
+
+def _roll_back(connection: sqlite3.Connection) -> None:
+    """End the connection's transaction, if one is open, without raising."""
+    if connection.in_transaction:
+        with suppress(sqlite3.Error):  # SQLite may have rolled it back already
+            connection.execute("ROLLBACK")
 
 
 class _LostReplyError(Exception):
@@ -117,7 +136,14 @@ class SqliteStore(JournalStore):
         self._faults: deque[Fault] = deque()
         self._closed = False
         self._keeper = self._connect()  # holds a shared in-memory database open
-        ensure_schema(self._keeper, path)
+        try:
+            ensure_schema(self._keeper, path)
+        except sqlite3.Error as exc:
+            self.close()
+            raise store_error(f"cannot prepare sqlite database {path!r}", exc) from exc
+        except BaseException:
+            self.close()
+            raise
 
     # -- connections -------------------------------------------------------------
 
@@ -133,9 +159,7 @@ class SqliteStore(JournalStore):
                 connection.execute("PRAGMA journal_mode=WAL")
             connection.execute(f"PRAGMA synchronous={self._options.synchronous}")
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(
-                f"cannot open sqlite database {self.path!r}: {exc}"
-            ) from exc
+            raise store_error(f"cannot open sqlite database {self.path!r}", exc) from exc
         with self._connections_lock:
             self._connections.append(connection)
         return connection
@@ -179,19 +203,20 @@ class SqliteStore(JournalStore):
         try:
             connection.execute(begin)
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"sqlite {begin} failed on {self.path!r}: {exc}") from exc
+            raise store_error(f"sqlite {begin} failed on {self.path!r}", exc) from exc
         try:
             yield connection
         except BaseException:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
+            _roll_back(connection)
             raise
         try:
             connection.execute("COMMIT")
         except sqlite3.Error as exc:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
-            raise StoreUnavailableError(f"sqlite COMMIT failed on {self.path!r}: {exc}") from exc
+            _roll_back(connection)
+            raise store_error(f"sqlite COMMIT failed on {self.path!r}", exc) from exc
+        except BaseException:  # an interrupt: never leave the connection in a transaction
+            _roll_back(connection)
+            raise
 
     def inject_fault(self, fault: Fault) -> None:
         """Make the next append meet `fault` (see loom_kernel.testing.Fault)."""
@@ -271,12 +296,12 @@ class SqliteStore(JournalStore):
         try:
             connection.execute("BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"sqlite BEGIN failed on {self.path!r}: {exc}") from exc
+            raise store_error(f"sqlite BEGIN failed on {self.path!r}", exc) from exc
         try:
             row = self._stream_row(connection, stream)
             head = 0 if row is None else row[0]
             if head != expected or (row is not None and row[2]):
-                connection.execute("ROLLBACK")
+                _roll_back(connection)
                 self._forget_head(stream)
                 if row is not None and row[2]:
                     raise StreamDeletedError(stream, row[0])
@@ -289,10 +314,16 @@ class SqliteStore(JournalStore):
             connection.executemany(_INSERT_RECORD, rows)
             connection.execute("COMMIT")
         except sqlite3.Error as exc:
-            if connection.in_transaction:
-                connection.execute("ROLLBACK")
+            _roll_back(connection)
             self._forget_head(stream)
-            raise StoreUnavailableError(f"sqlite append failed on {self.path!r}: {exc}") from exc
+            raise store_error(f"sqlite append failed on {self.path!r}", exc) from exc
+        except BaseException:
+            # An interrupt (KeyboardInterrupt, a signal handler raising) between BEGIN
+            # and COMMIT: roll back, or this connection stays in a transaction that
+            # holds the write lock and refuses its own next BEGIN.
+            _roll_back(connection)
+            self._forget_head(stream)
+            raise
         known = self._known_heads()
         if known is not None:
             known.learn(stream, expected + len(rows))
@@ -313,7 +344,7 @@ class SqliteStore(JournalStore):
                     (stream, expected + 1),
                 ).fetchone()
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"cannot confirm an append to {stream!r}: {exc}") from exc
+            raise store_error(f"cannot confirm an append to {stream!r}", exc) from exc
         if found is not None and found[0] == txn:
             return expected + count
         head = 0 if row is None else row[0]
@@ -338,7 +369,7 @@ class SqliteStore(JournalStore):
                     (stream, after, -1 if limit is None else limit),
                 ).fetchall()
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"cannot read {stream!r}: {exc}") from exc
+            raise store_error(f"cannot read {stream!r}", exc) from exc
         return list(map(_as_record, rows))
 
     def _head(self, stream: str) -> int:
@@ -358,7 +389,7 @@ class SqliteStore(JournalStore):
                 if row is not None and not row[2]:
                     known.learn(stream, row[0])
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"cannot read the head of {stream!r}: {exc}") from exc
+            raise store_error(f"cannot read the head of {stream!r}", exc) from exc
         if row is None:
             return 0
         if row[2]:
@@ -383,7 +414,7 @@ class SqliteStore(JournalStore):
             with self._serialised():
                 rows = self._connection.execute(sql, parameters).fetchall()
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"cannot list streams: {exc}") from exc
+            raise store_error("cannot list streams", exc) from exc
         return [str(row[0]) for row in rows]
 
     def _trim(self, stream: str, before: int) -> None:
@@ -407,7 +438,7 @@ class SqliteStore(JournalStore):
                     "UPDATE loom_streams SET floor = ? WHERE name = ?", (before - 1, stream)
                 )
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"cannot trim {stream!r}: {exc}") from exc
+            raise store_error(f"cannot trim {stream!r}", exc) from exc
 
     def _delete(self, stream: str) -> None:
         self._forget_head(stream)
@@ -424,19 +455,25 @@ class SqliteStore(JournalStore):
                     (stream, head),
                 )
         except sqlite3.Error as exc:
-            raise StoreUnavailableError(f"cannot delete {stream!r}: {exc}") from exc
+            raise store_error(f"cannot delete {stream!r}", exc) from exc
 
 
 def open_sqlite_store(url: str) -> SqliteStore:
     """Open `sqlite:///absolute/path.db`, `sqlite://relative/path.db` or `sqlite:///:memory:`.
 
+    The path is percent-decoded (`%23` for a '#' in a file name, `%3F` for a '?').
     Query options: `synchronous` (off, normal, full (default), extra) and `timeout`
     (seconds to wait for another writer's lock, default 10).
     """
     parts = urlsplit(url)
     if parts.scheme != "sqlite":
         raise InvalidArgumentError(f"not a sqlite store URL: {url!r}")
-    path = parts.netloc + parts.path
+    if "#" in url:
+        raise InvalidArgumentError(
+            f"a sqlite store URL has no fragment: '#' in {url!r} would cut the path short; "
+            "write it as %23 in a file name"
+        )
+    path = unquote(parts.netloc + parts.path, errors="strict")
     if parts.netloc == "" and parts.path.startswith("/:memory:"):
         path = ":memory:"
     elif path.startswith("//"):  # sqlite:////abs/path, as SQLAlchemy spells it

@@ -13,11 +13,12 @@ checks (for stores that support them) and the stateful comparison against the
 memory model. `verify_store` runs the same kit outside pytest and returns what failed.
 """
 
+from loom_kernel._clock import FakeClock
 from loom_kernel._faults import Fault, SupportsFaultInjection
 from loom_kernel.testing._checks import BAD_IDS, CHECKS, records
-from loom_kernel.testing._clock import FakeClock
-from loom_kernel.testing._contract import StoreContract, verify_store
-from loom_kernel.testing._harness import StoreHarness
+from loom_kernel.testing._contract import KitReport, StoreContract, verify_store
+from loom_kernel.testing._harness import NotApplicable, StoreHarness
+from loom_kernel.testing._interleave import Interleaving
 from loom_kernel.testing._machine import DEFAULT_SETTINGS, run_store_machine, store_machine
 
 __all__ = [
@@ -26,6 +27,9 @@ __all__ = [
     "DEFAULT_SETTINGS",
     "FakeClock",
     "Fault",
+    "Interleaving",
+    "KitReport",
+    "NotApplicable",
     "StoreContract",
     "StoreHarness",
     "SupportsFaultInjection",

@@ -18,8 +18,8 @@ from loom_kernel._errors import (
 )
 from loom_kernel._faults import Fault, SupportsFaultInjection
 from loom_kernel._ids import ID_ALPHABET, MAX_ID_LENGTH
-from loom_kernel._journal import JournalStore, NewRecord, Record
-from loom_kernel.testing._harness import StoreHarness
+from loom_kernel._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel.testing._harness import NotApplicable, StoreHarness
 
 __all__ = ["BAD_IDS", "CHECKS", "Check", "list_in_pages", "read_in_pages", "records"]
 
@@ -110,6 +110,22 @@ def _store(harness: StoreHarness) -> Iterator[JournalStore]:
         yield store
     finally:
         store.close()
+
+
+@contextmanager
+def _twins(harness: StoreHarness) -> Iterator[tuple[JournalStore, JournalStore]]:
+    """A store and a second instance over the same data."""
+    if harness.twin is None:
+        raise NotApplicable(
+            "the harness opens no second instance over the same data "
+            "(StoreHarness.twin, StoreContract.twin_store)"
+        )
+    with _store(harness) as store:
+        twin = harness.twin(store)
+        try:
+            yield store, twin
+        finally:
+            twin.close()
 
 
 def _raises(kind: type[BaseException], func: Callable[[], object], what: str) -> BaseException:
@@ -358,9 +374,105 @@ def check_bad_arguments_are_refused(harness: StoreHarness) -> None:
 
 
 @_check
+def check_trim_at_the_head_keeps_the_head_record(harness: StoreHarness) -> None:
+    with _store(harness) as store:
+        sent = records(5)
+        store.append("s", 0, sent)
+        store.trim("s", 5)
+        _same(store.read("s", 4), sent[4:], 5)
+        _raises(TrimmedError, lambda: store.read("s", 3), "read below a floor of 4")
+        assert store.head("s") == 5, "trimming at the head must not move it"
+        assert store.append("s", 5, records(1, "after")) == 6
+
+
+@_check
+def check_limits_are_kept_exactly(harness: StoreHarness) -> None:
+    printable = "".join(chr(code) for code in range(32, 127))
+    kinds = [
+        "k" * MAX_KIND_LENGTH,
+        (printable * 2)[:MAX_KIND_LENGTH],
+        (printable * 2)[MAX_KIND_LENGTH : 2 * MAX_KIND_LENGTH],
+        "~" * MAX_KIND_LENGTH,
+    ]
+    timestamps = [
+        5e-324,  # the smallest positive float
+        1.7976931348623157e308,  # the largest
+        -1.7976931348623157e308,
+        0.1 + 0.2,  # not 0.3: every bit counts
+        1_700_000_000.1234567,
+        2.0**53 + 2,
+        1e-300,
+        -0.000123456789,
+    ]
+    sent = [
+        NewRecord(kinds[index % len(kinds)], f"{index}".encode(), timestamp)
+        for index, timestamp in enumerate(timestamps)
+    ]
+    with _store(harness) as store:
+        store.append("limits", 0, sent)
+        got = store.read("limits")
+        _same(got, sent, 1)
+        for record, want in zip(got, sent, strict=True):
+            kept = float(record.timestamp).hex() == float(want.timestamp).hex()
+            assert kept, f"timestamp {want.timestamp!r} came back as {record.timestamp!r}"
+        _raises(
+            InvalidArgumentError,
+            lambda: store.append("limits", 8, [NewRecord("k" * (MAX_KIND_LENGTH + 1), b"", 1.0)]),
+            f"a kind of {MAX_KIND_LENGTH + 1} characters",
+        )
+
+
+@_check
+def check_deleted_streams_stay_off_every_page(harness: StoreHarness) -> None:
+    names = ["p/a", "p/b", "p/c", "p/d", "p/e", "p/f"]
+    with _store(harness) as store:
+        for name in names:
+            store.append(name, 0, records(1))
+        for gone in ("p/b", "p/d", "p/f"):
+            store.delete(gone)
+        live = ["p/a", "p/c", "p/e"]
+        assert store.streams("p/") == live
+        for size in (1, 2, 3):
+            paged = list_in_pages(store, "p/", size)
+            assert paged == live, f"listing in pages of {size} gave {paged}, not {live}"
+        assert store.streams("p/", "p/a") == ["p/c", "p/e"], "a later page listed a deleted name"
+        assert store.streams("p/", "p/c", 1) == ["p/e"], "a later page listed a deleted name"
+
+
+@_check
+def check_a_second_instance_sees_and_refuses_the_same(harness: StoreHarness) -> None:
+    with _twins(harness) as (store, twin):
+        store.append("s", 0, records(2, "a"))
+        assert twin.head("s") == 2, "a second instance must see the first one's append"
+        _raises(
+            ConflictError,
+            lambda: twin.append("s", 0, records(1, "stale")),
+            "append at 0 on a second instance after the first wrote 2",
+        )
+        assert twin.append("s", 2, records(1, "b")) == 3
+        _raises(
+            ConflictError,
+            lambda: store.append("s", 2, records(1, "stale")),
+            "append at 2 on the first instance after the second moved the head to 3",
+        )
+        assert store.head("s") == 3
+        _same(store.read("s"), records(2, "a") + records(1, "b"), 1)
+        twin.trim("s", 3)
+        _raises(TrimmedError, lambda: store.read("s"), "read below a floor the twin set")
+        store.delete("s")
+        _raises(
+            StreamDeletedError,
+            lambda: twin.append("s", 3, records(1)),
+            "append on a second instance to a stream the first deleted",
+        )
+
+
+@_check
 def check_reopen_keeps_everything(harness: StoreHarness) -> None:
     if harness.reopen is None:
-        return
+        raise NotApplicable(
+            "the harness cannot reopen the store (StoreHarness.reopen, StoreContract.reopen_store)"
+        )
     store = harness.open()
     try:
         store.append("s", 0, records(3))
@@ -386,16 +498,21 @@ def check_reopen_keeps_everything(harness: StoreHarness) -> None:
 @_check
 def check_racing_appends_have_one_winner(harness: StoreHarness) -> None:
     threads_count, rounds, batch = 6, 12, 3
-    with _store(harness) as store:
+    store = harness.open()
+    # Half the racers write through a second instance over the same data when the
+    # store has one: a head check that lives in one instance cannot stop them.
+    twin = harness.twin(store) if harness.twin is not None else store
+    try:
         wins: list[list[int]] = [[] for _ in range(rounds)]
         unexpected: list[BaseException] = []
         barrier = threading.Barrier(threads_count)
 
         def racer(number: int) -> None:
+            mine = twin if number % 2 else store
             for round_ in range(rounds):
                 barrier.wait()
                 try:
-                    store.append("race", round_ * batch, records(batch, f"t{number}"))
+                    mine.append("race", round_ * batch, records(batch, f"t{number}"))
                 except ConflictError:
                     pass
                 except BaseException as exc:  # reported below, never swallowed
@@ -417,13 +534,17 @@ def check_racing_appends_have_one_winner(harness: StoreHarness) -> None:
         for round_, winners in enumerate(wins):
             window = got[round_ * batch : (round_ + 1) * batch]
             _same(window, records(batch, f"t{winners[0]}"), round_ * batch + 1)
+    finally:
+        if twin is not store:
+            twin.close()
+        store.close()
 
 
 @_check
 def check_ambiguous_failures_resolve_exactly_once(harness: StoreHarness) -> None:
     with _store(harness) as store:
         if not isinstance(store, SupportsFaultInjection):
-            return
+            raise NotApplicable("the store has no fault-injection seam (inject_fault)")
         store.append("s", 0, records(2))
         store.inject_fault(Fault.LOST_REPLY)
         try:

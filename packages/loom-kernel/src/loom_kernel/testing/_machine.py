@@ -16,7 +16,7 @@ from hypothesis.stateful import (
 )
 
 from loom_kernel._errors import ConflictError, LoomError, TrimmedError
-from loom_kernel._journal import JournalStore, NewRecord, Record
+from loom_kernel._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
 from loom_kernel._memory_store import MemoryStore
 from loom_kernel.testing._checks import BAD_IDS, list_in_pages, read_in_pages
 from loom_kernel.testing._harness import StoreHarness
@@ -33,7 +33,7 @@ PREFIXES = ("", "a", "a/", "a/b", "ab", "b", "c")
 _records = st.lists(
     st.builds(
         NewRecord,
-        kind=st.sampled_from(["k.one", "k.two", "EXECUTION_STARTED"]),
+        kind=st.sampled_from(["k.one", "k.two", "EXECUTION_STARTED", "k" * MAX_KIND_LENGTH]),
         payload=st.binary(max_size=24),
         timestamp=st.floats(min_value=0, max_value=4e9, allow_nan=False),
     ),
@@ -66,17 +66,29 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             self.store: JournalStore = harness.open()
+            self.twin = harness.twin(self.store) if harness.twin is not None else None
             self.model = MemoryStore()
 
-        def both(self, what: str, call: Callable[[JournalStore], Any]) -> tuple[str, Any]:
+        def on(self, twin: bool) -> JournalStore:
+            """The store, or (when drawn and the harness has one) its second instance."""
+            return self.twin if twin and self.twin is not None else self.store
+
+        def both(
+            self, what: str, call: Callable[[JournalStore], Any], twin: bool = False
+        ) -> tuple[str, Any]:
             want = _outcome(lambda: call(self.model))
-            got = _outcome(lambda: call(self.store))
-            assert got == want, f"{what}: the store gave {got!r}, the model {want!r}"
+            target = self.on(twin)
+            got = _outcome(lambda: call(target))
+            where = "its second instance" if target is not self.store else "the store"
+            assert got == want, f"{what}: {where} gave {got!r}, the model {want!r}"
             return got
 
         def after_write(self, stream: str) -> None:
-            """Every write is followed by a look at the head it left behind."""
+            """Every write is followed by a look at the head it left behind, from both
+            instances when there are two."""
             self.both(f"head({stream!r}) after a write", lambda s: s.head(stream))
+            if self.twin is not None:
+                self.both(f"head({stream!r}) after a write", lambda s: s.head(stream), True)
 
         def model_head(self, stream: str) -> int:
             try:
@@ -84,23 +96,30 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
             except LoomError:
                 return 0
 
-        @rule(stream=st.sampled_from(STREAMS), batch=_records)
-        def append_at_head(self, stream: str, batch: list[NewRecord]) -> None:
+        @rule(stream=st.sampled_from(STREAMS), batch=_records, twin=st.booleans())
+        def append_at_head(self, stream: str, batch: list[NewRecord], twin: bool) -> None:
             expected = self.model_head(stream)
             self.both(
                 f"append({stream!r}, {expected}, {len(batch)} records)",
                 lambda s: s.append(stream, expected, batch),
+                twin,
             )
             self.after_write(stream)
 
         @rule(
-            stream=st.sampled_from(STREAMS), offset=st.integers(-5, 5).filter(bool), batch=_records
+            stream=st.sampled_from(STREAMS),
+            offset=st.integers(-5, 5).filter(bool),
+            batch=_records,
+            twin=st.booleans(),
         )
-        def append_at_wrong_head(self, stream: str, offset: int, batch: list[NewRecord]) -> None:
+        def append_at_wrong_head(
+            self, stream: str, offset: int, batch: list[NewRecord], twin: bool
+        ) -> None:
             expected = max(0, self.model_head(stream) + offset)
             self.both(
                 f"append({stream!r}, {expected}, {len(batch)} records)",
                 lambda s: s.append(stream, expected, batch),
+                twin,
             )
             self.after_write(stream)
 
@@ -108,9 +127,14 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
             stream=st.sampled_from(STREAMS),
             after=st.integers(0, 25),
             limit=st.none() | st.integers(1, 6),
+            twin=st.booleans(),
         )
-        def read(self, stream: str, after: int, limit: int | None) -> None:
-            self.both(f"read({stream!r}, {after}, {limit})", lambda s: s.read(stream, after, limit))
+        def read(self, stream: str, after: int, limit: int | None, twin: bool) -> None:
+            self.both(
+                f"read({stream!r}, {after}, {limit})",
+                lambda s: s.read(stream, after, limit),
+                twin,
+            )
 
         @rule(stream=st.sampled_from(STREAMS), size=st.integers(1, 5))
         def read_in_pages(self, stream: str, size: int) -> None:
@@ -154,16 +178,16 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
                 lambda s: list_in_pages(s, prefix, size),
             )
 
-        @rule(stream=st.sampled_from(STREAMS), back=st.integers(-1, 6))
-        def trim(self, stream: str, back: int) -> None:
+        @rule(stream=st.sampled_from(STREAMS), back=st.integers(-1, 6), twin=st.booleans())
+        def trim(self, stream: str, back: int, twin: bool) -> None:
             before = max(0, self.model_head(stream) + 1 - back)
-            self.both(f"trim({stream!r}, {before})", lambda s: s.trim(stream, before))
+            self.both(f"trim({stream!r}, {before})", lambda s: s.trim(stream, before), twin)
             self.after_write(stream)
 
-        @rule(stream=st.sampled_from(STREAMS), dice=st.integers(0, 5))
-        def delete(self, stream: str, dice: int) -> None:
+        @rule(stream=st.sampled_from(STREAMS), dice=st.integers(0, 5), twin=st.booleans())
+        def delete(self, stream: str, dice: int, twin: bool) -> None:
             if dice == 0:  # rarely: a deleted name never comes back, which ends that stream's story
-                self.both(f"delete({stream!r})", lambda s: s.delete(stream))
+                self.both(f"delete({stream!r})", lambda s: s.delete(stream), twin)
                 self.after_write(stream)
 
         @rule(bad=st.sampled_from(BAD_IDS), batch=_records)
@@ -182,6 +206,8 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
             self.both("streams()", lambda s: s.streams())
 
         def teardown(self) -> None:
+            if self.twin is not None:
+                self.twin.close()
             self.store.close()
 
     StoreMachine.__name__ = f"StoreMachine[{harness.name}]"
