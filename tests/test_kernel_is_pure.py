@@ -49,3 +49,14 @@ def test_kernel_alone_imports_no_store_library(tmp_path: Path) -> None:
     assert not installed & {"sqlite-utils", "boto3", "botocore", "fsspec", "hypothesis", "pytest"}
     top_level = {name.split(".")[0] for name in seen["modules"]}
     assert not top_level & {"sqlite_utils", "boto3", "botocore", "fsspec", "hypothesis", "pytest"}
+    # The kernel's own command works with attrs and cattrs alone.
+    loom = venv / "bin" / "loom"
+    demo = subprocess.run(
+        [str(loom), "demo"], capture_output=True, text=True, cwd=tmp_path, check=False
+    )
+    assert demo.returncode == 0, demo.stderr
+    assert "Loom demo on memory://" in demo.stdout
+    assert "the same run: completed" in demo.stdout
+    stores = subprocess.run([str(loom), "stores"], capture_output=True, text=True, check=False)
+    assert stores.returncode == 0, stores.stderr
+    assert "memory://: append+read round trip ok" in stores.stdout

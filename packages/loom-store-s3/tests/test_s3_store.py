@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from botocore.config import Config
+from botocore.exceptions import ClientError
 from loom_kernel import (
     ConflictError,
     InvalidArgumentError,
@@ -285,3 +287,51 @@ def test_a_writer_that_no_longer_trusts_its_head_is_refused_at_a_removed_key(
         stale.append("s", 2, _records(1, "late"))
     assert caught.value.actual == 8
     assert [r.position for r in hasty.read("s", 6)] == [7, 8]
+
+
+class _RefusingClient:
+    """A boto3-like client whose every call fails with one S3 error."""
+
+    def __init__(self, code: str, status: int) -> None:
+        self.meta = type("Meta", (), {"config": Config(retries={"total_max_attempts": 1})})()
+        self.error = ClientError(
+            {
+                "Error": {"Code": code, "Message": "refused"},
+                "ResponseMetadata": {"HTTPStatusCode": status},
+            },
+            "GetObject",
+        )
+        self.calls = 0
+
+    def __getattr__(self, name: str) -> Any:
+        def call(**_: Any) -> Any:
+            self.calls += 1
+            raise self.error
+
+        return call
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "remedy"),
+    [
+        ("AccessDenied", 403, "s3:PutObject"),
+        ("InvalidAccessKeyId", 403, "credentials are wrong"),
+        ("SignatureDoesNotMatch", 403, "credentials are wrong"),
+        ("NoSuchBucket", 404, "create it"),
+    ],
+)
+def test_a_permanent_refusal_is_misconfigured_with_its_remedy_and_never_retried(
+    code: str, status: int, remedy: str
+) -> None:
+    client = _RefusingClient(code, status)
+    with pytest.raises(StoreMisconfiguredError, match=remedy) as caught:
+        S3Store("some-bucket", "p", S3Options(attempts=4), client=client)
+    assert not isinstance(caught.value, StoreUnavailableError), "permanent is not transient"
+    assert client.calls == 1, "a permanent refusal is not retried"
+
+
+def test_a_transient_fault_is_retried_then_unavailable() -> None:
+    client = _RefusingClient("SlowDown", 503)
+    with pytest.raises(StoreUnavailableError, match="SlowDown"):
+        S3Store("some-bucket", "p", S3Options(attempts=3), client=client)
+    assert client.calls == 3

@@ -330,7 +330,10 @@ class _Replay:
                 ]
             )
             return True, None
-        self._engine.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
+        try:
+            self._engine.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
+        except LoomError as exc:  # a store fault stops the run; it is not the flow's failure
+            raise self._abort(exc) from None
         self._append([ExecutionSuspended(gate, on, wake_at)])
         raise Unwind()
 

@@ -68,13 +68,11 @@ class RetryPolicy:
         """
         if self.backoff == 0 or self.max_backoff == 0:
             return 0.0
-        exponent = max(0, attempt - 1)
-        # backoff * factor**exponent > max_backoff, in logarithms so it cannot overflow
-        if self.factor > 1 and exponent * math.log(self.factor) > math.log(
-            self.max_backoff / self.backoff
-        ):
+        try:
+            growth = float(self.factor) ** max(0, attempt - 1)
+        except OverflowError:
             return float(self.max_backoff)
-        return float(min(self.max_backoff, self.backoff * self.factor**exponent))
+        return float(min(self.max_backoff, float(self.backoff) * growth))  # inf when huge
 
 
 def code_hash(fn: Callable[..., Any], version: str | None = None) -> str:

@@ -250,8 +250,8 @@ class SqliteStore(JournalStore):
         txn = os.urandom(8).hex()  # secrets.token_hex(8), two calls fewer
         try:
             return self._write(stream, expected, records, txn, lose_reply=fault is Fault.LOST_REPLY)
-        except (_LostReplyError, StoreUnavailableError):
-            return self._confirm(stream, expected, len(records), txn)
+        except (_LostReplyError, StoreUnavailableError) as exc:
+            return self._confirm(stream, expected, len(records), txn, exc)
 
     def _write(
         self,
@@ -333,7 +333,9 @@ class SqliteStore(JournalStore):
         if known is not None:
             known.forget(stream)
 
-    def _confirm(self, stream: str, expected: int, count: int, txn: str) -> int:
+    def _confirm(
+        self, stream: str, expected: int, count: int, txn: str, cause: BaseException
+    ) -> int:
         """After an ambiguous commit: the batch's first record tells whose write landed."""
         self._forget_head(stream)
         try:
@@ -349,7 +351,10 @@ class SqliteStore(JournalStore):
             return expected + count
         head = 0 if row is None else row[0]
         if head == expected:
-            raise StoreUnavailableError(f"an append to {stream!r} did not land; retry it")
+            why = str(cause) or "its reply was lost"
+            raise StoreUnavailableError(
+                f"an append to {stream!r} did not land ({why}); retry it"
+            ) from cause
         raise ConflictError(stream, expected, head)
 
     def _read(self, stream: str, after: int, limit: int | None) -> list[Record]:

@@ -1,0 +1,84 @@
+"""A damaged journal is reported, never folded around: one broken run never stops the rest."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    Context,
+    Engine,
+    MemoryStore,
+    NewRecord,
+    SchemaError,
+    Status,
+    flow,
+)
+from loom_kernel.testing import FakeClock
+
+
+class Crash(BaseException):
+    """Stands in for the process dying mid-flow: nothing in the engine catches it."""
+
+
+crash_now = {"on": False}
+
+
+@flow
+def charge(ctx: Context, _input: Any) -> Any:
+    first = ctx.step("quote", lambda: 10)
+    if crash_now["on"]:
+        raise Crash
+    second = ctx.step("charge", lambda: first * 2)
+    gate = ctx.suspend("ship")
+    return [first, second, gate]
+
+
+def _engine(store: MemoryStore) -> Engine:
+    return Engine(store, [charge], clock=FakeClock(), listeners=[])
+
+
+def _drop_record(store: MemoryStore, stream: str, position: int) -> None:
+    """Lose one row, as a damaged backend might."""
+    entry = store._state.streams[stream]
+    index = position - 1 - entry.floor
+    del entry.records[index]
+    del entry.commits[index]
+
+
+@pytest.mark.parametrize("missing", [2, 3])
+def test_a_missing_record_is_a_schema_error_naming_stream_and_position(missing: int) -> None:
+    store = MemoryStore()
+    execution = _engine(store).start("charge", key="order-1")
+    assert execution.waiting_on == "ship"
+    _drop_record(store, "ex/order-1", missing)
+    looks: list[Callable[[Engine], object]] = [
+        lambda engine: engine.get("order-1"),
+        lambda engine: engine.resume("order-1", "go"),
+        lambda engine: engine.history("order-1"),
+    ]
+    for look in looks:
+        with pytest.raises(SchemaError, match=f"record {missing} is missing") as caught:
+            look(_engine(store))
+        assert (caught.value.stream, caught.value.position) == ("ex/order-1", missing)
+    assert [r.kind for r in store.read("ex/order-1")].count("EXECUTION_RESUMED") == 0
+
+
+def test_one_damaged_journal_does_not_stop_recover_for_the_others() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    crash_now["on"] = True
+    try:
+        for key in ("a-broken", "b-left-running", "c-left-running"):
+            with pytest.raises(Crash):
+                engine.start("charge", key=key)
+    finally:
+        crash_now["on"] = False
+    store.append("ex/a-broken", store.head("ex/a-broken"), [NewRecord("BOGUS", b"{}", 1.0)])
+    fresh = _engine(store)
+    with pytest.raises(SchemaError) as caught:
+        fresh.recover()
+    assert caught.value.stream == "ex/a-broken"
+    for key in ("b-left-running", "c-left-running"):
+        assert fresh.get(key).status is Status.SUSPENDED, f"{key} was not driven past the break"

@@ -1,0 +1,188 @@
+"""Threads and one engine: no deadlock between unrelated runs, reads and cancels never
+wait for a drive, and a cancel stops a run before its next step."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    AsyncContext,
+    Context,
+    Engine,
+    Execution,
+    JournalStore,
+    MemoryStore,
+    Status,
+    flow,
+)
+from loom_kernel._locks import KeyedLocks
+
+WAIT = 20.0  # seconds a thread may take before the test calls it stuck
+
+
+def _in_thread(call: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
+    """Run `call` in a daemon thread (a deadlocked one cannot hang the test run)."""
+    box: list[Any] = []
+
+    def body() -> None:
+        try:
+            box.append(call())
+        except BaseException as exc:  # handed to the test
+            box.append(exc)
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _finished(thread: threading.Thread, box: list[Any], what: str) -> Any:
+    thread.join(WAIT)
+    assert not thread.is_alive(), f"{what} did not finish within {WAIT} s (a deadlock)"
+    (value,) = box
+    if isinstance(value, BaseException):
+        raise value
+    return value
+
+
+def _crosswise_ids() -> tuple[str, str, str, str]:
+    """Parent and child ids where each parent's old lock stripe (hash % 64) is the
+    other parent's child's: the engine used to deadlock on exactly these."""
+    stripe: dict[int, list[str]] = {}
+    for number in range(100_000):
+        stripe.setdefault(hash(f"p{number}") % 64, []).append(f"p{number}")
+    for number in range(100_000):
+        first = f"p{number}"
+        child_of_first = f"{first}/c1"
+        for second in stripe.get(hash(child_of_first) % 64, []):
+            if second != first and hash(f"{second}/c1") % 64 == hash(first) % 64:
+                return first, child_of_first, second, f"{second}/c1"
+    raise AssertionError("no crosswise ids found")  # pragma: no cover
+
+
+def test_two_parents_whose_children_hash_crosswise_do_not_deadlock() -> None:
+    first, first_child, second, second_child = _crosswise_ids()
+    both_parents_in = threading.Barrier(2, timeout=WAIT)
+
+    @flow
+    def child(ctx: Context, _input: Any) -> str:
+        return "child done"
+
+    @flow
+    def parent(ctx: Context, _input: Any) -> Any:
+        ctx.step("meet", both_parents_in.wait)  # each parent now holds its own lock
+        return ctx.step(
+            "child", lambda: ctx.engine.start("child", key=f"{ctx.execution_id}/c1").result
+        )
+
+    engine = Engine(MemoryStore(), [parent, child], listeners=[])
+    runs = [_in_thread(partial(engine.start, "parent", key=key)) for key in (first, second)]
+    for thread, box in runs:
+        assert _finished(thread, box, "a parent").result == "child done"
+    assert {engine.get(first_child).status, engine.get(second_child).status} == {Status.COMPLETED}
+
+
+def test_an_async_flow_in_a_running_loop_can_look_at_its_own_run() -> None:
+    @flow
+    async def introspective(ctx: AsyncContext, _input: Any) -> Any:
+        status = await ctx.step("look", lambda: str(ctx.engine.get(ctx.execution_id).status))
+        return status
+
+    engine = Engine(MemoryStore(), [introspective], listeners=[])
+
+    async def caller() -> Execution:
+        return engine.start("introspective")  # inside a running event loop
+
+    thread, box = _in_thread(lambda: asyncio.run(caller()))
+    assert _finished(thread, box, "the async flow").result == "running"
+
+
+def _blocking_flow(entered: threading.Event, release: threading.Event, later: list[str]) -> Any:
+    @flow
+    def slow(ctx: Context, _input: Any) -> str:
+        def wait() -> str:
+            entered.set()
+            assert release.wait(WAIT)
+            return "first"
+
+        ctx.step("first", wait)
+
+        def second() -> str:
+            later.append("second ran")
+            return "second"
+
+        ctx.step("second", second)
+        return "done"
+
+    return slow
+
+
+class UncheckedHeadStore(MemoryStore):
+    """A store whose head the engine does not look at before each step (as on S3)."""
+
+    head_is_cheap = False
+
+
+@pytest.mark.parametrize("store_class", [MemoryStore, UncheckedHeadStore])
+def test_cancel_from_the_driving_engine_stops_the_run_before_its_next_step(
+    store_class: type[JournalStore],
+) -> None:
+    entered, release = threading.Event(), threading.Event()
+    later: list[str] = []
+    slow = _blocking_flow(entered, release, later)
+    engine = Engine(store_class(), [slow], listeners=[])
+    drive, drive_box = _in_thread(lambda: engine.start("slow", key="slow-1"))
+    assert entered.wait(WAIT)
+    cancelling, cancel_box = _in_thread(lambda: engine.cancel("slow-1", "enough"))
+    cancelled = _finished(cancelling, cancel_box, "the cancel")  # while the step still runs
+    assert cancelled.status is Status.CANCELLED
+    assert engine.get("slow-1").status is Status.CANCELLED, "a read does not wait for the drive"
+    release.set()
+    assert _finished(drive, drive_box, "the drive").status is Status.CANCELLED
+    assert later == [], "no step starts after the cancel"
+    assert sorted(engine.frames("slow-1")) == [], "the step in flight is not journaled"
+
+
+def test_a_step_may_cancel_its_own_run() -> None:
+    later: list[str] = []
+
+    @flow
+    def quitter(ctx: Context, _input: Any) -> str:
+        ctx.step("quit", lambda: ctx.engine.cancel(ctx.execution_id, "from inside").id)
+        ctx.step("after", later.append, "ran")
+        return "done"
+
+    engine = Engine(MemoryStore(), [quitter], listeners=[])
+    thread, box = _in_thread(lambda: engine.start("quitter"))
+    assert _finished(thread, box, "the run").status is Status.CANCELLED
+    assert later == []
+
+
+def test_keyed_locks_serialise_one_key_and_leave_nothing_behind() -> None:
+    locks = KeyedLocks()
+    inside: list[str] = []
+    overlap: list[str] = []
+    barrier = threading.Barrier(8)
+
+    def worker(key: str) -> None:
+        barrier.wait()
+        for _ in range(200):
+            with locks.hold(key):
+                if key in inside:
+                    overlap.append(key)
+                inside.append(key)
+                with locks.hold(key):  # reentrant in the same flow of control
+                    pass
+                inside.remove(key)
+
+    threads = [threading.Thread(target=worker, args=(f"k{n % 2}",)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert overlap == []
+    assert len(locks) == 0, "locks of keys no one holds are dropped"

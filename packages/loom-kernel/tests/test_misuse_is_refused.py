@@ -1,0 +1,204 @@
+"""Misuse is refused at the call with the kernel's own error, and journals nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from loom_kernel import (
+    AsyncContext,
+    Context,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    NewRecord,
+    RetryPolicy,
+    Status,
+    StoreUnavailableError,
+    flow,
+)
+from loom_kernel.testing import FakeClock
+
+INSIDE_A_STEP: dict[str, Callable[[Any], Any]] = {
+    "step": lambda ctx: ctx.step("inner", lambda: 1),
+    "now": lambda ctx: ctx.now(),
+    "random": lambda ctx: ctx.random(),
+    "uuid": lambda ctx: ctx.uuid(),
+    "suspend": lambda ctx: ctx.suspend("gate"),
+    "sleep": lambda ctx: ctx.sleep(5),
+}
+
+
+@pytest.mark.parametrize("call", sorted(INSIDE_A_STEP))
+def test_a_ctx_call_inside_a_step_function_is_refused(call: str) -> None:
+    @flow
+    def nested(ctx: Context, _input: Any) -> Any:
+        return ctx.step("outer", lambda: INSIDE_A_STEP[call](ctx))
+
+    store = MemoryStore()
+    engine = Engine(store, [nested], retry=RetryPolicy(attempts=3, backoff=0), listeners=[])
+    with pytest.raises(InvalidArgumentError, match="inside the function of step 'outer'"):
+        engine.start("nested", key="n")
+    assert [r.kind for r in store.read("ex/n")] == ["EXECUTION_STARTED"], "nothing journaled"
+    assert store.streams("timers/") == []
+
+
+def test_a_ctx_call_inside_an_async_step_is_refused_but_gathered_steps_are_not() -> None:
+    @flow
+    async def gathered(ctx: AsyncContext, _input: Any) -> Any:
+        async def slow(value: int) -> int:
+            await asyncio.sleep(0.01)
+            return value
+
+        return await asyncio.gather(ctx.step("a", slow, 1), ctx.step("b", slow, 2))
+
+    @flow
+    async def nested(ctx: AsyncContext, _input: Any) -> Any:
+        async def outer() -> Any:
+            return await ctx.step("inner", lambda: 1)
+
+        return await ctx.step("outer", outer)
+
+    engine = Engine(MemoryStore(), [gathered, nested], listeners=[])
+    assert engine.start("gathered").result == [1, 2]
+    with pytest.raises(InvalidArgumentError, match="inside the function of step 'outer'"):
+        engine.start("nested")
+
+
+def test_starting_another_flow_from_a_step_is_allowed() -> None:
+    @flow
+    def child(ctx: Context, value: int) -> Any:
+        return ctx.step("double", lambda: value * 2)
+
+    @flow
+    def parent(ctx: Context, _input: Any) -> Any:
+        return ctx.step("start", lambda: ctx.engine.start("child", 21).result)
+
+    assert Engine(MemoryStore(), [parent, child], listeners=[]).start("parent").result == 42
+
+
+def test_a_huge_retry_policy_waits_at_most_its_cap_and_never_overflows() -> None:
+    policy = RetryPolicy(attempts=5000, factor=2, max_backoff=60)
+    assert [policy.delay(n) for n in (1, 2, 7, 1025, 5000, 10**9)] == [1, 2, 60, 60, 60, 60]
+    failures = {"left": 1100}
+
+    def flaky() -> str:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise ConnectionError("try again")
+        return "through"
+
+    @flow
+    def persistent(ctx: Context, _input: Any) -> Any:
+        return ctx.step("call", flaky, retry=policy)
+
+    waited: list[float] = []
+    engine = Engine(MemoryStore(), [persistent], sleep=waited.append, listeners=[])
+    done = engine.start("persistent")
+    assert done.status is Status.COMPLETED
+    assert engine.frames(done.id)[0].attempts == 1101
+    assert max(waited) == 60
+
+
+@given(
+    backoff=st.floats(0, 1e6),
+    factor=st.floats(1, 1e6),
+    cap=st.floats(0, 1e9),
+    attempt=st.integers(1, 10**12),
+)
+def test_retry_delays_are_finite_capped_and_never_shrink(
+    backoff: float, factor: float, cap: float, attempt: int
+) -> None:
+    policy = RetryPolicy(attempts=2, backoff=backoff, factor=factor, max_backoff=cap)
+    delay = policy.delay(attempt)
+    assert math.isfinite(delay)
+    assert 0 <= delay <= cap
+    assert policy.delay(attempt + 1) >= delay
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"attempts": 0},
+        {"attempts": 2.5},
+        {"backoff": float("nan")},
+        {"factor": float("inf")},
+        {"factor": 0.5},
+        {"max_backoff": -1},
+        {"retry_on": (int,)},
+    ],
+)
+def test_a_malformed_retry_policy_is_refused(bad: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgumentError):
+        RetryPolicy(**bad)
+
+
+@pytest.mark.parametrize(
+    "duration", [1e200, float("inf"), float("nan"), 10**30, timedelta.max, "5", None]
+)
+def test_a_sleep_that_cannot_be_a_timer_is_refused_at_the_call(duration: Any) -> None:
+    @flow
+    def sleeper(ctx: Context, _input: Any) -> str:
+        ctx.sleep(duration)
+        return "woke"
+
+    store = MemoryStore()
+    engine = Engine(store, [sleeper], clock=FakeClock(), listeners=[])
+    with pytest.raises(InvalidArgumentError, match="sleep"):
+        engine.start("sleeper", key="s")
+    assert [r.kind for r in store.read("ex/s")] == ["EXECUTION_STARTED"], "the run did not fail"
+    assert store.streams("timers/") == []
+
+
+def test_the_longest_sleep_parks_and_wakes() -> None:
+    @flow
+    def century(ctx: Context, _input: Any) -> str:
+        ctx.sleep(timedelta(days=36_500))
+        return "woke"
+
+    clock = FakeClock()
+    engine = Engine(MemoryStore(), [century], clock=clock, listeners=[])
+    execution = engine.start("century")
+    assert execution.status is Status.SUSPENDED
+    clock.advance(36_500 * 86_400)
+    assert engine.fire_due_timers() == [execution.id]
+
+
+@pytest.mark.parametrize("timestamp", [float("nan"), float("inf"), -float("inf"), 10**400])
+def test_a_record_timestamp_must_be_finite(timestamp: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="finite"):
+        NewRecord("k", b"", timestamp)
+
+
+class FailingTimerStore(MemoryStore):
+    """Refuses the first write of a timer hint (a transient fault)."""
+
+    failed = False
+
+    def _append(self, stream: str, expected: int, records: Any) -> int:
+        if stream.startswith("timers/") and not self.failed:
+            self.failed = True
+            raise StoreUnavailableError("injected: the timer index is unreachable")
+        return super()._append(stream, expected, records)
+
+
+def test_a_store_fault_while_a_sleep_parks_stops_the_run_without_failing_it() -> None:
+    @flow
+    def sleeper(ctx: Context, _input: Any) -> str:
+        ctx.sleep(30)
+        return "woke"
+
+    store, clock = FailingTimerStore(), FakeClock()
+    engine = Engine(store, [sleeper], clock=clock, listeners=[])
+    with pytest.raises(StoreUnavailableError):
+        engine.start("sleeper", key="s")
+    assert engine.get("s").status is Status.RUNNING, "a store fault is not the flow's failure"
+    assert engine.recover() == ["s"]
+    clock.advance(30)
+    assert engine.fire_due_timers() == ["s"]

@@ -1,0 +1,170 @@
+"""Timers whatever the clocks do: a sleep always parks and always wakes, and one damaged
+hint never stops the others."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel import (
+    Context,
+    Engine,
+    JournalStore,
+    MemoryStore,
+    NewRecord,
+    SchemaError,
+    Status,
+    flow,
+)
+from loom_kernel._timers import OVERDUE, QUARANTINE, TimerIndex
+from loom_kernel.testing import FakeClock, Interleaving
+
+DAY = 86_400.0
+
+
+@flow
+def nap(ctx: Context, seconds: float) -> str:
+    ctx.sleep(seconds)
+    return "rested"
+
+
+class HeadCountingStore(MemoryStore):
+    """Fails loudly once head() is called more often than any sleep could need."""
+
+    def __init__(self, limit: int = 1_000) -> None:
+        super().__init__()
+        self.heads = 0
+        self.limit = limit
+
+    def _head(self, stream: str) -> int:
+        self.heads += 1
+        if self.heads > self.limit:
+            raise AssertionError(f"head() called {self.heads} times: the timer index loops")
+        return super()._head(stream)
+
+
+def _engine(store: JournalStore, clock: FakeClock) -> Engine:
+    return Engine(store, [nap], clock=clock, listeners=[])
+
+
+def test_a_sleep_parks_after_the_clock_went_back_more_than_a_day() -> None:
+    store = HeadCountingStore()
+    late = FakeClock(1_700_000_000.0)  # this machine's clock runs two days behind
+    ahead = FakeClock(late.now + 2 * DAY)
+    first = _engine(store, late).start("nap", 30)
+    assert _engine(store, ahead).fire_due_timers() == [first.id]  # its bucket is retired
+    assert TimerIndex(store, ahead).buckets() == []
+    second = _engine(store, late).start("nap", 30)  # aims at the retired bucket
+    assert second.status is Status.SUSPENDED
+    assert TimerIndex(store, late).buckets() == [OVERDUE]
+    assert _engine(store, ahead).fire_due_timers() == [second.id]
+    assert _engine(store, ahead).get(second.id).result == "rested"
+
+
+def test_handled_buckets_are_retired_and_an_idle_poll_reads_nothing() -> None:
+    store, clock = MemoryStore(), FakeClock()
+    engine = _engine(store, clock)
+    ids = [engine.start("nap", 60 * minutes).id for minutes in range(1, 40)]
+    clock.advance(3600)
+    assert sorted(engine.fire_due_timers()) == sorted(ids)
+    assert TimerIndex(store, clock).buckets() == [], "every handled bucket is retired"
+    assert store.streams("timers/") == []
+    assert engine.fire_due_timers() == []
+
+
+def test_a_bucket_with_a_hint_not_yet_due_keeps_it_and_drops_the_rest() -> None:
+    store, clock = MemoryStore(), FakeClock(1_700_000_000.0)  # 20 s into a minute
+    engine = _engine(store, clock)
+    soon = engine.start("nap", 5)
+    later = engine.start("nap", 30)  # the same minute, 25 s later
+    clock.advance(10)
+    assert engine.fire_due_timers() == [soon.id]
+    (bucket,) = TimerIndex(store, clock).buckets()
+    assert len(store.read(bucket, store.head(bucket) - 1)) == 1, "the handled hint is trimmed"
+    clock.advance(30)
+    assert engine.fire_due_timers() == [later.id]
+    assert TimerIndex(store, clock).buckets() == []
+
+
+def test_a_damaged_hint_is_quarantined_and_reported_and_the_others_fire() -> None:
+    store, clock = MemoryStore(), FakeClock()
+    engine = _engine(store, clock)
+    first = engine.start("nap", 30)
+    (bucket,) = TimerIndex(store, clock).buckets()
+    store.append(bucket, store.head(bucket), [NewRecord("loom.timer", b"{not json", clock())])
+    second = engine.start("nap", 31)
+    clock.advance(60)
+    with pytest.raises(SchemaError, match="quarantine") as caught:
+        engine.fire_due_timers()
+    assert (caught.value.stream, caught.value.position) == (bucket, 2)
+    assert engine.get(first.id).status is Status.COMPLETED
+    assert engine.get(second.id).status is Status.COMPLETED
+    (copied,) = store.read(QUARANTINE)
+    assert json.loads(copied.payload)["payload"] == "{not json"
+    assert engine.fire_due_timers() == [], "reported once: the damaged hint is gone"
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    offsets=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b"]),
+            st.floats(-3 * 365 * DAY, 3 * 365 * DAY, allow_nan=False),
+            st.sampled_from(["sleep", "fire"]),
+            st.floats(0, 3 * DAY, allow_nan=False),
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_every_sleep_wakes_whatever_the_two_clocks_do(
+    offsets: list[tuple[str, float, str, float]],
+) -> None:
+    """Two machines whose clocks jump anywhere within years of each other start
+    sleeps and fire timers in any order; afterwards every sleep wakes."""
+    store = MemoryStore()
+    base = 1_700_000_000.0
+    clocks = {"a": FakeClock(base), "b": FakeClock(base)}
+    engines = {name: _engine(store, clock) for name, clock in clocks.items()}
+    sleeping: list[str] = []
+    for machine, offset, action, seconds in offsets:
+        clocks[machine].now = base + offset
+        if action == "sleep":
+            sleeping.append(engines[machine].start("nap", seconds).id)
+        else:
+            engines[machine].fire_due_timers()
+    future = FakeClock(base + 10 * 365 * DAY)
+    _engine(store, future).fire_due_timers()
+    for execution_id in sleeping:
+        assert _engine(store, future).get(execution_id).status is Status.COMPLETED
+    assert TimerIndex(store, future).buckets() in ([], [OVERDUE])
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), wake_offset=st.sampled_from([-2 * DAY, -30.0, 0.0, 30.0]))
+def test_a_hint_written_while_its_bucket_is_retired_is_never_lost(
+    data: st.DataObject, wake_offset: float
+) -> None:
+    """A writer adds a sleep to a bucket that a poll on another machine is retiring at
+    the same moment, their store calls interleaved in every order."""
+    store = Interleaving(MemoryStore())
+    now = 1_700_000_040.0
+    clock = FakeClock(now)
+    first = _engine(store, clock).start("nap", 1)  # the bucket the poll will retire
+    poller_clock = FakeClock(now + 120)
+    writer_clock = FakeClock(now + wake_offset)
+    outcome: dict[str, Any] = store.run(
+        {
+            "poll": lambda: _engine(store, poller_clock).fire_due_timers(),
+            "sleep": lambda: _engine(store, writer_clock).start("nap", 1).id,
+        },
+        choose=lambda names: data.draw(st.sampled_from(sorted(names))),
+    )
+    assert not any(isinstance(value, BaseException) for value in outcome.values()), outcome
+    later = FakeClock(now + 10 * DAY)
+    _engine(store, later).fire_due_timers()
+    for execution_id in (first.id, outcome["sleep"]):
+        assert _engine(store, later).get(execution_id).status is Status.COMPLETED

@@ -1,0 +1,132 @@
+"""SQLite under attack: interrupts mid-append, locks at open, damaged files, bad URLs."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    Context,
+    Engine,
+    InvalidArgumentError,
+    NewRecord,
+    SchemaError,
+    StoreMisconfiguredError,
+    StoreUnavailableError,
+    flow,
+    open_store,
+)
+from loom_store_sqlite import SqliteOptions, SqliteStore, open_sqlite_store
+
+
+def _records(count: int, tag: str = "r") -> list[NewRecord]:
+    return [NewRecord("k", f"{tag}{i}".encode(), float(i)) for i in range(count)]
+
+
+class InterruptedStore(SqliteStore):
+    """Raises KeyboardInterrupt once, inside the append's transaction (after BEGIN)."""
+
+    interrupt = False
+
+    @staticmethod
+    def _stream_row(connection: sqlite3.Connection, stream: str) -> tuple[int, int, int] | None:
+        if InterruptedStore.interrupt:
+            InterruptedStore.interrupt = False
+            raise KeyboardInterrupt
+        return SqliteStore._stream_row(connection, stream)
+
+
+def test_an_interrupt_inside_an_append_leaves_no_transaction_open(tmp_path: Path) -> None:
+    path = str(tmp_path / "interrupted.db")
+    store = InterruptedStore(path)
+    store.append("s", 0, _records(1))
+    InterruptedStore.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        store.append("s", 1, _records(1, "lost"))
+    assert not store._connection.in_transaction
+    assert store.append("s", 1, _records(1, "next")) == 2, "the store's own next append works"
+    other = open_sqlite_store(f"sqlite://{path}?timeout=0")  # another process, no waiting
+    assert other.append("s", 2, _records(1, "other")) == 3, "no write lock was left behind"
+    assert [r.payload for r in other.read("s")] == [b"r0", b"next0", b"other0"]
+
+
+def test_open_and_append_on_a_write_locked_database_raise_the_same_error(tmp_path: Path) -> None:
+    fresh = tmp_path / "fresh.db"
+    existing = tmp_path / "existing.db"
+    open_sqlite_store(f"sqlite://{existing}").close()
+    blockers = []
+    for path in (fresh, existing):
+        blocker = sqlite3.connect(path, isolation_level=None)
+        blocker.execute("PRAGMA journal_mode=WAL")
+        blocker.execute("BEGIN EXCLUSIVE")
+        blockers.append(blocker)
+    try:
+        with pytest.raises(StoreUnavailableError, match="locked"):
+            open_store(f"sqlite://{fresh}?timeout=0")  # a new database needs the write lock
+        store = open_store(f"sqlite://{existing}?timeout=0")  # an existing one only reads
+        with pytest.raises(StoreUnavailableError, match="locked"):
+            store.append("s", 0, _records(1))
+    finally:
+        for blocker in blockers:
+            blocker.execute("ROLLBACK")
+    assert open_store(f"sqlite://{fresh}?timeout=0").append("s", 0, _records(1)) == 1
+
+
+def test_a_file_that_is_not_a_database_is_a_misconfiguration(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_bytes(b"these are my notes, not a database" * 100)
+    with pytest.raises(StoreMisconfiguredError, match="not a SQLite database"):
+        open_store(f"sqlite://{path}")
+
+
+def test_a_missing_directory_is_a_misconfiguration(tmp_path: Path) -> None:
+    with pytest.raises(StoreMisconfiguredError, match="directory exists"):
+        open_store(f"sqlite://{tmp_path}/no/such/dir/loom.db")
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "sqlite:///tmp/h#frag.db",
+        "sqlite:///tmp/x.db?timeout=nan",
+        "sqlite:///tmp/x.db?timeout=inf",
+        "sqlite:///tmp/x.db?timeout=1&timeout=2",
+        "sqlite:///tmp/x.db?synchronous=full&synchronous=off",
+    ],
+)
+def test_a_url_that_would_be_misread_is_refused(url: str) -> None:
+    with pytest.raises(InvalidArgumentError):
+        open_store(url)
+
+
+def test_a_percent_encoded_path_is_decoded(tmp_path: Path) -> None:
+    store = open_store(f"sqlite://{tmp_path}/h%23frag.db")
+    store.append("s", 0, _records(1))
+    assert (tmp_path / "h#frag.db").exists()
+
+
+def test_timeout_zero_is_valid() -> None:
+    assert SqliteOptions.parse("timeout=0") == SqliteOptions("full", 0.0)
+
+
+@flow
+def charge(ctx: Context, _input: Any) -> Any:
+    first = ctx.step("quote", lambda: 10)
+    second = ctx.step("charge", lambda: first * 2)
+    return [first, second, ctx.suspend("ship")]
+
+
+@pytest.mark.parametrize("missing", [2, 3])
+def test_a_row_lost_from_the_database_is_a_schema_error(tmp_path: Path, missing: int) -> None:
+    path = tmp_path / "lost.db"
+    store = open_store(f"sqlite://{path}")
+    Engine(store, [charge], listeners=[]).start("charge", key="order-1")
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "DELETE FROM loom_records WHERE stream = 'ex/order-1' AND position = ?", (missing,)
+        )
+    fresh = Engine(open_store(f"sqlite://{path}"), [charge], listeners=[])
+    with pytest.raises(SchemaError, match=f"record {missing} is missing"):
+        fresh.resume("order-1", "go")
