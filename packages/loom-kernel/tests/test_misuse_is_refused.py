@@ -132,6 +132,9 @@ def test_retry_delays_are_finite_capped_and_never_shrink(
         {"factor": 0.5},
         {"max_backoff": -1},
         {"retry_on": (int,)},
+        {"factor": 10**400},
+        {"backoff": 10**400},
+        {"max_backoff": 10**400},
     ],
 )
 def test_a_malformed_retry_policy_is_refused(bad: dict[str, Any]) -> None:
@@ -140,7 +143,8 @@ def test_a_malformed_retry_policy_is_refused(bad: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(
-    "duration", [1e200, float("inf"), float("nan"), 10**30, timedelta.max, "5", None]
+    "duration",
+    [1e200, float("inf"), float("nan"), 10**30, -(10**400), timedelta.max, "5", None, True],
 )
 def test_a_sleep_that_cannot_be_a_timer_is_refused_at_the_call(duration: Any) -> None:
     @flow

@@ -107,6 +107,52 @@ def test_a_damaged_hint_is_quarantined_and_reported_and_the_others_fire() -> Non
     assert engine.fire_due_timers() == [], "reported once: the damaged hint is gone"
 
 
+def test_a_damaged_hint_behind_one_not_yet_due_is_quarantined_once() -> None:
+    store, clock = MemoryStore(), FakeClock(6000.0)  # the start of a minute
+    engine = _engine(store, clock)
+    engine.start("nap", 50, key="later")  # due at 6050, in the same minute
+    (bucket,) = TimerIndex(store, clock).buckets()
+    store.append(bucket, store.head(bucket), [NewRecord("loom.timer", b"not json", clock())])
+    for _ in range(3):
+        clock.advance(5)
+        assert engine.fire_due_timers() == []  # kept until what is before it is handled
+    assert store.head(QUARANTINE) == 0
+    clock.advance(40)
+    with pytest.raises(SchemaError):
+        engine.fire_due_timers()
+    assert store.head(QUARANTINE) == 1
+    assert engine.get("later").status is Status.COMPLETED
+    assert engine.fire_due_timers() == []
+    assert store.head(QUARANTINE) == 1, "copied once"
+
+
+class TrimmingWhileReadStore(MemoryStore):
+    """Another poller trims a bucket between this poller's head and read of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trims: list[tuple[str, int]] = []
+
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Any]:
+        while self.trims and self.trims[0][0] == stream:
+            super()._trim(*self.trims.pop(0))
+        return super()._read(stream, after, limit)
+
+
+def test_a_bucket_trimmed_by_another_poll_while_it_is_read_stops_nothing() -> None:
+    store, clock = TrimmingWhileReadStore(), FakeClock(6000.0)
+    engine = _engine(store, clock)
+    for key in ("a0", "a1", "a2"):
+        engine.start("nap", 1, key=key)  # three hints in one minute
+    clock.advance(70)
+    engine.start("nap", 1, key="b")  # one in the next
+    first = TimerIndex(store, clock).buckets()[0]
+    store.trims = [(first, 2), (first, 3)]  # two trims by another poll, one per read
+    clock.advance(5)
+    assert set(engine.fire_due_timers()) >= {"a2", "b"}
+    assert engine.get("b").status is Status.COMPLETED
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     offsets=st.lists(

@@ -12,7 +12,6 @@ import time
 import uuid as _uuid
 from collections.abc import Callable
 from datetime import timedelta
-from math import isfinite
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from loom_kernel._codec import (
@@ -38,6 +37,7 @@ from loom_kernel._events import (
 )
 from loom_kernel._flows import RetryPolicy
 from loom_kernel._journal import NewRecord
+from loom_kernel._numbers import finite_number
 from loom_kernel._state import ExecutionState, StepFrame
 from loom_kernel._timers import TIMER_GATE, timer_resume_key
 
@@ -60,8 +60,9 @@ _RESERVED_PREFIX: Final = "loom."
 #: The longest sleep, in seconds: 100 years (longer is a mistake, not a plan).
 MAX_SLEEP: Final = 100 * 365.25 * 86_400
 
-#: The context whose step function is running in this flow of control, and the
-#: step's name: a ctx call from inside a step function is refused.
+#: In async flows: the context whose step function is running in this task, and the
+#: step's name (a task gathered beside it is not inside it). A sync context keeps the
+#: name on itself, which costs less per step.
 _RUNNING_STEP: contextvars.ContextVar[tuple[object, str] | None] = contextvars.ContextVar(
     "loom_running_step", default=None
 )
@@ -139,14 +140,12 @@ def error_info(exc: BaseException) -> ErrorInfo:
 def _seconds(duration: object) -> float:
     if isinstance(duration, timedelta):
         seconds = duration.total_seconds()
-    elif (
-        isinstance(duration, bool)
-        or not isinstance(duration, int | float)
-        or (isinstance(duration, float) and not isfinite(duration))
-    ):
-        raise InvalidArgumentError(f"a sleep takes seconds or a timedelta, not {duration!r}")
+    elif finite_number(duration):
+        seconds = float(duration)  # type: ignore[arg-type]
     else:
-        seconds = duration
+        raise InvalidArgumentError(
+            f"a sleep takes a finite number of seconds or a timedelta, not {duration!r}"
+        )
     if seconds > MAX_SLEEP:
         raise InvalidArgumentError(
             f"a sleep is at most {MAX_SLEEP:.0f} seconds (100 years), not {duration!r}"
@@ -166,6 +165,7 @@ class _Replay:
         self._step_index = 0
         self._gate_index = 0
         self._control = control or DriveControl()
+        self._inside_step: str | None = None  # sync flows: the step whose function runs
 
     @property
     def execution_id(self) -> str:
@@ -207,13 +207,17 @@ class _Replay:
         except LoomError as exc:
             raise self._abort(exc) from None
 
+    def _running_step(self) -> str | None:
+        """The step whose function is running, when a ctx call comes from inside it."""
+        return self._inside_step
+
     def _refuse_inside_step(self, call: str) -> None:
         """A ctx call from inside a step function would be journaled out of order."""
-        running = _RUNNING_STEP.get()
-        if running is not None and running[0] is self:
+        running = self._running_step()
+        if running is not None:
             raise self._abort(
                 InvalidArgumentError(
-                    f"{call} was called inside the function of step {running[1]!r}: a step "
+                    f"{call} was called inside the function of step {running!r}: a step "
                     "function must not use ctx (its call would be journaled before the step "
                     "that contains it, and every replay would diverge); call ctx between "
                     "steps, or start another flow from the step"
@@ -402,12 +406,12 @@ class Context(_Replay):
             return replayed
         policy = retry or self._engine.retry
         for attempt in itertools.count(1):
-            running = _RUNNING_STEP.set((self, name))
+            self._inside_step = name
             try:
                 try:
                     value = fn(*args, **kwargs)
                 finally:
-                    _RUNNING_STEP.reset(running)
+                    self._inside_step = None
             except Unwind:
                 raise
             except Exception as exc:
@@ -440,6 +444,10 @@ class Context(_Replay):
 
 class AsyncContext(_Replay):
     """What an `async def` flow receives as `ctx`: the same journal, awaitable calls."""
+
+    def _running_step(self) -> str | None:
+        running = _RUNNING_STEP.get()
+        return running[1] if running is not None and running[0] is self else None
 
     async def step(
         self,

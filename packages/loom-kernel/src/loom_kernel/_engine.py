@@ -280,14 +280,15 @@ class Engine:
         data = to_json(result, f"the result of flow {definition.name!r}")
         self._append(state, [ExecutionCompleted(data)])
 
-    def _drive_owned(self, state: ExecutionState) -> ExecutionState:
-        """Drive a state this caller owns (holding the run's lock) and cache the result.
+    def _drive_owned(self, state: ExecutionState) -> Execution:
+        """Drive a state this caller owns (holding the run's lock), then cache it.
 
         A racing writer (another engine, or a cancel) is the one now in charge: the
-        run stops and the state returned is the journal's, read afresh.
+        run stops and the view returned is the journal's, read afresh.
 
         Returns:
-            The run's state after the drive.
+            The run's view after the drive (built before the state goes back to the
+            cache, where another thread may fold into it).
         """
         control = DriveControl()
         with self._drives_lock:
@@ -300,8 +301,9 @@ class Engine:
             with self._drives_lock:
                 if self._drives.get(state.id) is control:
                     del self._drives[state.id]
+        execution = Execution.of(state)
         self._cache.give_back(state)
-        return state
+        return execution
 
     # -- the public API -----------------------------------------------------------
 
@@ -344,7 +346,7 @@ class Engine:
                 ) from None
             state = ExecutionState(id=execution_id)
             state.apply(event)
-            execution = Execution.of(self._drive_owned(state))
+            execution = self._drive_owned(state)
         return self._settled(execution)
 
     def resume(
@@ -385,6 +387,7 @@ class Engine:
         *,
         timer: bool,
         on: str | None = None,
+        settle: bool = True,
     ) -> Execution:
         with self._locks.hold(execution_id):
             state = self._checkout(execution_id)
@@ -392,13 +395,16 @@ class Engine:
                 self._check_parked(state, key, timer=timer, on=on)
                 self._append(state, [ExecutionResumed(data, key)])
             except _AlreadyDeliveredError:
+                execution = Execution.of(state)
                 self._cache.give_back(state)
-                return Execution.of(state)
+                if timer:
+                    raise  # the poller counts only the wakes it made
+                return execution
             except LoomError:
                 self._cache.give_back(state)
                 raise
-            execution = Execution.of(self._drive_owned(state))
-        return self._settled(execution)
+            execution = self._drive_owned(state)
+        return self._settled(execution) if settle else execution
 
     @staticmethod
     def _check_parked(
@@ -428,20 +434,22 @@ class Engine:
         """
         while True:
             state = self._checkout(execution_id)
+            execution = Execution.of(state)
             if state.status.finished:
                 self._cache.give_back(state)
-                return Execution.of(state)
+                return execution
             try:
                 self._append(state, [ExecutionCancelled(reason)])
             except ConflictError:
                 continue  # the run moved on meanwhile: look again
             break
+        execution = Execution.of(state)
         self._cache.give_back(state)
         with self._drives_lock:
             control = self._drives.get(execution_id)
         if control is not None:
             control.stopped = True
-        return self._settled(Execution.of(state))
+        return self._settled(execution)
 
     def get(self, execution_id: str) -> Execution:
         """The execution's current view.
@@ -525,11 +533,11 @@ class Engine:
             except ExecutionNotFoundError:
                 return None  # deleted since the listing
             if state.status is Status.RUNNING and state.flow in self._flows:
-                state = self._drive_owned(state)
+                execution = self._drive_owned(state)
                 driven = execution_id
             else:
+                execution = Execution.of(state)
                 self._cache.give_back(state)
-            execution = Execution.of(state)
         self._settled(execution)
         return driven
 
@@ -549,14 +557,27 @@ class Engine:
         return woken
 
     def _fire(self, entry: TimerEntry, now: float) -> bool | None:
-        """Wake one timer: True if woken, False if the hint is obsolete, None if not yet known."""
-        try:
-            due = self._view(entry.execution_id, lambda state: _timer_due(state, entry.gate, now))
-        except ExecutionNotFoundError:
-            return False
-        if due is not True:
-            return due  # type: ignore[no-any-return]
-        self._resume(entry.execution_id, None, timer_resume_key(entry.gate), timer=True)
+        """Wake one timer: True if woken, False if the hint is obsolete, None if not yet known.
+
+        Decided and done under the run's lock, so two pollers of one engine never both
+        count the same wake; across engines the resume's dedupe key decides. The
+        listeners run after the lock is released, as after every drive.
+        """
+        with self._locks.hold(entry.execution_id):
+            try:
+                due = self._view(
+                    entry.execution_id, lambda state: _timer_due(state, entry.gate, now)
+                )
+            except ExecutionNotFoundError:
+                return False
+            if due is not True:
+                return due  # type: ignore[no-any-return]
+            key = timer_resume_key(entry.gate)
+            try:
+                execution = self._resume(entry.execution_id, None, key, timer=True, settle=False)
+            except _AlreadyDeliveredError:
+                return False  # another engine woke it meanwhile
+        self._settled(execution)
         return True
 
     def compact(self, execution_id: str) -> int:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import inspect
-import math
 import re
 import textwrap
 from collections.abc import Callable
@@ -13,6 +12,7 @@ from typing import Any, overload
 import attrs
 
 from loom_kernel._errors import InvalidArgumentError
+from loom_kernel._numbers import finite_number
 
 __all__ = ["Flow", "RetryPolicy", "code_hash", "flow"]
 
@@ -43,12 +43,7 @@ class RetryPolicy:
             raise InvalidArgumentError(f"attempts must be an int >= 1, not {attempts!r}")
         for name, least in (("backoff", 0.0), ("factor", 1.0), ("max_backoff", 0.0)):
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value < least
-            ):
+            if not finite_number(value) or value < least:
                 raise InvalidArgumentError(
                     f"{name} must be a finite number >= {least:g}, not {value!r}"
                 )

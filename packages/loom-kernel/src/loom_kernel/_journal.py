@@ -11,17 +11,11 @@ import attrs
 
 from loom_kernel._errors import InvalidArgumentError, SchemaError
 from loom_kernel._ids import validate_prefix, validate_stream_id
+from loom_kernel._numbers import finite_number
 
 __all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record", "check_gapless"]
 
 MAX_KIND_LENGTH: Final = 64
-
-
-def _finite(value: float) -> bool:
-    try:
-        return isfinite(value)
-    except OverflowError:  # an int beyond any float
-        return False
 
 
 @attrs.frozen
@@ -59,11 +53,8 @@ class NewRecord:
             raise InvalidArgumentError(
                 f"a record payload must be bytes, not {type(payload).__name__}"
             )
-        if (
-            isinstance(timestamp, bool)
-            or not isinstance(timestamp, (int, float))
-            or not _finite(timestamp)
-        ):
+        # A float from a clock is the common case: one type test and one isfinite.
+        if not (type(timestamp) is float and isfinite(timestamp)) and not finite_number(timestamp):
             raise InvalidArgumentError(
                 f"a record timestamp must be a finite number, not {timestamp!r}"
             )

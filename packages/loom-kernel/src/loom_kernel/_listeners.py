@@ -70,6 +70,7 @@ class Listeners:
             return False
         queue = deque([execution])
         token = self._queue.set(queue)
+        unexpected: BaseException | None = None
         try:
             while queue:
                 item = queue.popleft()
@@ -80,6 +81,11 @@ class Listeners:
                         _log.warning(
                             "listener %r on %r: %s: %s", listener, item.id, type(exc).__name__, exc
                         )
+                    except Exception as exc:  # a bug: raised once every delivery is made
+                        _log.exception("listener %r on %r failed", listener, item.id)
+                        unexpected = unexpected or exc
         finally:
             self._queue.reset(token)
+        if unexpected is not None:
+            raise unexpected
         return True

@@ -63,6 +63,7 @@ QUARANTINE: Final = "quarantine/timers"
 BUCKET_SECONDS: Final = 60
 _LAST_BUCKET: Final = 10**12 - 1  # bucket names have 12 digits
 _PAGE: Final = 100
+_READ_ATTEMPTS: Final = 8
 
 _log = logging.getLogger("loom")
 
@@ -191,6 +192,8 @@ class TimerIndex:
         for bucket in self._due(now):
             first_open: int | None = None
             for hint in bucket.hints:
+                if hint.entry is None and first_open is not None:
+                    continue  # quarantined once it can be dropped with what is before it
                 if not self._handle(hint, bucket.stream, (now, wake), woken, failures):
                     first_open = hint.position if first_open is None else first_open
             try:
@@ -273,15 +276,20 @@ class TimerIndex:
             after = names[-1]
 
     def _read(self, stream: str) -> _Bucket | None:
-        """A bucket's retained records up to its head now; None if it was retired."""
-        try:
-            head = self._store.head(stream)
+        """A bucket's retained records up to its head now; None if it was retired, or
+        if other polls kept trimming it while it was read (they handle it)."""
+        after = 0
+        for _ in range(_READ_ATTEMPTS):
             try:
-                records = self._store.read(stream, 0, head) if head else []
+                head = self._store.head(stream)
+                records = self._store.read(stream, after, head - after) if head > after else []
             except TrimmedError as exc:
-                rest = head - exc.floor
-                records = self._store.read(stream, exc.floor, rest) if rest > 0 else []
-        except StreamDeletedError:
+                after = exc.floor  # trimmed since: read from the new floor
+                continue
+            except StreamDeletedError:
+                return None
+            break
+        else:
             return None
         sealed = bool(records) and records[-1].kind == SEAL_KIND
         hints = tuple(

@@ -1,0 +1,36 @@
+"""Listeners: every queued delivery is made, even when one listener has a bug."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from loom_kernel import Context, Engine, Execution, MemoryStore, Status, flow
+
+
+@flow
+def waits(ctx: Context, _input: Any) -> Any:
+    return ctx.suspend("go")
+
+
+def test_a_listener_bug_is_raised_after_every_queued_delivery_is_made() -> None:
+    seen: list[tuple[str, str, str]] = []
+
+    def resumer(engine: Engine, execution: Execution) -> None:
+        seen.append(("resumer", execution.id, str(execution.status)))
+        if execution.id == "second" and execution.status is Status.SUSPENDED:
+            engine.resume("first", "hello")  # "first" completes: its delivery is queued
+
+    def fragile(_engine: Engine, execution: Execution) -> None:
+        seen.append(("fragile", execution.id, str(execution.status)))
+        if execution.id == "second":
+            raise ValueError("a listener bug")
+
+    engine = Engine(MemoryStore(), [waits], listeners=[])
+    engine.start("waits", key="first")  # parks before any listener is added
+    engine.add_listener(resumer)
+    engine.add_listener(fragile)
+    with pytest.raises(ValueError, match="a listener bug"):
+        engine.start("waits", key="second")
+    assert ("resumer", "first", "completed") in seen
+    assert ("fragile", "first", "completed") in seen, "the queued delivery was made"
