@@ -58,6 +58,10 @@ def test_url_options_are_parsed_and_checked() -> None:
     for bad in (
         "s3:///no-bucket",
         "s3://b/p?colour=blue",
+        "s3://b/p?shards=2&shards=4",
+        "s3://b/p?timeout=nan",
+        "s3://b/p?head_ttl=inf",
+        "s3://b/p#fragment",
         "s3://b/p?shards=0",
         "s3://b/p?shards=many",
         "s3://b/../escape",

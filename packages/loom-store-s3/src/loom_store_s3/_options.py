@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from math import isfinite
 from typing import Final
 from urllib.parse import parse_qsl, urlsplit
 
@@ -18,8 +19,10 @@ SIGNATURE_WINDOW: Final = 900.0
 
 
 def _positive(_instance: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if value < 0:
-        raise InvalidArgumentError(f"{attribute.name} must not be negative, not {value}")
+    if not isinstance(value, int | float) or not isfinite(value) or value < 0:
+        raise InvalidArgumentError(
+            f"{attribute.name} must be a finite number of seconds >= 0, not {value!r}"
+        )
 
 
 @attrs.frozen
@@ -94,7 +97,14 @@ def parse_s3_url(url: str) -> tuple[str, str, S3Options]:
     prefix = parts.path.strip("/")
     if prefix:
         validate_stream_id(prefix)  # the same rules: it cannot climb out of the bucket
-    values = dict(parse_qsl(parts.query, keep_blank_values=True))
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    values = dict(pairs)
+    if len(values) != len(pairs):
+        names = [name for name, _ in pairs]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        raise InvalidArgumentError(f"s3 store options given more than once: {repeated}")
+    if parts.fragment:
+        raise InvalidArgumentError(f"an S3 store URL has no fragment ('#'): {url!r}")
     known = {*_FLOATS, *_INTS, *_STRINGS}
     unknown = set(values) - known
     if unknown:

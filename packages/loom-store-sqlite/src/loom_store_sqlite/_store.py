@@ -60,7 +60,8 @@ class SqliteOptions:
         pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=False)
         values = dict(pairs)
         if len(values) != len(pairs):
-            repeated = sorted({name for name, _ in pairs if [n for n, _ in pairs].count(name) > 1})
+            names = [name for name, _ in pairs]
+            repeated = sorted({name for name in names if names.count(name) > 1})
             raise InvalidArgumentError(f"sqlite store options given more than once: {repeated}")
         unknown = set(values) - {"synchronous", "timeout"}
         if unknown:
