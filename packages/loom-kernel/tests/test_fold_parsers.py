@@ -17,11 +17,12 @@ from loom_kernel import (
     SchemaError,
     StepCompleted,
     _codec,
+    _fast_fold,
     _state,
     encode_event,
 )
 from loom_kernel._codec import dump_json, encode_step_completed
-from loom_kernel._fast_steps import decode_steps
+from loom_kernel._fast_fold import decode_step_runs
 
 json_values = st.recursive(
     st.none()
@@ -68,9 +69,9 @@ def _journal(results: list[Any], odd: bytes | None, parks: frozenset[int]) -> li
 def _fold(records: list[Record], parser: str) -> Any:
     with pytest.MonkeyPatch.context() as patch:
         if parser != "typed":
-            patch.setattr(_state, "decode_steps", None)
+            patch.setattr(_fast_fold, "decode_step_runs", None)
         if parser == "json":
-            patch.setattr(_codec, "_parse_many", json.loads)
+            patch.setattr(_codec, "parse_many", json.loads)
         state = ExecutionState(id="x")
         try:
             _state.fold_records(state, records, "ex/x")
@@ -88,7 +89,7 @@ def _fold(records: list[Record], parser: str) -> Any:
 def test_typed_untyped_and_json_fold_a_journal_alike(
     results: list[Any], odd: bytes | None, parks: frozenset[int]
 ) -> None:
-    assert decode_steps is not None, "the workspace installs the fast extra"
+    assert decode_step_runs is not None, "the workspace installs the fast extra"
     records = _journal(results, odd, parks)
     by_msgspec = _fold(records, "typed")
     # repr, not ==: 2**80 == float(2**80), but a replay must give back the same type

@@ -181,12 +181,12 @@ def test_both_parsers_give_the_same_events_and_errors(
     from loom_kernel import _codec
 
     if parser == "json":
-        monkeypatch.setattr(_codec, "_parse_many", json.loads)
+        monkeypatch.setattr(_codec, "parse_many", json.loads)
     else:
         msgspec = pytest.importorskip(
             "msgspec"
         )  # the workspace installs it; the kernel alone does not
-        monkeypatch.setattr(_codec, "_parse_many", msgspec.json.decode)
+        monkeypatch.setattr(_codec, "parse_many", msgspec.json.decode)
     records = [_stored(event, position) for position, event in enumerate(ALL_EVENTS, start=1)]
     big = encode_event(StepCompleted(0, "big", 2**80), 1.0)  # beyond 64-bit integers
     records.append(Record(len(records) + 1, big.kind, big.payload, big.timestamp))

@@ -7,18 +7,20 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import attrs
 import cattrs
 
 from loom_kernel._errors import InvalidArgumentError, SchemaError
-from loom_kernel._events import EVENT_SCHEMA, ErrorInfo, Event, StepCompleted, event_class
+from loom_kernel._events import EVENT_SCHEMA, ErrorInfo, Event, event_class
+from loom_kernel._fast_fold import STEP_FIELDS, STEP_KIND, parse_many
 from loom_kernel._journal import NewRecord, Record
 
 __all__ = [
     "CONVERTER",
+    "PLAIN_TYPES",
     "Upcaster",
     "decode_envelope",
     "decode_event",
@@ -29,21 +31,9 @@ __all__ = [
     "parse_envelopes",
     "parse_version",
     "register_upcaster",
+    "to_json",
+    "to_json_text",
 ]
-
-#: Parses a joined journal: msgspec (the optional `fast` extra) when installed,
-#: measured at about half the time of json.loads on 10,000 records. It reads every
-#: integer exactly (orjson, tried first, turned integers beyond 64 bits into floats).
-#: Anything it refuses (1e400, say) is parsed record by record with the standard
-#: library, so both give the same envelopes and the same errors. Writing always uses
-#: the standard library.
-_parse_many: Callable[[bytes], Any]
-try:
-    from msgspec.json import decode as _msgspec_decode  # its errors are ValueErrors
-except ImportError:  # pragma: no cover - depends on what is installed
-    _parse_many = json.loads
-else:
-    _parse_many = _msgspec_decode
 
 #: The kernel's one converter: events and user values (attrs classes, dataclasses) go through it.
 CONVERTER: Final = cattrs.Converter()
@@ -69,7 +59,7 @@ _CURRENT: Final = parse_version(EVENT_SCHEMA)
 
 #: Reads back JSON text that dump_json wrote: the fast parser gives the same values
 #: for it (no NaN or infinity is ever written; integers of any size read exactly).
-load_json: Final[Callable[[str], Any]] = _parse_many
+load_json: Final[Callable[[str], Any]] = parse_many
 
 
 @attrs.frozen
@@ -149,6 +139,42 @@ def dump_json(value: Any) -> str:
     return text
 
 
+#: Types whose values are JSON data as they are, when they hold only such values.
+PLAIN_TYPES: Final = frozenset({dict, list, str, int, float, bool, type(None)})
+
+
+def to_json_text(value: Any, what: str) -> str:
+    """The JSON text of a value, through the kernel's converter (attrs, dataclasses...).
+
+    Raises:
+        InvalidArgumentError: the value has no JSON form.
+    """
+    if type(value) in PLAIN_TYPES:
+        # Plain JSON needs no trip through the converter (measured: its walk was the
+        # largest cost of a step's own work); anything it cannot dump goes the long way.
+        try:
+            return dump_json(value)
+        except InvalidArgumentError:
+            pass
+    try:
+        data = CONVERTER.unstructure(value)
+    except Exception as exc:
+        raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
+    try:
+        return dump_json(data)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
+
+
+def to_json(value: Any, what: str) -> Any:
+    """The JSON form of a value: what a replay will see (tuples become lists, and so on).
+
+    Raises:
+        InvalidArgumentError: the value has no JSON form.
+    """
+    return json.loads(to_json_text(value, what))
+
+
 @attrs.frozen
 class _Field:
     name: str
@@ -157,13 +183,15 @@ class _Field:
 
 
 _plans: dict[type[Any], tuple[_Field, ...]] = {}
-_SIMPLE: Final[dict[Any, tuple[type[Any], ...]]] = {
-    int: (int,),
-    str: (str,),
-    "int": (int,),
-    "str": (str,),
-    "str | None": (str, type(None)),
-    "float | None": (float, int, type(None)),
+#: How each annotation an event field may carry is read: (the types it may hold, the
+#: attrs class it is built as). None: any JSON value, or no class.
+_FIELD_TYPES: Final[dict[str, tuple[tuple[type[Any], ...] | None, type[Any] | None]]] = {
+    "Any": (None, None),
+    "int": ((int,), None),
+    "str": ((str,), None),
+    "str | None": ((str, type(None)), None),
+    "float | None": ((float, int, type(None)), None),
+    "ErrorInfo": (None, ErrorInfo),
 }
 
 
@@ -178,15 +206,13 @@ def _plan(cls: type[Any]) -> tuple[_Field, ...]:
     if plan is None:
         fields = []
         for field in attrs.fields(cls):
-            if attrs.has(field.type) if isinstance(field.type, type) else False:
-                fields.append(_Field(field.name, None, field.type))
-            elif field.type in ("ErrorInfo",):
-                fields.append(_Field(field.name, None, ErrorInfo))
-            elif field.type in ("Any", Any):
-                fields.append(_Field(field.name, None, None))
-            else:
-                # KeyError here means an event field of a type this plan cannot check.
-                fields.append(_Field(field.name, _SIMPLE[field.type], None))
+            kind = _FIELD_TYPES.get(str(field.type))
+            if kind is None:
+                raise TypeError(
+                    f"event field {cls.__name__}.{field.name} is annotated {field.type!r}, "
+                    f"which the codec cannot check; known: {sorted(_FIELD_TYPES)}"
+                )
+            fields.append(_Field(field.name, *kind))
         plan = _plans[cls] = tuple(fields)
     return plan
 
@@ -215,13 +241,22 @@ def _build_event(cls: type[Any], data: dict[str, Any]) -> Any:
     return cls(**values)
 
 
+_ENVELOPE_HEAD: Final = '{"v":"' + EVENT_SCHEMA + '","d":'
+
+
+def _envelope(kind: str, data_json: str, timestamp: float) -> NewRecord:
+    """The record of an event whose data is already JSON text, under the current schema."""
+    payload = _ENVELOPE_HEAD + data_json + "}"
+    return NewRecord(kind=kind, payload=payload.encode("utf-8"), timestamp=timestamp)
+
+
 def encode_event(event: Event, timestamp: float) -> NewRecord:
     """Encode an event as a record written under the current EVENT_SCHEMA."""
-    data = _event_data(event)
-    payload = '{"v":"' + EVENT_SCHEMA + '","d":' + dump_json(data) + "}"
-    return NewRecord(kind=event.KIND, payload=payload.encode("utf-8"), timestamp=timestamp)
+    return _envelope(event.KIND, dump_json(_event_data(event)), timestamp)
 
 
+#: A step's data as JSON, from its fields in STEP_FIELDS order, each already JSON text.
+_STEP_DATA: Final = "{" + ",".join(f'"{name}":%s' for name in STEP_FIELDS) + "}"
 _NAMES_KEPT: Final = 4096
 _name_json: dict[str, str] = {}
 
@@ -239,11 +274,8 @@ def encode_step_completed(
         name_json = dump_json(name)
         if len(_name_json) < _NAMES_KEPT:  # flows reuse a few names; keep their JSON
             _name_json[name] = name_json
-    payload = (
-        f'{{"v":"{EVENT_SCHEMA}","d":{{"index":{index},"name":{name_json},'
-        f'"result":{result_json},"attempts":{attempts}}}}}'
-    )
-    return NewRecord(kind=StepCompleted.KIND, payload=payload.encode("utf-8"), timestamp=timestamp)
+    data = _STEP_DATA % (index, name_json, result_json, attempts)
+    return _envelope(STEP_KIND, data, timestamp)
 
 
 def decode_event(record: Record, stream: str | None = None) -> Event:
@@ -271,7 +303,7 @@ def _parse_one(record: Record, stream: str | None) -> Any:
         raise SchemaError(f"payload is not JSON: {exc}", **where) from exc
 
 
-def parse_envelopes(records: list[Record], stream: str | None = None) -> list[Any]:
+def parse_envelopes(records: Sequence[Record], stream: str | None = None) -> list[Any]:
     """Parse many payloads at once; the same errors as decode_event for a bad one.
 
     The payloads are parsed as one JSON array, which costs one parser call instead of
@@ -283,7 +315,7 @@ def parse_envelopes(records: list[Record], stream: str | None = None) -> list[An
         return []
     try:
         joined = b"[" + b",".join(record.payload for record in records) + b"]"
-        envelopes: list[Any] = _parse_many(joined)
+        envelopes: list[Any] = parse_many(joined)
         if len(envelopes) != len(records):
             raise ValueError("a payload held more than one JSON value")
     except ValueError:

@@ -2,24 +2,24 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import inspect
 import itertools
-import json
 import random as _random
-import time
 import uuid as _uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
+import attrs
+
 from loom_kernel._codec import (
     CONVERTER,
-    dump_json,
+    PLAIN_TYPES,
     encode_event,
     encode_step_completed,
     load_json,
+    to_json_text,
 )
 from loom_kernel._errors import (
     ConflictError,
@@ -29,30 +29,23 @@ from loom_kernel._errors import (
     StepFailedError,
 )
 from loom_kernel._events import (
-    ErrorInfo,
     Event,
     ExecutionResumed,
     ExecutionSuspended,
     StepFailed,
+    error_info,
 )
+from loom_kernel._executions import stream_of
 from loom_kernel._flows import RetryPolicy
-from loom_kernel._journal import NewRecord
+from loom_kernel._journal import JournalStore, NewRecord
 from loom_kernel._numbers import finite_number
 from loom_kernel._state import ExecutionState, StepFrame
-from loom_kernel._timers import TIMER_GATE, timer_resume_key
+from loom_kernel._timers import TIMER_GATE, TimerIndex, timer_resume_key
 
 if TYPE_CHECKING:
     from loom_kernel._engine import Engine
 
-__all__ = [
-    "MAX_SLEEP",
-    "AsyncContext",
-    "Context",
-    "DriveControl",
-    "Unwind",
-    "error_info",
-    "to_json",
-]
+__all__ = ["MAX_SLEEP", "AsyncContext", "Context", "DriveControl", "Runtime", "Unwind"]
 
 T = TypeVar("T")
 
@@ -66,6 +59,29 @@ MAX_SLEEP: Final = 100 * 365.25 * 86_400
 _RUNNING_STEP: contextvars.ContextVar[tuple[object, str] | None] = contextvars.ContextVar(
     "loom_running_step", default=None
 )
+
+
+@attrs.frozen
+class Runtime:
+    """What a context needs from the engine that drives it.
+
+    Attributes:
+        engine: the engine itself, for `ctx.engine` (starting other flows from a step).
+        store: the journal store.
+        clock: the injected clock.
+        sleep: waits between a sync step's retries.
+        async_sleep: waits between an async step's retries, without blocking the loop.
+        retry: the default retry policy.
+        timers: the due-timer index a sleep writes its hint to.
+    """
+
+    engine: Engine
+    store: JournalStore
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    async_sleep: Callable[[float], Awaitable[None]]
+    retry: RetryPolicy
+    timers: TimerIndex
 
 
 class DriveControl:
@@ -82,7 +98,6 @@ class DriveControl:
 
 
 _MISSING: Final = object()
-_PLAIN: Final = frozenset({dict, list, str, int, float, bool, type(None)})
 
 
 class Unwind(BaseException):
@@ -95,46 +110,6 @@ class Unwind(BaseException):
     def __init__(self, error: LoomError | None = None) -> None:
         super().__init__(error)
         self.error = error
-
-
-def to_json_text(value: Any, what: str) -> str:
-    """The JSON text of a value, through the kernel's converter (attrs, dataclasses...).
-
-    Raises:
-        InvalidArgumentError: the value has no JSON form.
-    """
-    if type(value) in _PLAIN:
-        # Plain JSON needs no trip through the converter (measured: its walk was the
-        # largest cost of a step's own work); anything it cannot dump goes the long way.
-        try:
-            return dump_json(value)
-        except InvalidArgumentError:
-            pass
-    try:
-        data = CONVERTER.unstructure(value)
-    except Exception as exc:
-        raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
-    try:
-        return dump_json(data)
-    except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
-
-
-def to_json(value: Any, what: str) -> Any:
-    """The JSON form of a value: what a replay will see (tuples become lists, and so on).
-
-    Raises:
-        InvalidArgumentError: the value has no JSON form.
-    """
-    return json.loads(to_json_text(value, what))
-
-
-def error_info(exc: BaseException) -> ErrorInfo:
-    """An exception as the journal keeps it: qualified type name and message, never a pickle."""
-    kind = type(exc)
-    module = kind.__module__
-    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
-    return ErrorInfo(type=name, message=str(exc))
 
 
 def _seconds(duration: object) -> float:
@@ -157,11 +132,11 @@ class _Replay:
     """The bookkeeping both contexts share: call counters, frames, appends."""
 
     def __init__(
-        self, engine: Engine, state: ExecutionState, control: DriveControl | None = None
+        self, runtime: Runtime, state: ExecutionState, control: DriveControl | None = None
     ) -> None:
-        self._engine = engine
+        self._runtime = runtime
         self._state = state
-        self._stream = engine.stream_of(state.id)
+        self._stream = stream_of(state.id)
         self._step_index = 0
         self._gate_index = 0
         self._control = control or DriveControl()
@@ -180,7 +155,7 @@ class _Replay:
     @property
     def engine(self) -> Engine:
         """The engine driving this run (to start other executions from a step)."""
-        return self._engine
+        return self._runtime.engine
 
     @property
     def position(self) -> int:
@@ -191,11 +166,8 @@ class _Replay:
         """
         return self._step_index
 
-    def _abort(self, error: LoomError) -> Unwind:
-        return Unwind(error)
-
     def _append(self, events: list[Event]) -> None:
-        now = self._engine.clock()
+        now = self._runtime.clock()
         self._write([encode_event(event, now) for event in events])
         for event in events:
             self._state.apply(event)
@@ -203,9 +175,9 @@ class _Replay:
     def _write(self, records: list[NewRecord]) -> None:
         """Append at the position this run has folded to; any store error stops the run."""
         try:
-            self._engine.store.append(self._stream, self._state.position, records)
+            self._runtime.store.append(self._stream, self._state.position, records)
         except LoomError as exc:
-            raise self._abort(exc) from None
+            raise Unwind(exc) from None
 
     def _running_step(self) -> str | None:
         """The step whose function is running, when a ctx call comes from inside it."""
@@ -215,7 +187,7 @@ class _Replay:
         """A ctx call from inside a step function would be journaled out of order."""
         running = self._running_step()
         if running is not None:
-            raise self._abort(
+            raise Unwind(
                 InvalidArgumentError(
                     f"{call} was called inside the function of step {running!r}: a step "
                     "function must not use ctx (its call would be journaled before the step "
@@ -226,13 +198,13 @@ class _Replay:
 
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
         if not isinstance(name, str) or not name:
-            raise self._abort(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
+            raise Unwind(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
         self._refuse_inside_step(f"ctx.step({name!r})")
         index = self._step_index
         self._step_index += 1
         frame = self._state.steps.get(index)
         if frame is not None and frame.name != name:
-            raise self._abort(NonDeterminismError(self._state.id, "step", index, frame.name, name))
+            raise Unwind(NonDeterminismError(self._state.id, "step", index, frame.name, name))
         return index, frame
 
     def _begin_step(self, name: object, returns: type[Any] | None) -> tuple[int, Any]:
@@ -263,14 +235,14 @@ class _Replay:
         Skipped on stores whose head is a network round trip (`head_is_cheap`).
         """
         stopped = self._control.stopped
-        if not stopped and not self._engine.store.head_is_cheap:
+        if not stopped and not self._runtime.store.head_is_cheap:
             return
         try:
-            head = self._engine.store.head(self._stream)
+            head = self._runtime.store.head(self._stream)
         except LoomError as exc:
-            raise self._abort(exc) from None
+            raise Unwind(exc) from None
         if stopped or head != self._state.position:
-            raise self._abort(ConflictError(self._stream, self._state.position, head))
+            raise Unwind(ConflictError(self._stream, self._state.position, head))
 
     @staticmethod
     def _replayed(frame: StepFrame, returns: type[T] | None) -> Any:
@@ -284,13 +256,12 @@ class _Replay:
         try:
             text = to_json_text(value, f"the result of step {name!r}")
         except InvalidArgumentError as exc:
-            raise self._abort(exc) from None
+            raise Unwind(exc) from None
         data = load_json(text)
-        self._write([encode_step_completed(index, name, text, attempts, self._engine.clock())])
-        # What state.apply(StepCompleted(...)) does, without building the event: the
-        # write path of every step (a property test holds it to a fresh fold).
-        self._state.steps[index] = StepFrame(name, data, None, attempts)
-        self._state.position += 1
+        self._write([encode_step_completed(index, name, text, attempts, self._runtime.clock())])
+        # Without building the event: the write path of every step (a property test
+        # holds it to a fresh fold).
+        self._state.record_step(index, name, data, attempts)
         return data if returns is None else CONVERTER.structure(data, returns)
 
     def _journal_failure(
@@ -316,7 +287,7 @@ class _Replay:
         if gate < len(state.gates):
             recorded = state.gates[gate].on
             if recorded != on:
-                raise self._abort(NonDeterminismError(state.id, "gate", gate, recorded, on))
+                raise Unwind(NonDeterminismError(state.id, "gate", gate, recorded, on))
             if gate < len(state.resume_payloads):
                 return True, state.resume_payloads[gate]
             raise Unwind()  # parked here already: wait for the resume
@@ -324,7 +295,7 @@ class _Replay:
         if wake_after is None:
             self._append([ExecutionSuspended(gate, on)])
             raise Unwind()
-        now = self._engine.clock()
+        now = self._runtime.clock()
         wake_at = now + wake_after
         if wake_after <= 0:
             self._append(
@@ -335,15 +306,15 @@ class _Replay:
             )
             return True, None
         try:
-            self._engine.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
+            self._runtime.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
         except LoomError as exc:  # a store fault stops the run; it is not the flow's failure
-            raise self._abort(exc) from None
+            raise Unwind(exc) from None
         self._append([ExecutionSuspended(gate, on, wake_at)])
         raise Unwind()
 
     def _gate_name(self, on: object) -> str:
         if not isinstance(on, str) or not on or on.startswith(_RESERVED_PREFIX):
-            raise self._abort(
+            raise Unwind(
                 InvalidArgumentError(
                     f"a gate name is a non-empty str not starting with 'loom.', not {on!r}"
                 )
@@ -354,11 +325,11 @@ class _Replay:
         try:
             return _seconds(duration)
         except InvalidArgumentError as exc:
-            raise self._abort(exc) from None
+            raise Unwind(exc) from None
 
     def now(self) -> float:
         """The current time (epoch seconds), journaled: a replay sees the same value."""
-        value: float = self._recorded("loom.now", self._engine.clock)
+        value: float = self._recorded("loom.now", self._runtime.clock)
         return value
 
     def random(self) -> float:
@@ -404,7 +375,7 @@ class Context(_Replay):
         index, replayed = self._begin_step(name, returns)
         if replayed is not _MISSING:
             return replayed
-        policy = retry or self._engine.retry
+        policy = retry or self._runtime.retry
         for attempt in itertools.count(1):
             self._inside_step = name
             try:
@@ -415,12 +386,12 @@ class Context(_Replay):
             except Unwind:
                 raise
             except Exception as exc:
-                self._engine.sleep(self._retry_delay(policy, index, name, exc, attempt))
+                self._runtime.sleep(self._retry_delay(policy, index, name, exc, attempt))
                 continue
-            if type(value) not in _PLAIN and inspect.isawaitable(value):
+            if type(value) not in PLAIN_TYPES and inspect.isawaitable(value):
                 if inspect.iscoroutine(value):
                     value.close()
-                raise self._abort(
+                raise Unwind(
                     InvalidArgumentError(
                         f"step {name!r} returned an awaitable in a sync flow; "
                         "make the flow `async def`"
@@ -471,7 +442,7 @@ class AsyncContext(_Replay):
         index, replayed = self._begin_step(name, returns)
         if replayed is not _MISSING:
             return replayed
-        policy = retry or self._engine.retry
+        policy = retry or self._runtime.retry
         for attempt in itertools.count(1):
             running = _RUNNING_STEP.set((self, name))
             try:
@@ -490,10 +461,7 @@ class AsyncContext(_Replay):
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def _pause(self, seconds: float) -> None:
-        if self._engine.sleep is time.sleep:
-            await asyncio.sleep(seconds)
-        else:
-            self._engine.sleep(seconds)
+        await self._runtime.async_sleep(seconds)
 
     async def suspend(self, on: str) -> Any:
         """As `Context.suspend`."""

@@ -7,7 +7,7 @@ import contextvars
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from types import MappingProxyType
 from typing import Any
@@ -15,15 +15,8 @@ from typing import Any
 import attrs
 
 from loom_kernel._cache import StateCache
-from loom_kernel._codec import decode_events, encode_event
-from loom_kernel._context import (
-    AsyncContext,
-    Context,
-    DriveControl,
-    Unwind,
-    error_info,
-    to_json,
-)
+from loom_kernel._codec import decode_events, encode_event, to_json
+from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, Unwind
 from loom_kernel._each import raise_first, try_each
 from loom_kernel._errors import (
     ConflictError,
@@ -43,6 +36,7 @@ from loom_kernel._events import (
     ExecutionFailed,
     ExecutionResumed,
     ExecutionStarted,
+    error_info,
 )
 from loom_kernel._executions import compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
@@ -116,6 +110,13 @@ class HistoryEntry:
     event: Event
 
 
+def _awaitable(sleep: Callable[[float], None]) -> Callable[[float], Awaitable[None]]:
+    async def pause(seconds: float) -> None:
+        sleep(seconds)
+
+    return pause
+
+
 def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
     """Run an async flow to its end, in this thread or, under a running loop, in a helper.
 
@@ -143,7 +144,10 @@ class Engine:
         store: the journal store.
         flows: the flows this engine can run (Flow objects or plain functions).
         clock: returns the time in epoch seconds; inject a fake one in tests.
-        sleep: waits between step retries; inject a no-op in tests.
+        sleep: waits between a sync step's retries; inject a no-op in tests.
+        async_sleep: waits between an async step's retries; by default
+            `asyncio.sleep` when `sleep` is `time.sleep`, else `sleep` itself (so one
+            injected no-op serves both).
         retry: the default step retry policy.
         cache_size: how many folded executions to keep in memory.
         listeners: called when a run parks or ends (see `add_listener`); by default,
@@ -158,6 +162,7 @@ class Engine:
         *,
         clock: Callable[[], float] = time.time,
         sleep: Callable[[float], None] = time.sleep,
+        async_sleep: Callable[[float], Awaitable[None]] | None = None,
         retry: RetryPolicy | None = None,
         cache_size: int = 1024,
         listeners: Iterable[Listener] | None = None,
@@ -165,6 +170,9 @@ class Engine:
         self.store = store
         self.clock = clock
         self.sleep = sleep
+        self.async_sleep = async_sleep or (
+            asyncio.sleep if sleep is time.sleep else _awaitable(sleep)
+        )
         self.retry = retry or RetryPolicy()
         self.timers = TimerIndex(store, clock)
         self._flows: dict[str, Flow] = {}
@@ -251,6 +259,12 @@ class Engine:
         for event in events:
             state.apply(event)
 
+    def _runtime(self) -> Runtime:
+        """What a context needs from this engine, as it is configured now."""
+        return Runtime(
+            self, self.store, self.clock, self.sleep, self.async_sleep, self.retry, self.timers
+        )
+
     def _drive(self, state: ExecutionState, control: DriveControl | None = None) -> None:
         """Re-run the flow from the top until it parks or ends.
 
@@ -264,10 +278,10 @@ class Engine:
         definition = self._flow(state.flow)
         try:
             if definition.is_async:
-                context = AsyncContext(self, state, control)
+                context = AsyncContext(self._runtime(), state, control)
                 result = _run_coroutine(definition.fn(context, state.input))
             else:
-                result = definition.fn(Context(self, state, control), state.input)
+                result = definition.fn(Context(self._runtime(), state, control), state.input)
         except Unwind as unwind:
             if unwind.error is not None:
                 raise unwind.error from None

@@ -26,6 +26,7 @@ __all__ = [
     "ExecutionSuspended",
     "StepCompleted",
     "StepFailed",
+    "error_info",
     "event_class",
     "known_event_types",
 ]
@@ -39,6 +40,15 @@ class ErrorInfo:
 
     type: str
     message: str
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """An exception as the journal keeps it: qualified type name and message, never a pickle."""
+    kind = type(exc)
+    module = kind.__module__
+    name = kind.__qualname__ if module == "builtins" else f"{module}.{kind.__qualname__}"
+    return ErrorInfo(type=name, message=str(exc))
+
 
 
 @attrs.frozen

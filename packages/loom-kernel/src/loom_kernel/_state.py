@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import copy
 import enum
-from collections.abc import Callable, Iterable, Sequence
-from itertools import groupby
-from operator import attrgetter, itemgetter
-from typing import Any, Final
+from collections.abc import Iterable, Sequence
+from typing import Any, Final, Protocol
 
 import attrs
 
@@ -27,13 +25,10 @@ from loom_kernel._events import (
     StepCompleted,
     StepFailed,
 )
-from loom_kernel._fast_steps import StepEnvelope, decode_steps
+from loom_kernel._fast_fold import STEP_FIELDS, STEP_KIND, fold_steps
 from loom_kernel._journal import Record, check_gapless
 
-STEP_KIND: Final = StepCompleted.KIND
-_KIND: Final = itemgetter(1)  # of a Record
-_PAYLOAD: Final = itemgetter(2)
-_DATA: Final = attrgetter("d")  # of a decoded step envelope
+_STEP_KEYS: Final = frozenset(STEP_FIELDS)
 
 __all__ = [
     "RESUME_PAYLOAD",
@@ -52,6 +47,19 @@ RESUME_PAYLOAD: Final = "_resumePayload"
 RESUME_PAYLOADS: Final = "_resumePayloads"
 #: Code migrations, append-only audit.
 MIGRATIONS: Final = "_migrations"
+
+
+class StepData(Protocol):
+    """A decoded STEP_COMPLETED payload (a msgspec struct on the fast fold)."""
+
+    @property
+    def index(self) -> int: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def result(self) -> Any: ...
+    @property
+    def attempts(self) -> int: ...
 
 
 class Status(enum.StrEnum):
@@ -143,12 +151,44 @@ class ExecutionState:
             return None
         return self.gates[len(self.resume_payloads)]
 
+    def record_step(self, index: int, name: str, result: Any, attempts: int) -> None:
+        """Fold one completed step: it becomes the frame at `index` (the journal's next
+        position). Every path that folds or journals a step comes here or to
+        `record_steps`."""
+        self.steps[index] = StepFrame(name, result, None, attempts)
+        self.position += 1
+
+    def record_steps(self, steps: Sequence[StepData]) -> None:
+        """`record_step` for each of a run of decoded steps, at once (the fast fold)."""
+        self.steps.update(
+            {step.index: StepFrame(step.name, step.result, None, step.attempts) for step in steps}
+        )
+        self.position += len(steps)
+
+    def apply_records(self, records: Sequence[Record], stream: str) -> None:
+        """Fold stored records by decoding each (upcasters, schema checks) and applying it.
+
+        A completed step written under the current schema, in exactly its shape,
+        skips building the event object: it goes straight to `record_step`.
+        """
+        for record, envelope in zip(records, parse_envelopes(records, stream), strict=True):
+            current = type(envelope) is dict and envelope.get("v") == EVENT_SCHEMA
+            if current and record[1] == STEP_KIND:
+                data = envelope.get("d")
+                if type(data) is dict and data.keys() == _STEP_KEYS:
+                    index, name, attempts = data["index"], data["name"], data["attempts"]
+                    if type(index) is int and type(name) is str and type(attempts) is int:
+                        self.record_step(index, name, data["result"], attempts)
+                        continue
+            self.apply(decode_envelope(record, envelope, stream))
+
     def apply(self, event: Event) -> None:
         """Fold one more event into this state (in place; the journal's next position)."""
-        self.position += 1
         if isinstance(event, StepCompleted):
-            self.steps[event.index] = StepFrame(event.name, event.result, None, event.attempts)
-        elif isinstance(event, ExecutionSuspended):
+            self.record_step(event.index, event.name, event.result, event.attempts)
+            return
+        self.position += 1
+        if isinstance(event, ExecutionSuspended):
             self.gates.append(Gate(event.on, event.wake_at))
             self.status = Status.SUSPENDED
         elif isinstance(event, ExecutionResumed):
@@ -210,9 +250,7 @@ class ExecutionState:
             state: ExecutionState = CONVERTER.structure(data, cls)
         except SchemaError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise SchemaError(f"malformed snapshot: {exc!r}") from exc
-        except Exception as exc:  # cattrs groups its structuring errors
+        except Exception as exc:  # KeyError, TypeError, ValueError, cattrs' error groups
             raise SchemaError(f"malformed snapshot: {exc!r}") from exc
         return state
 
@@ -220,84 +258,17 @@ class ExecutionState:
 def fold_records(state: ExecutionState, records: list[Record], stream: str) -> None:
     """Fold stored records into `state` in place: the same as decoding each and applying it.
 
-    A journal is mostly STEP_COMPLETED records; those written under the current schema
-    go straight from their parsed payload into a frame, with the same checks the
-    decoder makes, instead of through an event object. Everything else takes the
-    general path (decode_envelope, upcasters, apply).
+    Runs of completed steps (most of any journal) go through the fast fold when
+    msgspec is installed; otherwise, or when a payload does not fit it, through
+    `ExecutionState.apply_records`. A property test holds both to the same fold.
 
     Raises:
         SchemaError: a record is missing (the records are not exactly the positions
             after `state.position`), or one cannot be decoded.
     """
     check_gapless(records, state.position, stream)
-    if decode_steps is not None and _fold_typed(state, records, stream, decode_steps):
-        return
-    envelopes = parse_envelopes(records, stream)
-    steps = state.steps
-    for record, envelope in zip(records, envelopes, strict=True):
-        if record[1] == STEP_KIND:
-            try:
-                if envelope["v"] == EVENT_SCHEMA:
-                    data = envelope["d"]
-                    index, name, attempts = data["index"], data["name"], data["attempts"]
-                    if (
-                        type(index) is int
-                        and type(name) is str
-                        and type(attempts) is int
-                        and len(data) == 4
-                    ):
-                        steps[index] = StepFrame(name, data["result"], None, attempts)
-                        state.position += 1
-                        continue
-            except (KeyError, TypeError):
-                pass  # the general path below names what is wrong
-        state.apply(decode_envelope(record, envelope, stream))
-
-
-def _fold_typed(
-    state: ExecutionState,
-    records: list[Record],
-    stream: str,
-    decode: Callable[[bytes], Sequence[StepEnvelope]],
-) -> bool:
-    """fold_records with the steps decoded by msgspec; False (nothing folded) when any
-    step payload does not fit the current schema's shape exactly, for the general path
-    to judge.
-
-    A journal is runs of steps between a few other events. Every run of steps is
-    decoded first, in one call each, so nothing is folded unless all fit; then each
-    run goes into the frames at once, and the others through `apply`, in journal order.
-    """
-    runs: list[tuple[int, int, Sequence[StepEnvelope] | None]] = []
-    position = 0
-    for kind, run in groupby(map(_KIND, records)):
-        end = position + len(list(run))
-        if kind == STEP_KIND:
-            try:
-                decoded = decode(b"[" + b",".join(map(_PAYLOAD, records[position:end])) + b"]")
-            except ValueError:
-                return False
-            if len(decoded) != end - position:  # a payload held more than one value
-                return False
-            runs.append((position, end, decoded))
-        else:
-            runs.append((position, end, None))
-        position = end
-    steps = state.steps
-    for start, end, step_envelopes in runs:
-        if step_envelopes is None:
-            others = records[start:end]
-            for record, envelope in zip(others, parse_envelopes(others, stream), strict=True):
-                state.apply(decode_envelope(record, envelope, stream))
-        else:
-            steps.update(
-                {
-                    data.index: StepFrame(data.name, data.result, None, data.attempts)
-                    for data in map(_DATA, step_envelopes)
-                }
-            )
-            state.position += end - start
-    return True
+    if not fold_steps(state, records, stream):
+        state.apply_records(records, stream)
 
 
 def fold(events: Iterable[Event], start: ExecutionState | str) -> ExecutionState:
