@@ -12,7 +12,7 @@ from loom_kernel._codec import (
     register_upcaster,
 )
 from loom_kernel._context import AsyncContext, Context
-from loom_kernel._engine import Engine, Execution, HistoryEntry, Listener
+from loom_kernel._engine import Engine
 from loom_kernel._errors import (
     CanonicalJSONError,
     ConflictError,
@@ -52,10 +52,12 @@ from loom_kernel._faults import Fault
 from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
 from loom_kernel._ids import MAX_ID_LENGTH, validate_prefix, validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord, Record
+from loom_kernel._listeners import Listener
 from loom_kernel._memory_store import MemoryStore
 from loom_kernel._reachability import reachable
 from loom_kernel._registry import installed_stores, open_store, register_store
 from loom_kernel._state import ExecutionState, Gate, Status, StepFrame, fold
+from loom_kernel._views import Execution, HistoryEntry
 
 __all__ = [
     "CONVERTER",

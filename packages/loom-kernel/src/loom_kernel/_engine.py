@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-import attrs
-
 from loom_kernel._cache import StateCache
 from loom_kernel._codec import decode_events, encode_event, to_json
-from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, Unwind
+from loom_kernel._context import DriveControl, Runtime
+from loom_kernel._driving import awaitable_sleep, run_flow
 from loom_kernel._each import raise_first, try_each
 from loom_kernel._errors import (
     ConflictError,
@@ -29,14 +26,10 @@ from loom_kernel._errors import (
     UnknownFlowError,
 )
 from loom_kernel._events import (
-    ErrorInfo,
     Event,
     ExecutionCancelled,
-    ExecutionCompleted,
-    ExecutionFailed,
     ExecutionResumed,
     ExecutionStarted,
-    error_info,
 )
 from loom_kernel._executions import compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
@@ -45,91 +38,9 @@ from loom_kernel._listeners import Listener, Listeners, installed_listeners
 from loom_kernel._locks import KeyedLocks
 from loom_kernel._state import ExecutionState, Status, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
+from loom_kernel._views import Execution, HistoryEntry
 
-__all__ = ["Engine", "Execution", "HistoryEntry", "Listener"]
-
-
-@attrs.frozen
-class Execution:
-    """What an execution looks like from outside: a view of its folded journal.
-
-    Attributes:
-        id: the execution id (its idempotency key, when started with one).
-        flow: the flow's name.
-        status: running, suspended, completed, failed or cancelled.
-        input: the flow's input.
-        result: the flow's return value, once completed.
-        error: the uncaught error (type and message), once failed.
-        waiting_on: the gate a suspended run is parked at ("loom.timer" for a sleep).
-        wake_at: for a sleeping run, when its timer is due.
-        key: the idempotency key, if any.
-        parent: the execution that started it, if any.
-        code_hash: the pinned hash of the flow's code.
-        position: how many journal records it has.
-    """
-
-    id: str
-    flow: str
-    status: Status
-    input: Any
-    result: Any
-    error: ErrorInfo | None
-    waiting_on: str | None
-    wake_at: float | None
-    key: str | None
-    parent: str | None
-    code_hash: str
-    position: int
-
-    @classmethod
-    def of(cls, state: ExecutionState) -> Execution:
-        """The view of a folded state."""
-        gate = state.pending_gate
-        return cls(
-            id=state.id,
-            flow=state.flow,
-            status=state.status,
-            input=state.input,
-            result=state.result,
-            error=state.error,
-            waiting_on=gate.on if gate else None,
-            wake_at=gate.wake_at if gate else None,
-            key=state.key,
-            parent=state.parent,
-            code_hash=state.code_hash,
-            position=state.position,
-        )
-
-
-@attrs.frozen
-class HistoryEntry:
-    """One decoded journal record."""
-
-    position: int
-    timestamp: float
-    event: Event
-
-
-def _awaitable(sleep: Callable[[float], None]) -> Callable[[float], Awaitable[None]]:
-    async def pause(seconds: float) -> None:
-        sleep(seconds)
-
-    return pause
-
-
-def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """Run an async flow to its end, in this thread or, under a running loop, in a helper.
-
-    The helper runs in a copy of this context, so it holds what its caller holds
-    (the run's lock, the listener queue) instead of waiting for it.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coroutine)
-    context = contextvars.copy_context()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-flow") as pool:
-        return pool.submit(context.run, asyncio.run, coroutine).result()
+__all__ = ["Engine"]
 
 
 class Engine:
@@ -171,7 +82,7 @@ class Engine:
         self.clock = clock
         self.sleep = sleep
         self.async_sleep = async_sleep or (
-            asyncio.sleep if sleep is time.sleep else _awaitable(sleep)
+            asyncio.sleep if sleep is time.sleep else awaitable_sleep(sleep)
         )
         self.retry = retry or RetryPolicy()
         self.timers = TimerIndex(store, clock)
@@ -266,7 +177,7 @@ class Engine:
         )
 
     def _drive(self, state: ExecutionState, control: DriveControl | None = None) -> None:
-        """Re-run the flow from the top until it parks or ends.
+        """Re-run the flow from the top until it parks or ends, and journal how it ended.
 
         Raises:
             ConflictError: another writer moved the journal (this run stopped).
@@ -275,24 +186,9 @@ class Engine:
         """
         if state.status is not Status.RUNNING:
             return
-        definition = self._flow(state.flow)
-        try:
-            if definition.is_async:
-                context = AsyncContext(self._runtime(), state, control)
-                result = _run_coroutine(definition.fn(context, state.input))
-            else:
-                result = definition.fn(Context(self._runtime(), state, control), state.input)
-        except Unwind as unwind:
-            if unwind.error is not None:
-                raise unwind.error from None
-            return
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except Exception as exc:
-            self._append(state, [ExecutionFailed(error_info(exc))])
-            return
-        data = to_json(result, f"the result of flow {definition.name!r}")
-        self._append(state, [ExecutionCompleted(data)])
+        ending = run_flow(self._flow(state.flow), self._runtime(), state, control or DriveControl())
+        if ending is not None:
+            self._append(state, [ending])
 
     def _drive_owned(self, state: ExecutionState) -> Execution:
         """Drive a state this caller owns (holding the run's lock), then cache it.

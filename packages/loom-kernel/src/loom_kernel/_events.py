@@ -50,7 +50,6 @@ def error_info(exc: BaseException) -> ErrorInfo:
     return ErrorInfo(type=name, message=str(exc))
 
 
-
 @attrs.frozen
 class ExecutionStarted:
     """An execution began: the flow, the pinned hash of its code, its input."""

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Final
 from loom_kernel._errors import LoomError
 
 if TYPE_CHECKING:
-    from loom_kernel._engine import Engine, Execution
+    from loom_kernel._engine import Engine
+    from loom_kernel._views import Execution
 
 __all__ = ["LISTENER_GROUP", "Listener", "Listeners", "installed_listeners"]
 

@@ -6,7 +6,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from loom_kernel._engine import HistoryEntry
 from loom_kernel._events import (
     ExecutionCancelled,
     ExecutionCompleted,
@@ -19,6 +18,7 @@ from loom_kernel._events import (
     StepFailed,
 )
 from loom_kernel._timers import TIMER_GATE
+from loom_kernel._views import HistoryEntry
 
 __all__ = ["format_timeline"]
 

@@ -1,0 +1,76 @@
+"""Running a flow's code once, from the top, against its folded journal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+from collections.abc import Awaitable, Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from loom_kernel._codec import to_json
+from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, Unwind
+from loom_kernel._events import ExecutionCompleted, ExecutionFailed, error_info
+from loom_kernel._flows import Flow
+from loom_kernel._state import ExecutionState
+
+__all__ = ["awaitable_sleep", "run_flow"]
+
+
+def run_flow(
+    definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
+) -> ExecutionCompleted | ExecutionFailed | None:
+    """Re-run the flow from the top until it parks or ends.
+
+    Steps and gates journal themselves as the code reaches them; what is left is how
+    the run ended.
+
+    Returns:
+        The event that ends the run (its result, or the error it did not catch), or
+        None when it parked at a gate.
+
+    Raises:
+        ConflictError: another writer moved the journal (this run stopped).
+        NonDeterminismError, InvalidArgumentError: the code misused or diverged from
+            the journal; the journal is left as it was.
+    """
+    try:
+        if definition.is_async:
+            result = _run_coroutine(
+                definition.fn(AsyncContext(runtime, state, control), state.input)
+            )
+        else:
+            result = definition.fn(Context(runtime, state, control), state.input)
+    except Unwind as unwind:
+        if unwind.error is not None:
+            raise unwind.error from None
+        return None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:
+        return ExecutionFailed(error_info(exc))
+    return ExecutionCompleted(to_json(result, f"the result of flow {definition.name!r}"))
+
+
+def awaitable_sleep(sleep: Callable[[float], None]) -> Callable[[float], Awaitable[None]]:
+    """A sync sleep as an async one (an injected no-op serves sync and async flows)."""
+
+    async def pause(seconds: float) -> None:
+        sleep(seconds)
+
+    return pause
+
+
+def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run an async flow to its end, in this thread or, under a running loop, in a helper.
+
+    The helper runs in a copy of this context, so it holds what its caller holds
+    (the run's lock, the listener queue) instead of waiting for it.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    context = contextvars.copy_context()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-flow") as pool:
+        return pool.submit(context.run, asyncio.run, coroutine).result()

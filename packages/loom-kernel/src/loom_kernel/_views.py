@@ -1,0 +1,73 @@
+"""What executions look like from outside: views of their folded journals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from loom_kernel._events import ErrorInfo, Event
+from loom_kernel._state import ExecutionState, Status
+
+__all__ = ["Execution", "HistoryEntry"]
+
+
+@attrs.frozen
+class Execution:
+    """What an execution looks like from outside: a view of its folded journal.
+
+    Attributes:
+        id: the execution id (its idempotency key, when started with one).
+        flow: the flow's name.
+        status: running, suspended, completed, failed or cancelled.
+        input: the flow's input.
+        result: the flow's return value, once completed.
+        error: the uncaught error (type and message), once failed.
+        waiting_on: the gate a suspended run is parked at ("loom.timer" for a sleep).
+        wake_at: for a sleeping run, when its timer is due.
+        key: the idempotency key, if any.
+        parent: the execution that started it, if any.
+        code_hash: the pinned hash of the flow's code.
+        position: how many journal records it has.
+    """
+
+    id: str
+    flow: str
+    status: Status
+    input: Any
+    result: Any
+    error: ErrorInfo | None
+    waiting_on: str | None
+    wake_at: float | None
+    key: str | None
+    parent: str | None
+    code_hash: str
+    position: int
+
+    @classmethod
+    def of(cls, state: ExecutionState) -> Execution:
+        """The view of a folded state."""
+        gate = state.pending_gate
+        return cls(
+            id=state.id,
+            flow=state.flow,
+            status=state.status,
+            input=state.input,
+            result=state.result,
+            error=state.error,
+            waiting_on=gate.on if gate else None,
+            wake_at=gate.wake_at if gate else None,
+            key=state.key,
+            parent=state.parent,
+            code_hash=state.code_hash,
+            position=state.position,
+        )
+
+
+@attrs.frozen
+class HistoryEntry:
+    """One decoded journal record."""
+
+    position: int
+    timestamp: float
+    event: Event
