@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import rfc8785
-from loom_kernel import stable_stringify
+from loom_kernel.events import stable_stringify
 
 PAYLOADS: dict[str, Any] = {
     "small step result": {"total": 12.5, "currency": "EUR", "lines": [1, 2, 3], "ok": True},

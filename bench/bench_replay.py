@@ -18,16 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from loom_kernel import (
-    Context,
-    Engine,
-    ExecutionStarted,
-    ExecutionSuspended,
-    MemoryStore,
-    StepCompleted,
-    encode_event,
-    flow,
-)
+from loom_kernel import Context, Engine, MemoryStore, flow
+from loom_kernel.events import ExecutionStarted, ExecutionSuspended, StepCompleted, encode_event
 
 
 @flow(name="long", version="1")

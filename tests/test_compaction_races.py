@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import Context, Engine, JournalStore, MemoryStore, Status, flow, open_store
+from loom_kernel import Context, Engine, MemoryStore, Status, flow, open_store
+from loom_kernel.spi import JournalStore
 from loom_kernel.testing import Interleaving
 
 STEPS = 5

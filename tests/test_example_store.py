@@ -8,7 +8,8 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-from loom_kernel import JournalStore, open_store, register_store
+from loom_kernel import open_store
+from loom_kernel.spi import JournalStore, register_store
 from loom_kernel.testing import StoreContract
 
 EXAMPLE = Path(__file__).parent.parent / "docs" / "examples" / "jsonl_store.py"

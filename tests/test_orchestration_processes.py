@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from loom_kernel import Engine, ExecutionResumed, Status, decode_events, open_store
+from loom_kernel import Engine, open_store
+from loom_kernel.events import ExecutionResumed, Status, decode_events
 
 WORKER = Path(__file__).parent / "orchestration_worker.py"
 

@@ -15,7 +15,8 @@ from unittest import mock
 
 import attrs
 import pytest
-from loom_kernel import Engine, Status, StepCompleted, decode_events, open_store
+from loom_kernel import Engine, open_store
+from loom_kernel.events import Status, StepCompleted, decode_events
 from loom_store_s3.testing import S3Server
 
 WORKER = Path(__file__).parent / "journal_worker.py"

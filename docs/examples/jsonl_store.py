@@ -7,7 +7,8 @@ across processes, and a threading lock across threads. Good for a demo and for
 the conformance kit; not fast, and a crash mid-write can leave a torn last line,
 which this store refuses to read rather than guess at.
 
-    from loom_kernel import register_store, open_store
+    from loom_kernel import open_store
+    from loom_kernel.spi import register_store
     register_store("jsonl", open_jsonl_store)
     store = open_store("jsonl:///var/lib/loom-journal")
 """
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 
-from loom_kernel import (
+from loom_kernel.spi import (
     ConflictError,
     InvalidArgumentError,
     JournalStore,

@@ -6,7 +6,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import pytest
-from loom_kernel import Engine, Flow, JournalStore, MemoryStore, RetryPolicy
+from loom_kernel import Engine, Flow, MemoryStore, RetryPolicy
+from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
 
 

@@ -10,7 +10,8 @@ import pytest
 import rfc8785
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel import CanonicalJSONError, InvalidArgumentError, stable_hash, stable_stringify
+from loom_kernel import CanonicalJSONError, InvalidArgumentError
+from loom_kernel.events import stable_hash, stable_stringify
 
 # RFC 8785 appendix B: IEEE-754 bit patterns and their canonical text.
 RFC_NUMBERS = [

@@ -6,15 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from loom_kernel import (
-    Context,
-    Engine,
-    MemoryStore,
-    NewRecord,
-    SchemaError,
-    Status,
-    flow,
-)
+from loom_kernel import Context, Engine, MemoryStore, Status, flow
+from loom_kernel.spi import NewRecord, SchemaError
 from loom_kernel.testing import FakeClock
 
 

@@ -10,15 +10,10 @@ from typing import Any
 import attrs
 import pytest
 from loom_kernel import (
-    ConflictError,
     Context,
     Engine,
     ExecutionNotFoundError,
-    InvalidArgumentError,
-    InvalidIdError,
-    JournalStore,
     MemoryStore,
-    NewRecord,
     NonDeterminismError,
     NotSuspendedError,
     RetryPolicy,
@@ -27,6 +22,13 @@ from loom_kernel import (
     UnknownFlowError,
     code_hash,
     flow,
+)
+from loom_kernel.spi import (
+    ConflictError,
+    InvalidArgumentError,
+    InvalidIdError,
+    JournalStore,
+    NewRecord,
 )
 from loom_kernel.testing import FakeClock
 

@@ -8,19 +8,8 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loom_kernel import (
-    Context,
-    Engine,
-    Event,
-    ExecutionState,
-    MemoryStore,
-    SchemaError,
-    Status,
-    TrimmedError,
-    decode_event,
-    flow,
-    fold,
-)
+from loom_kernel import Context, Engine, MemoryStore, SchemaError, TrimmedError, flow
+from loom_kernel.events import Event, ExecutionState, Status, decode_event, fold
 from loom_kernel.testing import FakeClock
 
 payloads = st.none() | st.integers() | st.text(max_size=4) | st.lists(st.integers(), max_size=2)

@@ -9,20 +9,17 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loom_kernel import (
+from loom_kernel import _codec, _fast_fold, _state
+from loom_kernel._codec import dump_json, encode_step_completed
+from loom_kernel._fast_fold import decode_step_runs
+from loom_kernel.events import (
     ExecutionStarted,
     ExecutionState,
     ExecutionSuspended,
-    Record,
-    SchemaError,
     StepCompleted,
-    _codec,
-    _fast_fold,
-    _state,
     encode_event,
 )
-from loom_kernel._codec import dump_json, encode_step_completed
-from loom_kernel._fast_fold import decode_step_runs
+from loom_kernel.spi import Record, SchemaError
 
 json_values = st.recursive(
     st.none()

@@ -9,16 +9,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import (
-    Context,
-    Engine,
-    JournalStore,
-    MemoryStore,
-    NewRecord,
-    RetryPolicy,
-    Status,
-    flow,
-)
+from loom_kernel import Context, Engine, MemoryStore, RetryPolicy, Status, flow
+from loom_kernel.spi import JournalStore, NewRecord
 from loom_kernel.testing import FakeClock
 
 EngineFactory = Callable[..., Engine]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel import MAX_ID_LENGTH, InvalidIdError, validate_prefix, validate_stream_id
 from loom_kernel._ids import ID_ALPHABET
+from loom_kernel.spi import MAX_ID_LENGTH, InvalidIdError, validate_prefix, validate_stream_id
 from loom_kernel.testing import BAD_IDS
 
 

@@ -9,8 +9,9 @@ import uuid
 
 import pytest
 from hypothesis import Phase, settings
-from loom_kernel import ConflictError, JournalStore, MemoryStore, NewRecord, Record
-from loom_kernel._memory_store import _LostReplyError
+from loom_kernel import MemoryStore
+from loom_kernel._faults import AmbiguousWriteError
+from loom_kernel.spi import ConflictError, JournalStore, NewRecord, Record
 from loom_kernel.testing import (
     DEFAULT_SETTINGS,
     StoreHarness,
@@ -95,12 +96,7 @@ class BlindRetryStore(MemoryStore):
     """On a lost reply it writes again instead of checking whether the write landed."""
 
     def _confirm(self, stream: str, expected: int, count: int, commit: str) -> int:
-        try:
-            return self._write(
-                stream, self._head(stream), self._last_batch, commit, lose_reply=False
-            )
-        except ConflictError:
-            raise
+        return self._write(stream, self._head(stream), self._last_batch, commit, lose_reply=False)
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
         self._last_batch = records
@@ -123,7 +119,7 @@ class OptimisticLostReplyStore(MemoryStore):
             return super()._write(stream, expected, records, commit, lose_reply=False)
         except ConflictError:
             if lose_reply:
-                raise _LostReplyError from None
+                raise AmbiguousWriteError from None
             raise
 
     def _confirm(self, stream: str, expected: int, count: int, commit: str) -> int:

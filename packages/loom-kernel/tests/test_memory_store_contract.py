@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import uuid
 
-from loom_kernel import JournalStore, MemoryStore, open_store
+from loom_kernel import MemoryStore, open_store
+from loom_kernel.spi import JournalStore
 from loom_kernel.testing import StoreContract
 
 

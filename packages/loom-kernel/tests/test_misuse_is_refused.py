@@ -11,18 +11,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel import (
-    AsyncContext,
-    Context,
-    Engine,
-    InvalidArgumentError,
-    MemoryStore,
-    NewRecord,
-    RetryPolicy,
-    Status,
-    StoreUnavailableError,
-    flow,
-)
+from loom_kernel import AsyncContext, Context, Engine, MemoryStore, RetryPolicy, Status, flow
+from loom_kernel.spi import InvalidArgumentError, NewRecord, StoreUnavailableError
 from loom_kernel.testing import FakeClock
 
 INSIDE_A_STEP: dict[str, Callable[[Any], Any]] = {

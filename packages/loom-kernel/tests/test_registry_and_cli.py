@@ -5,17 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from loom_kernel import (
-    InvalidArgumentError,
-    JournalStore,
-    MemoryStore,
-    NotFoundError,
-    _registry,
-    installed_stores,
-    open_store,
-    register_store,
-)
+from loom_kernel import MemoryStore, NotFoundError, _registry, open_store
 from loom_kernel._cli import main
+from loom_kernel.spi import InvalidArgumentError, JournalStore, installed_stores, register_store
 from loom_kernel.testing import records
 
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel import (
+from loom_kernel._codec import _upcasters, dump_json, encode_step_completed, register_upcaster
+from loom_kernel.events import (
     EVENT_SCHEMA,
     PINNED,
     ErrorInfo,
@@ -21,16 +22,13 @@ from loom_kernel import (
     ExecutionResumed,
     ExecutionStarted,
     ExecutionSuspended,
-    InvalidArgumentError,
-    Record,
-    SchemaError,
     StepCompleted,
     StepFailed,
     decode_event,
     encode_event,
     known_event_types,
 )
-from loom_kernel._codec import _upcasters, dump_json, encode_step_completed, register_upcaster
+from loom_kernel.spi import InvalidArgumentError, Record, SchemaError
 
 ALL_EVENTS: list[Event] = [
     ExecutionStarted(flow="approval", code_hash="sha256:ab", input={"id": 7}, key="order-7"),

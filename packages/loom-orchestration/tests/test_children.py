@@ -7,7 +7,8 @@ from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loom_kernel import Context, Engine, Execution, JournalStore, MemoryStore, Status, flow
+from loom_kernel import Context, Engine, Execution, MemoryStore, Status, flow
+from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
 from loom_orchestration import (
     ChildCancelledError,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import settings
-from loom_kernel import JournalStore
+from loom_kernel.spi import JournalStore
 from loom_kernel.testing import DEFAULT_SETTINGS, StoreContract
 from loom_store_s3.testing import S3Server
 

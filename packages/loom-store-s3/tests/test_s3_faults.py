@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 from botocore.awsrequest import AWSResponse
 from botocore.exceptions import ConnectTimeoutError, ReadTimeoutError
-from loom_kernel import ConflictError, NewRecord, StoreUnavailableError
+from loom_kernel.spi import ConflictError, NewRecord, StoreUnavailableError
 from loom_store_s3 import S3Store
 from loom_store_s3.testing import S3Server
 

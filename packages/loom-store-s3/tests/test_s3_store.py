@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from botocore.config import Config
 from botocore.exceptions import ClientError
-from loom_kernel import (
+from loom_kernel import open_store
+from loom_kernel.spi import (
     ConflictError,
     InvalidArgumentError,
     InvalidIdError,
@@ -18,7 +19,6 @@ from loom_kernel import (
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
-    open_store,
 )
 from loom_store_s3 import S3Options, S3Store
 from loom_store_s3._options import parse_s3_url

@@ -6,7 +6,8 @@ import tempfile
 from pathlib import Path
 
 from hypothesis import settings
-from loom_kernel import JournalStore, open_store
+from loom_kernel import open_store
+from loom_kernel.spi import JournalStore
 from loom_kernel.testing import DEFAULT_SETTINGS, StoreContract
 from loom_store_sqlite import SqliteStore
 

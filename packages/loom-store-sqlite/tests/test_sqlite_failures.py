@@ -7,16 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loom_kernel import (
-    Context,
-    Engine,
+from loom_kernel import Context, Engine, flow, open_store
+from loom_kernel.spi import (
     InvalidArgumentError,
     NewRecord,
     SchemaError,
     StoreMisconfiguredError,
     StoreUnavailableError,
-    flow,
-    open_store,
 )
 from loom_store_sqlite import SqliteOptions, SqliteStore, open_sqlite_store
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import (
+from loom_kernel.spi import (
     ConflictError,
     Fault,
     NewRecord,
@@ -132,7 +132,7 @@ def test_another_process_writing_is_seen(tmp_path: Path) -> None:
     store.append("ex/a", 0, _record())
     assert store.head("ex/a") == 1
     code = (
-        "from loom_kernel import NewRecord, open_store\n"
+        "from loom_kernel import open_store\nfrom loom_kernel.spi import NewRecord\n"
         f"s = open_store('sqlite://{path}')\n"
         "s.append('ex/a', 1, [NewRecord('k', b'{}', 1.0)])\n"
     )

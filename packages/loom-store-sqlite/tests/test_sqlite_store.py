@@ -7,13 +7,8 @@ import threading
 from pathlib import Path
 
 import pytest
-from loom_kernel import (
-    InvalidArgumentError,
-    NewRecord,
-    SchemaError,
-    StoreUnavailableError,
-    open_store,
-)
+from loom_kernel import open_store
+from loom_kernel.spi import InvalidArgumentError, NewRecord, SchemaError, StoreUnavailableError
 from loom_store_sqlite import SCHEMA_VERSION, SqliteOptions, SqliteStore, open_sqlite_store
 
 

@@ -1,16 +1,13 @@
 """Loom's kernel: durable execution for Python, embedded, on a pluggable journal.
 
-The public surface is what `__all__` lists; every `_module` behind it is private.
+    from loom_kernel import Engine, flow, open_store
+
+The root is what flow authors use: the engine, flows and their context, the views
+of a run, and the error tree. Store authors import `loom_kernel.spi`; tools that read
+journals import `loom_kernel.events`; tests import `loom_kernel.testing`. Every
+`_module` behind them is private.
 """
 
-from loom_kernel._canonical import DEFAULT_MAX_DEPTH, stable_hash, stable_stringify
-from loom_kernel._codec import (
-    CONVERTER,
-    decode_event,
-    decode_events,
-    encode_event,
-    register_upcaster,
-)
 from loom_kernel._context import AsyncContext, Context
 from loom_kernel._engine import Engine
 from loom_kernel._errors import (
@@ -32,76 +29,37 @@ from loom_kernel._errors import (
     UnknownFlowError,
     publish_errors,
 )
-from loom_kernel._events import (
-    EVENT_SCHEMA,
-    PINNED,
-    ErrorInfo,
-    Event,
-    ExecutionCancelled,
-    ExecutionCompleted,
-    ExecutionFailed,
-    ExecutionMigrated,
-    ExecutionResumed,
-    ExecutionStarted,
-    ExecutionSuspended,
-    StepCompleted,
-    StepFailed,
-    known_event_types,
-)
-from loom_kernel._faults import Fault
 from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
-from loom_kernel._ids import MAX_ID_LENGTH, validate_prefix, validate_stream_id
-from loom_kernel._journal import JournalStore, NewRecord, Record
 from loom_kernel._listeners import Listener
 from loom_kernel._memory_store import MemoryStore
 from loom_kernel._reachability import reachable
-from loom_kernel._registry import installed_stores, open_store, register_store
-from loom_kernel._state import ExecutionState, Gate, Status, StepFrame, fold
+from loom_kernel._registry import installed_stores, open_store
+from loom_kernel._state import ExecutionState, Gate, Status, StepFrame
 from loom_kernel._views import Execution, HistoryEntry
 
 __all__ = [
-    "CONVERTER",
-    "DEFAULT_MAX_DEPTH",
-    "EVENT_SCHEMA",
-    "MAX_ID_LENGTH",
-    "PINNED",
     "AsyncContext",
     "CanonicalJSONError",
     "ConflictError",
     "Context",
     "Engine",
-    "ErrorInfo",
-    "Event",
     "Execution",
-    "ExecutionCancelled",
-    "ExecutionCompleted",
-    "ExecutionFailed",
-    "ExecutionMigrated",
     "ExecutionNotFoundError",
-    "ExecutionResumed",
-    "ExecutionStarted",
     "ExecutionState",
-    "ExecutionSuspended",
-    "Fault",
     "Flow",
     "Gate",
     "HistoryEntry",
     "InvalidArgumentError",
     "InvalidIdError",
-    "JournalStore",
     "Listener",
     "LoomError",
     "MemoryStore",
-    "NewRecord",
     "NonDeterminismError",
     "NotFoundError",
     "NotSuspendedError",
-    "Record",
     "RetryPolicy",
     "SchemaError",
     "Status",
-    "StepCompleted",
-    "StepFailed",
     "StepFailedError",
     "StepFrame",
     "StoreMisconfiguredError",
@@ -110,21 +68,10 @@ __all__ = [
     "TrimmedError",
     "UnknownFlowError",
     "code_hash",
-    "decode_event",
-    "decode_events",
-    "encode_event",
     "flow",
-    "fold",
     "installed_stores",
-    "known_event_types",
     "open_store",
     "reachable",
-    "register_store",
-    "register_upcaster",
-    "stable_hash",
-    "stable_stringify",
-    "validate_prefix",
-    "validate_stream_id",
 ]
 
 publish_errors(__name__, [globals()[name] for name in __all__])

@@ -17,19 +17,14 @@ __all__ = ["check_store", "main"]
 
 
 def _self_check_url(scheme: str, scratch: str) -> str | None:
-    """A URL a store can be checked at with no configuration, if the store offers one.
-
-    A store factory offers it as a `self_check_url(scratch)` attribute: a URL under
-    the scratch directory it is given (a file there, say), removed after the checks.
+    """A URL a store can be checked at with no configuration, if its factory offers one
+    (`StoreFactory.self_check_url`): under the scratch directory, removed after the checks.
     """
-    if scheme == "memory":
-        return "memory://"
     try:
         factory = store_factory(scheme)
     except LoomError:
         return None
-    make_url = getattr(factory, "self_check_url", None)
-    return make_url(scratch) if callable(make_url) else None
+    return None if factory.self_check_url is None else factory.self_check_url(scratch)
 
 
 def check_store(store: JournalStore) -> str:

@@ -221,6 +221,19 @@ class JournalStore(abc.ABC):
         validate_stream_id(stream)
         self._delete(stream)
 
+    @staticmethod
+    def _check_trim(stream: str, before: int, head: int) -> None:
+        """For a store's `_trim`: refuse a trim beyond head + 1 (the SPI's one rule for it).
+
+        Raises:
+            InvalidArgumentError: `before` is beyond `head` + 1.
+        """
+        if before > head + 1:
+            raise InvalidArgumentError(
+                f"cannot trim {stream!r} below {before}: its head is {head}, so the most "
+                f"a trim can drop is everything, trim({stream!r}, {head + 1})"
+            )
+
     def close(self) -> None:  # noqa: B027 - most stores have nothing to release
         """Release the store's resources. Stores that hold none need not override it."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import bisect
 import threading
 import uuid
-from collections import deque
 from urllib.parse import urlsplit
 
 import attrs
@@ -13,11 +12,10 @@ import attrs
 from loom_kernel._errors import (
     ConflictError,
     InvalidArgumentError,
-    StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel._faults import Fault
+from loom_kernel._faults import AmbiguousWriteError, FaultInjection
 from loom_kernel._journal import JournalStore, NewRecord, Record
 
 __all__ = ["MemoryStore", "open_memory_store"]
@@ -42,15 +40,11 @@ class _State:
     live_names: list[str] = attrs.Factory(list)  # sorted names of streams not deleted
 
 
-class _LostReplyError(Exception):
-    """Inside the store only: the simulated transport lost an append's reply."""
-
-
 _NAMED: dict[str, _State] = {}
 _NAMED_LOCK = threading.Lock()
 
 
-class MemoryStore(JournalStore):
+class MemoryStore(FaultInjection, JournalStore):
     """Streams in process memory, thread-safe; the model the conformance kit compares against.
 
     `memory://` gives a new, private store. `memory://NAME` gives a store over the
@@ -68,24 +62,13 @@ class MemoryStore(JournalStore):
         else:
             with _NAMED_LOCK:
                 self._state = _NAMED.setdefault(name, _State())
-        self._faults: deque[Fault] = deque()
-
-    def inject_fault(self, fault: Fault) -> None:
-        """Make the next append meet `fault` (see loom_kernel.testing.Fault)."""
-        self._faults.append(fault)
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
-        fault = self._faults.popleft() if self._faults else None
-        if fault is Fault.UNAVAILABLE:
-            raise StoreUnavailableError(
-                f"memory store: injected fault before appending to {stream!r}"
-            )
+        lose_reply = self._next_fault(stream)
         commit = uuid.uuid4().hex
         try:
-            return self._write(
-                stream, expected, records, commit, lose_reply=fault is Fault.LOST_REPLY
-            )
-        except _LostReplyError:
+            return self._write(stream, expected, records, commit, lose_reply=lose_reply)
+        except AmbiguousWriteError:
             return self._confirm(stream, expected, len(records), commit)
 
     def _write(
@@ -115,7 +98,7 @@ class MemoryStore(JournalStore):
                 entry.commits.append(commit)
             new_head = entry.head
         if lose_reply:
-            raise _LostReplyError
+            raise AmbiguousWriteError
         return new_head
 
     def _confirm(self, stream: str, expected: int, count: int, commit: str) -> int:
@@ -168,11 +151,7 @@ class MemoryStore(JournalStore):
     def _trim(self, stream: str, before: int) -> None:
         with self._state.lock:
             entry = self._live(stream)
-            head = 0 if entry is None else entry.head
-            if before > head + 1:
-                raise InvalidArgumentError(
-                    f"cannot trim {stream!r} below {before}: its head is {head}"
-                )
+            self._check_trim(stream, before, 0 if entry is None else entry.head)
             if entry is None or before - 1 <= entry.floor:
                 return
             drop = before - 1 - entry.floor

@@ -7,12 +7,15 @@ import threading
 from collections.abc import Callable
 from importlib.metadata import EntryPoint, entry_points
 
+import attrs
+
 from loom_kernel._errors import InvalidArgumentError, NotFoundError
 from loom_kernel._journal import JournalStore
 from loom_kernel._memory_store import open_memory_store
 
 __all__ = [
     "ENTRY_POINT_GROUP",
+    "OpenStore",
     "StoreFactory",
     "installed_stores",
     "open_store",
@@ -21,7 +24,32 @@ __all__ = [
 ]
 
 ENTRY_POINT_GROUP = "loom.stores"
-StoreFactory = Callable[[str], JournalStore]
+OpenStore = Callable[[str], JournalStore]
+
+
+@attrs.frozen
+class StoreFactory:
+    """How a store is opened by URL: what a store publishes in the `loom.stores`
+    entry-point group (a plain `open(url)` function serves too).
+
+    Attributes:
+        open: opens a URL of the store's scheme.
+        self_check_url: given a scratch directory, a URL at which `loom stores` can
+            check the store with no configuration (a file there, say); None when the
+            store needs configuration (credentials, a bucket).
+    """
+
+    open: OpenStore
+    self_check_url: Callable[[str], str] | None = None
+
+    def __call__(self, url: str) -> JournalStore:
+        """Open `url`."""
+        return self.open(url)
+
+
+def _factory(found: StoreFactory | OpenStore) -> StoreFactory:
+    return found if isinstance(found, StoreFactory) else StoreFactory(found)
+
 
 # Where to find the stores this project publishes, for the unknown-scheme message.
 _KNOWN_DISTRIBUTIONS = {
@@ -29,19 +57,22 @@ _KNOWN_DISTRIBUTIONS = {
     "s3": "loom-store-s3",
 }
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
-_BUILT_IN: dict[str, StoreFactory] = {"memory": open_memory_store}
+_BUILT_IN: dict[str, StoreFactory] = {
+    "memory": StoreFactory(open_memory_store, self_check_url=lambda _scratch: "memory://")
+}
 _registered: dict[str, StoreFactory] = {}
 _lock = threading.Lock()
 
 
-def register_store(scheme: str, factory: StoreFactory) -> None:
+def register_store(scheme: str, factory: StoreFactory | OpenStore) -> None:
     """Make `open_store` open URLs of `scheme` with `factory` (run-time registration).
 
     A registration wins over an installed entry point of the same scheme.
 
     Args:
         scheme: lower-case URL scheme, such as "jsonl".
-        factory: called with the whole URL; returns a JournalStore.
+        factory: a StoreFactory, or a function called with the whole URL that
+            returns a JournalStore.
     """
     if not isinstance(scheme, str) or _SCHEME.fullmatch(scheme) is None:
         raise InvalidArgumentError(
@@ -50,7 +81,7 @@ def register_store(scheme: str, factory: StoreFactory) -> None:
     if not callable(factory):
         raise InvalidArgumentError("a store factory must be callable")
     with _lock:
-        _registered[scheme] = factory
+        _registered[scheme] = _factory(factory)
 
 
 def _entry_points() -> dict[str, EntryPoint]:
@@ -99,7 +130,7 @@ def store_factory(scheme: str) -> StoreFactory:
     if factory is None:
         ep = _entry_points().get(scheme)
         if ep is not None:
-            factory = ep.load()
+            factory = _factory(ep.load())
     if factory is None:
         installed = ", ".join(installed_stores())
         hint = (

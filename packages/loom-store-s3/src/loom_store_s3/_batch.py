@@ -14,7 +14,7 @@ import json
 from typing import Final, Literal
 
 import attrs
-from loom_kernel import NewRecord, Record, SchemaError, StoreUnavailableError
+from loom_kernel.spi import NewRecord, Record, SchemaError, StoreUnavailableError
 
 from loom_store_s3._layout import FORMAT
 

@@ -7,7 +7,7 @@ from typing import Final
 from urllib.parse import parse_qsl, urlsplit
 
 import attrs
-from loom_kernel import InvalidArgumentError, validate_stream_id
+from loom_kernel.spi import InvalidArgumentError, validate_stream_id
 
 from loom_store_s3._layout import MAX_SHARDS
 

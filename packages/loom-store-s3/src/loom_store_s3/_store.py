@@ -10,7 +10,6 @@ import re
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
@@ -19,9 +18,9 @@ from typing import Any
 import attrs
 import boto3
 from botocore.config import Config
-from loom_kernel import (
+from loom_kernel.spi import (
     ConflictError,
-    Fault,
+    FaultInjection,
     InvalidArgumentError,
     JournalStore,
     NewRecord,
@@ -80,7 +79,7 @@ class _Known:
     learned: float  # time.monotonic()
 
 
-class S3Store(JournalStore):
+class S3Store(FaultInjection, JournalStore):
     """Streams in an S3 bucket under a prefix; safe for many processes on many machines.
 
     An append is one PUT with `If-None-Match: *` of the key named by the stream and
@@ -128,7 +127,6 @@ class S3Store(JournalStore):
         self._pool = ThreadPoolExecutor(
             max_workers=self._options.workers, thread_name_prefix="loom-s3"
         )
-        self._faults: deque[Fault] = deque()
         self._closed = False
         if not self._options.retention_is_safe:
             _log.warning(
@@ -202,10 +200,6 @@ class S3Store(JournalStore):
         """The options this store was opened with."""
         return self._options
 
-    def inject_fault(self, fault: Fault) -> None:
-        """Make the next append meet `fault` (see loom_kernel.testing.Fault)."""
-        self._faults.append(fault)
-
     def close(self) -> None:
         """Stop the read workers; the boto3 client needs no closing."""
         self._closed = True
@@ -262,9 +256,7 @@ class S3Store(JournalStore):
     # -- the SPI hooks -------------------------------------------------------------------
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
-        fault = self._faults.popleft() if self._faults else None
-        if fault is Fault.UNAVAILABLE:
-            raise StoreUnavailableError(f"S3 store: injected fault before appending to {stream!r}")
+        lose_reply = self._next_fault(stream)
         if expected != 0 and self._trusted_head(stream) != expected:
             # Not the one-request path: the head must be a real batch boundary, never a
             # position inside a batch (that would create an overlapping batch). Zero
@@ -279,9 +271,7 @@ class S3Store(JournalStore):
         body = encode_batch(commit, expected, records)
         key = self._layout.batch_key(stream, expected)
         try:
-            outcome = self._transport.put_new(
-                key, body, commit, lose_reply=fault is Fault.LOST_REPLY
-            )
+            outcome = self._transport.put_new(key, body, commit, lose_reply=lose_reply)
         except StoreUnavailableError:
             self._forget(stream)
             raise
@@ -383,10 +373,7 @@ class S3Store(JournalStore):
         scan = self._scan(stream)
         if scan.deleted:
             raise StreamDeletedError(stream, scan.head)
-        if before > scan.head + 1:
-            raise InvalidArgumentError(
-                f"cannot trim {stream!r} below {before}: its head is {scan.head}"
-            )
+        self._check_trim(stream, before, scan.head)
         floor = before - 1
         if scan.last is None or floor <= scan.floor:
             return

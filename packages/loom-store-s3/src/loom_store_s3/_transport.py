@@ -15,7 +15,12 @@ from typing import Any, Final, Literal, TypeVar
 
 from botocore.exceptions import BotoCoreError, ClientError, HTTPClientError
 from botocore.exceptions import ConnectionError as BotoConnectionError
-from loom_kernel import InvalidArgumentError, StoreMisconfiguredError, StoreUnavailableError
+from loom_kernel.spi import (
+    AmbiguousWriteError,
+    InvalidArgumentError,
+    StoreMisconfiguredError,
+    StoreUnavailableError,
+)
 
 __all__ = ["Outcome", "Transport", "classify", "remedy"]
 
@@ -198,9 +203,9 @@ class Transport:
                 )
                 if lose_reply:
                     lose_reply = False
-                    raise StoreUnavailableError("injected fault: the reply was lost")
+                    raise AmbiguousWriteError("injected fault: the reply was lost")
                 return "ours"
-            except (ClientError, BotoCoreError, StoreUnavailableError) as exc:
+            except (ClientError, BotoCoreError, AmbiguousWriteError) as exc:
                 kind = classify(exc)
                 if kind == "permanent":
                     raise self._fail(f"conditional PUT {key}", exc) from exc

@@ -5,6 +5,17 @@ store = open_store("sqlite:///var/lib/app/loom.db?synchronous=full&timeout=10")
 """
 
 from loom_store_sqlite._schema import SCHEMA_VERSION
-from loom_store_sqlite._store import SqliteOptions, SqliteStore, open_sqlite_store
+from loom_store_sqlite._store import (
+    SqliteOptions,
+    SqliteStore,
+    open_sqlite_store,
+    sqlite_store_factory,
+)
 
-__all__ = ["SCHEMA_VERSION", "SqliteOptions", "SqliteStore", "open_sqlite_store"]
+__all__ = [
+    "SCHEMA_VERSION",
+    "SqliteOptions",
+    "SqliteStore",
+    "open_sqlite_store",
+    "sqlite_store_factory",
+]

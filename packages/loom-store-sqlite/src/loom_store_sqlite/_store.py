@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
-from collections import deque
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from functools import partial
@@ -14,13 +13,15 @@ from typing import Any, Final, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
-from loom_kernel import (
+from loom_kernel.spi import (
+    AmbiguousWriteError,
     ConflictError,
-    Fault,
+    FaultInjection,
     InvalidArgumentError,
     JournalStore,
     NewRecord,
     Record,
+    StoreFactory,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
@@ -30,7 +31,7 @@ from loom_store_sqlite._failures import store_error
 from loom_store_sqlite._heads import DATA_VERSION, KnownHeads
 from loom_store_sqlite._schema import ensure_schema
 
-__all__ = ["SqliteOptions", "SqliteStore", "open_sqlite_store"]
+__all__ = ["SqliteOptions", "SqliteStore", "open_sqlite_store", "sqlite_store_factory"]
 
 _SYNCHRONOUS: Final = ("off", "normal", "full", "extra")
 
@@ -106,11 +107,7 @@ def _roll_back(connection: sqlite3.Connection) -> None:
             connection.execute("ROLLBACK")
 
 
-class _LostReplyError(Exception):
-    """Inside the store only: an injected fault after a commit landed."""
-
-
-class SqliteStore(JournalStore):
+class SqliteStore(FaultInjection, JournalStore):
     """Streams in one SQLite database, shared safely by threads and processes.
 
     Each thread gets its own connection. An append is one `BEGIN IMMEDIATE`
@@ -134,7 +131,6 @@ class SqliteStore(JournalStore):
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.Lock()
-        self._faults: deque[Fault] = deque()
         self._closed = False
         self._keeper = self._connect()  # holds a shared in-memory database open
         try:
@@ -219,10 +215,6 @@ class SqliteStore(JournalStore):
             _roll_back(connection)
             raise
 
-    def inject_fault(self, fault: Fault) -> None:
-        """Make the next append meet `fault` (see loom_kernel.testing.Fault)."""
-        self._faults.append(fault)
-
     def close(self) -> None:
         """Close every connection this store opened."""
         self._closed = True
@@ -243,15 +235,11 @@ class SqliteStore(JournalStore):
         return (floor if deleted or head is None else max(head, floor)), floor, deleted
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
-        fault = self._faults.popleft() if self._faults else None
-        if fault is Fault.UNAVAILABLE:
-            raise StoreUnavailableError(
-                f"sqlite store: injected fault before appending to {stream!r}"
-            )
+        lose_reply = self._next_fault(stream)
         txn = os.urandom(8).hex()  # secrets.token_hex(8), two calls fewer
         try:
-            return self._write(stream, expected, records, txn, lose_reply=fault is Fault.LOST_REPLY)
-        except (_LostReplyError, StoreUnavailableError) as exc:
+            return self._write(stream, expected, records, txn, lose_reply=lose_reply)
+        except (AmbiguousWriteError, StoreUnavailableError) as exc:
             return self._confirm(stream, expected, len(records), txn, exc)
 
     def _write(
@@ -277,7 +265,7 @@ class SqliteStore(JournalStore):
             with self._serial:
                 self._commit(stream, expected, rows)
         if lose_reply:
-            raise _LostReplyError
+            raise AmbiguousWriteError
         return new_head
 
     def _commit(
@@ -431,10 +419,7 @@ class SqliteStore(JournalStore):
                 head, floor, deleted = row if row is not None else (0, 0, 0)
                 if deleted:
                     raise StreamDeletedError(stream, head)
-                if before > head + 1:
-                    raise InvalidArgumentError(
-                        f"cannot trim {stream!r} below {before}: its head is {head}"
-                    )
+                self._check_trim(stream, before, head)
                 if row is None or before - 1 <= floor:
                     return
                 connection.execute(
@@ -496,4 +481,5 @@ def _self_check_url(scratch: str) -> str:
     return "sqlite:///" + os.path.join(scratch, "check.db").lstrip("/")
 
 
-open_sqlite_store.self_check_url = _self_check_url  # type: ignore[attr-defined]
+#: What the `loom.stores` entry point publishes for the `sqlite` scheme.
+sqlite_store_factory = StoreFactory(open_sqlite_store, self_check_url=_self_check_url)

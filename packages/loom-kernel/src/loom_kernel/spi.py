@@ -1,0 +1,58 @@
+"""The storage SPI: what a store author needs (docs/spi.md is the contract).
+
+    from loom_kernel.spi import JournalStore, NewRecord, Record
+
+Subclass `JournalStore`, translate your backend's failures into the errors below, and
+prove the store with the conformance kit in `loom_kernel.testing`.
+"""
+
+from loom_kernel._errors import (
+    ConflictError,
+    InvalidArgumentError,
+    InvalidIdError,
+    LoomError,
+    SchemaError,
+    StoreMisconfiguredError,
+    StoreUnavailableError,
+    StreamDeletedError,
+    TrimmedError,
+)
+from loom_kernel._faults import AmbiguousWriteError, Fault, FaultInjection, SupportsFaultInjection
+from loom_kernel._ids import ID_ALPHABET, MAX_ID_LENGTH, validate_prefix, validate_stream_id
+from loom_kernel._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel._registry import (
+    ENTRY_POINT_GROUP,
+    OpenStore,
+    StoreFactory,
+    installed_stores,
+    register_store,
+)
+
+__all__ = [
+    "ENTRY_POINT_GROUP",
+    "ID_ALPHABET",
+    "MAX_ID_LENGTH",
+    "MAX_KIND_LENGTH",
+    "AmbiguousWriteError",
+    "ConflictError",
+    "Fault",
+    "FaultInjection",
+    "InvalidArgumentError",
+    "InvalidIdError",
+    "JournalStore",
+    "LoomError",
+    "NewRecord",
+    "OpenStore",
+    "Record",
+    "SchemaError",
+    "StoreFactory",
+    "StoreMisconfiguredError",
+    "StoreUnavailableError",
+    "StreamDeletedError",
+    "SupportsFaultInjection",
+    "TrimmedError",
+    "installed_stores",
+    "register_store",
+    "validate_prefix",
+    "validate_stream_id",
+]
