@@ -406,14 +406,15 @@ class Engine:
             HistoryEntry(r.position, r.timestamp, e) for r, e in zip(records, events, strict=True)
         ]
 
-    def executions(self) -> Iterator[Execution]:
-        """Every execution in the store, in id order.
+    def executions(self, prefix: str = "") -> Iterator[Execution]:
+        """Every execution in the store whose id starts with `prefix`, in id order.
 
         Raises:
+            InvalidIdError: the prefix breaks the id rules.
             SchemaError: a journal cannot be folded (the listing stops there; `recover`
                 and `loom ls` go on past it and report it).
         """
-        for execution_id in execution_ids(self.store):
+        for execution_id in execution_ids(self.store, prefix):
             try:
                 yield self.get(execution_id)
             except ExecutionNotFoundError:

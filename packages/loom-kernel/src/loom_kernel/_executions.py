@@ -71,7 +71,13 @@ def _snapshot_stream(execution_id: str) -> str:
 
 
 def execution_ids(store: JournalStore, prefix: str = "", page: int = 500) -> Iterator[str]:
-    """The ids of the executions in a store whose ids start with `prefix`, in order."""
+    """The ids of the executions in a store whose ids start with `prefix`, in order.
+
+    Raises:
+        InvalidIdError: the prefix breaks the id rules.
+    """
+    if not isinstance(prefix, str):
+        raise InvalidIdError(prefix, "an execution id prefix is a str")
     after: str | None = None
     while names := store.streams(EXECUTION_PREFIX + prefix, after, page):
         for name in names:

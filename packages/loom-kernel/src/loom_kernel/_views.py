@@ -29,6 +29,7 @@ class Execution:
         parent: the execution that started it, if any.
         code_hash: the pinned hash of the flow's code.
         position: how many journal records it has.
+        cancel_reason: why it was cancelled, once cancelled.
     """
 
     id: str
@@ -43,6 +44,7 @@ class Execution:
     parent: str | None
     code_hash: str
     position: int
+    cancel_reason: str | None = None
 
     @classmethod
     def of(cls, state: ExecutionState) -> Execution:
@@ -61,6 +63,7 @@ class Execution:
             parent=state.parent,
             code_hash=state.code_hash,
             position=state.position,
+            cancel_reason=state.cancel_reason,
         )
 
 

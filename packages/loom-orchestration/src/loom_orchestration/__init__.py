@@ -19,6 +19,7 @@ from loom_orchestration._children import (
     start_child,
 )
 from loom_orchestration._supervisor import (
+    ChildId,
     ChildSpec,
     ChildView,
     SupervisorEscalationError,
@@ -30,6 +31,7 @@ from loom_orchestration._supervisor import (
 __all__ = [
     "ChildCancelledError",
     "ChildFailedError",
+    "ChildId",
     "ChildSpec",
     "ChildView",
     "SupervisorEscalationError",

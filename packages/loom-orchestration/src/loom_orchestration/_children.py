@@ -16,6 +16,7 @@ can never feed any other gate. A crash between a write and its check is covered 
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Sequence
 from typing import Any, Final, Literal
 
@@ -73,17 +74,23 @@ class ChildCancelledError(LoomError):
         super().__init__(f"child {child_id!r} was cancelled" + (f": {reason}" if reason else ""))
 
 
+_installed_on: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
 def install(engine: Engine) -> None:
-    """Let `engine` deliver child outcomes (idempotent).
+    """Let `engine` deliver child outcomes (idempotent; registers once per engine).
 
     Engines load this by themselves through the `loom.listeners` entry point when
-    loom-orchestration is installed; call it for an engine built with an explicit
-    `listeners=` list.
+    loom-orchestration is installed. An engine built with an explicit `listeners=`
+    list gets it at its first child start: a parent must never wait for a wake-up
+    its engine cannot deliver.
     """
-    engine.add_listener(settle)
+    if engine not in _installed_on:
+        engine.add_listener(settle)
+        _installed_on.add(engine)
 
 
-def _outcome(child: Execution, state_reason: str | None = None) -> dict[str, Any]:
+def _outcome(child: Execution) -> dict[str, Any]:
     error = (
         None if child.error is None else {"type": child.error.type, "message": child.error.message}
     )
@@ -92,7 +99,7 @@ def _outcome(child: Execution, state_reason: str | None = None) -> dict[str, Any
         "status": str(child.status),
         "result": child.result,
         "error": error,
-        "reason": state_reason,
+        "reason": child.cancel_reason,
     }
 
 
@@ -107,10 +114,9 @@ def _children_of_gate(gate: str | None) -> list[str]:
 
 
 def _deliver(engine: Engine, parent_id: str, gate: str, child: Execution) -> None:
-    reason = engine.state(child.id).cancel_reason if child.status is Status.CANCELLED else None
     with contextlib.suppress(ConflictError, NotSuspendedError):
         # key: a re-delivery is a no-op; on: it can only ever feed this very gate.
-        engine.resume(parent_id, _outcome(child, reason), key=gate, on=gate)
+        engine.resume(parent_id, _outcome(child), key=gate, on=gate)
 
 
 def settle(engine: Engine, execution: Execution) -> None:

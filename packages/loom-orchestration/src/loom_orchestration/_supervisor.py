@@ -10,7 +10,7 @@ import attrs
 from loom_kernel import (
     Context,
     Engine,
-    ExecutionNotFoundError,
+    Execution,
     Flow,
     InvalidArgumentError,
     LoomError,
@@ -20,6 +20,7 @@ from loom_kernel import (
 from loom_orchestration._children import start_child_as, wait_any
 
 __all__ = [
+    "ChildId",
     "ChildSpec",
     "ChildView",
     "SupervisorEscalationError",
@@ -51,6 +52,30 @@ class ChildSpec:
     flow: str | Flow
     input: Any = None
     restart: Restart = "permanent"
+
+
+@attrs.frozen
+class ChildId:
+    """The id of one execution of a supervised child: `<supervisor>/<name>@<attempt>`.
+
+    Deterministic, so a supervisor replayed after a crash finds the same child.
+    """
+
+    supervisor: str
+    name: str
+    attempt: int
+
+    def __str__(self) -> str:
+        return f"{self.supervisor}/{self.name}@{self.attempt}"
+
+    @classmethod
+    def parse(cls, execution_id: str) -> ChildId | None:
+        """The parts of a supervised child's id; None for any other id."""
+        supervisor, _, tail = execution_id.rpartition("/")
+        name, at, attempt = tail.rpartition("@")
+        if not supervisor or not at or _NAME.fullmatch(name) is None or not attempt.isdigit():
+            return None
+        return cls(supervisor, name, int(attempt))
 
 
 class SupervisorEscalationError(LoomError):
@@ -115,7 +140,7 @@ def supervise_children(
     restarts: list[float] = []
 
     def launch(spec: ChildSpec) -> None:
-        child_id = f"{ctx.execution_id}/{spec.name}@{attempts[spec.name]}"
+        child_id = str(ChildId(ctx.execution_id, spec.name, attempts[spec.name]))
         running[spec.name] = start_child_as(ctx, child_id, spec.flow, spec.input, "cancel")
 
     def stop(name: str) -> None:
@@ -128,7 +153,9 @@ def supervise_children(
         launch(spec)
     while running:
         outcome = wait_any(ctx, [running[spec.name] for spec in specs if spec.name in running])
-        name = str(outcome["id"]).rsplit("/", 1)[1].rsplit("@", 1)[0]
+        ended = ChildId.parse(str(outcome["id"]))
+        assert ended is not None  # the supervisor launched it under such an id
+        name = ended.name
         running.pop(name, None)
         last[name] = {"id": outcome["id"], "status": outcome["status"], "error": outcome["error"]}
         spec = specs[order[name]]
@@ -179,38 +206,21 @@ def supervision(engine: Engine, supervisor_id: str) -> list[ChildView]:
         One ChildView per child name: its latest execution, how often it was
         restarted, and the last error any of its executions ended with.
     """
-    prefix = engine.stream_of(supervisor_id) + "/"
-    latest: dict[str, tuple[int, str]] = {}
+    latest: dict[str, tuple[int, Execution]] = {}
     errors: dict[str, tuple[int, str]] = {}
-    after: str | None = None
-    while names := engine.store.streams(prefix, after, 500):
-        for stream in names:
-            tail = stream.removeprefix(prefix)
-            if "/" in tail or "@" not in tail:
-                continue  # a grandchild, or a child started without supervision
-            name, _, attempt_text = tail.rpartition("@")
-            if not attempt_text.isdigit():
-                continue
-            attempt = int(attempt_text)
-            child_id = stream.removeprefix("ex/")
-            if attempt >= latest.get(name, (-1, ""))[0]:
-                latest[name] = (attempt, child_id)
-            try:
-                child = engine.get(child_id)
-            except ExecutionNotFoundError:
-                continue
-            if child.error is not None and attempt >= errors.get(name, (-1, ""))[0]:
-                errors[name] = (attempt, f"{child.error.type}: {child.error.message}")
-        after = names[-1]
-    views = []
-    for name, (attempt, child_id) in sorted(latest.items()):
-        child = engine.get(child_id)
-        views.append(
-            ChildView(
-                name, child_id, child.flow, child.status, attempt, errors.get(name, (0, None))[1]
-            )
-        )
-    return views
+    for child in engine.executions(prefix=f"{supervisor_id}/"):
+        found = ChildId.parse(child.id)
+        if found is None or found.supervisor != supervisor_id:
+            continue  # a grandchild, or a child started without supervision
+        name, attempt = found.name, found.attempt
+        if attempt >= latest.get(name, (-1, child))[0]:
+            latest[name] = (attempt, child)
+        if child.error is not None and attempt >= errors.get(name, (-1, ""))[0]:
+            errors[name] = (attempt, f"{child.error.type}: {child.error.message}")
+    return [
+        ChildView(name, child.id, child.flow, child.status, attempt, errors.get(name, (0, None))[1])
+        for name, (attempt, child) in sorted(latest.items())
+    ]
 
 
 def format_supervision(views: Sequence[ChildView]) -> str:
