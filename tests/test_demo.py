@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_demo_runs_on_sqlite_by_default_and_twice(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "loom_kernel._cli", "demo"]
     for _ in range(2):  # a second run on the same file starts a new order

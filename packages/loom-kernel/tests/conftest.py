@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from loom_kernel import Engine, Flow, MemoryStore, RetryPolicy
 from loom_kernel.spi import JournalStore
-from loom_kernel.testing import FakeClock
+from loom_kernel.testing import FakeClock, sandbox
 
 
 @pytest.fixture
@@ -27,6 +27,6 @@ def make_engine(store: JournalStore, clock: FakeClock) -> Callable[..., Engine]:
 
     def make(flows: Iterable[Flow | Callable[..., Any]], **options: Any) -> Engine:
         options.setdefault("retry", RetryPolicy(attempts=1))
-        return Engine(store, flows, clock=clock, sleep=lambda _seconds: None, **options)
+        return sandbox(*flows, store=store, clock=clock, **options).engine
 
     return make

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
 from loom_kernel.spi import NewRecord, SchemaError
-from loom_kernel.testing import FakeClock
+from loom_kernel.testing import sandbox
 
 
 class Crash(BaseException):
@@ -29,7 +29,7 @@ def charge(ctx: Context, _input: Any) -> Any:
 
 
 def _engine(store: MemoryStore) -> Engine:
-    return Engine(store, [charge], clock=FakeClock(), listeners=[])
+    return sandbox(charge, store=store, listeners=[]).engine
 
 
 def _drop_record(store: MemoryStore, stream: str, position: int) -> None:

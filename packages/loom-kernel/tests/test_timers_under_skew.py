@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
 from loom_kernel._timers import OVERDUE, QUARANTINE, TimerIndex
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError
-from loom_kernel.testing import FakeClock, Interleaving
+from loom_kernel.testing import FakeClock, Interleaving, sandbox
 
 DAY = 86_400.0
 
@@ -39,7 +39,7 @@ class HeadCountingStore(MemoryStore):
 
 
 def _engine(store: JournalStore, clock: FakeClock) -> Engine:
-    return Engine(store, [nap], clock=clock, listeners=[])
+    return sandbox(nap, store=store, clock=clock, listeners=[]).engine
 
 
 def test_a_sleep_parks_after_the_clock_went_back_more_than_a_day() -> None:

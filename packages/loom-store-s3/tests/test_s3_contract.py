@@ -30,6 +30,10 @@ class TestS3Store(StoreContract):
         reopened: JournalStore = self.server.reopen(store)
         return reopened
 
+    @pytest.mark.slow
+    def test_state_machine(self) -> None:
+        super().test_state_machine()
+
     def twin_store(self, store: JournalStore) -> JournalStore:
         twin: JournalStore = self.server.twin(store)
         return twin

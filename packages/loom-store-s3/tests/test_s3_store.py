@@ -94,7 +94,9 @@ def test_a_client_with_retries_on_is_refused(moto_server: S3Server, retries: Any
 
 def test_a_client_with_retries_off_is_accepted(moto_server: S3Server) -> None:
     client = moto_server.client(retries={"max_attempts": 0})
-    S3Store(moto_server.new_bucket(), "p", client=client).append("s", 0, _records(1))
+    store = S3Store(moto_server.new_bucket(), "p", client=client)
+    assert store.append("s", 0, _records(1)) == 1
+    assert [r.payload for r in store.read("s")] == [b"r0"]
 
 
 @pytest.mark.parametrize(

@@ -20,6 +20,7 @@ from loom_kernel.testing._contract import KitReport, StoreContract, verify_store
 from loom_kernel.testing._harness import NotApplicable, StoreHarness
 from loom_kernel.testing._interleave import Interleaving
 from loom_kernel.testing._machine import DEFAULT_SETTINGS, run_store_machine, store_machine
+from loom_kernel.testing._sandbox import Sandbox, sandbox
 
 __all__ = [
     "BAD_IDS",
@@ -30,11 +31,13 @@ __all__ = [
     "Interleaving",
     "KitReport",
     "NotApplicable",
+    "Sandbox",
     "StoreContract",
     "StoreHarness",
     "SupportsFaultInjection",
     "records",
     "run_store_machine",
+    "sandbox",
     "store_machine",
     "verify_store",
 ]
