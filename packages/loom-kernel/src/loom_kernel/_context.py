@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
 import itertools
 import random as _random
 import uuid as _uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from datetime import timedelta
+from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
@@ -85,16 +87,22 @@ class Runtime:
 
 
 class DriveControl:
-    """What an engine can tell a drive in progress: stop before the next step.
+    """What an engine and a drive in progress share.
 
-    A cancel sets `stopped` once its record is journaled, so the run stops before
-    its next step even on a store whose head the context does not look at.
+    Attributes:
+        stopped: set by a cancel once its record is journaled, so the run stops
+            before its next step even on a store whose head the context does not
+            look at.
+        pending: records already folded into the run's state but not yet journaled
+            (a resume): they are journaled with the drive's first new work, so a
+            replay that diverges before any journals nothing.
     """
 
-    __slots__ = ("stopped",)
+    __slots__ = ("pending", "stopped")
 
-    def __init__(self) -> None:
+    def __init__(self, pending: list[NewRecord] | None = None) -> None:
         self.stopped = False
+        self.pending: list[NewRecord] = pending or []
 
 
 _MISSING: Final = object()
@@ -141,6 +149,23 @@ class _Replay:
         self._gate_index = 0
         self._control = control or DriveControl()
         self._inside_step: str | None = None  # sync flows: the step whose function runs
+        self._halted: Unwind | None = None
+
+    @property
+    def halted(self) -> Unwind | None:
+        """How this drive stopped (a park or an error), if a ctx call stopped it.
+
+        Code that swallows the stop (a task nobody awaits, `except BaseException`)
+        cannot make the run go on: every later ctx call raises it again, and the
+        engine ends the drive on it whatever the flow returns.
+        """
+        return self._halted
+
+    def _halt(self, error: LoomError | None = None) -> Unwind:
+        """Stop the drive: at a gate (no error) or on an error; the first stop holds."""
+        if self._halted is None:
+            self._halted = Unwind(error)
+        return self._halted
 
     @property
     def execution_id(self) -> str:
@@ -173,11 +198,16 @@ class _Replay:
             self._state.apply(event)
 
     def _write(self, records: list[NewRecord]) -> None:
-        """Append at the position this run has folded to; any store error stops the run."""
+        """Append at the position this run has folded to, after whatever is pending;
+        any store error stops the run."""
+        pending = self._control.pending
         try:
-            self._runtime.store.append(self._stream, self._state.position, records)
+            self._runtime.store.append(
+                self._stream, self._state.position - len(pending), pending + records
+            )
         except LoomError as exc:
-            raise Unwind(exc) from None
+            raise self._halt(exc) from None
+        pending.clear()
 
     def _running_step(self) -> str | None:
         """The step whose function is running, when a ctx call comes from inside it."""
@@ -187,7 +217,7 @@ class _Replay:
         """A ctx call from inside a step function would be journaled out of order."""
         running = self._running_step()
         if running is not None:
-            raise Unwind(
+            raise self._halt(
                 InvalidArgumentError(
                     f"{call} was called inside the function of step {running!r}: a step "
                     "function must not use ctx (its call would be journaled before the step "
@@ -198,13 +228,21 @@ class _Replay:
 
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
         if not isinstance(name, str) or not name:
-            raise Unwind(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
+            raise self._halt(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
+        if self._halted is not None:
+            raise self._halted
         self._refuse_inside_step(f"ctx.step({name!r})")
         index = self._step_index
         self._step_index += 1
-        frame = self._state.steps.get(index)
+        state = self._state
+        frame = state.steps.get(index)
         if frame is not None and frame.name != name:
-            raise Unwind(NonDeterminismError(self._state.id, "step", index, frame.name, name))
+            raise self._halt(NonDeterminismError(state.id, "step", index, frame.name, name))
+        if frame is None and len(state.gates) > self._gate_index:
+            gate = state.gates[self._gate_index]
+            raise self._halt(
+                self._unconsumed("step", index, name, f"gate #{self._gate_index} {gate.on!r}")
+            )
         return index, frame
 
     def _begin_step(self, name: object, returns: type[Any] | None) -> tuple[int, Any]:
@@ -234,15 +272,18 @@ class _Replay:
         run stops before it starts a step, instead of finding out at the next append.
         Skipped on stores whose head is a network round trip (`head_is_cheap`).
         """
+        if self._control.pending:
+            self._write([])  # the pending resume, at the exact head: the same check
+            return
         stopped = self._control.stopped
         if not stopped and not self._runtime.store.head_is_cheap:
             return
         try:
             head = self._runtime.store.head(self._stream)
         except LoomError as exc:
-            raise Unwind(exc) from None
+            raise self._halt(exc) from None
         if stopped or head != self._state.position:
-            raise Unwind(ConflictError(self._stream, self._state.position, head))
+            raise self._halt(ConflictError(self._stream, self._state.position, head))
 
     @staticmethod
     def _replayed(frame: StepFrame, returns: type[T] | None) -> Any:
@@ -256,7 +297,7 @@ class _Replay:
         try:
             text = to_json_text(value, f"the result of step {name!r}")
         except InvalidArgumentError as exc:
-            raise Unwind(exc) from None
+            raise self._halt(exc) from None
         data = load_json(text)
         self._write([encode_step_completed(index, name, text, attempts, self._runtime.clock())])
         # Without building the event: the write path of every step (a property test
@@ -280,6 +321,8 @@ class _Replay:
 
     def _gate(self, on: str, wake_after: float | None) -> tuple[bool, Any]:
         """Pass a gate: (True, payload) when recorded resumes cover it; else park."""
+        if self._halted is not None:
+            raise self._halted
         self._refuse_inside_step("ctx.sleep" if on == TIMER_GATE else f"ctx.suspend({on!r})")
         gate = self._gate_index
         self._gate_index += 1
@@ -287,14 +330,21 @@ class _Replay:
         if gate < len(state.gates):
             recorded = state.gates[gate].on
             if recorded != on:
-                raise Unwind(NonDeterminismError(state.id, "gate", gate, recorded, on))
+                raise self._halt(NonDeterminismError(state.id, "gate", gate, recorded, on))
             if gate < len(state.resume_payloads):
                 return True, state.resume_payloads[gate]
-            raise Unwind()  # parked here already: wait for the resume
+            raise self._halt()  # parked here already: wait for the resume
+        later = [index for index in state.steps if index >= self._step_index]
+        if later:
+            step = state.steps[min(later)]
+            raise self._halt(
+                self._unconsumed("gate", gate, on, f"step #{min(later)} {step.name!r}")
+            )
+        self._before_new_gate()
         self._check_owner()
         if wake_after is None:
             self._append([ExecutionSuspended(gate, on)])
-            raise Unwind()
+            raise self._halt()
         now = self._runtime.clock()
         wake_at = now + wake_after
         if wake_after <= 0:
@@ -308,13 +358,23 @@ class _Replay:
         try:
             self._runtime.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
         except LoomError as exc:  # a store fault stops the run; it is not the flow's failure
-            raise Unwind(exc) from None
+            raise self._halt(exc) from None
         self._append([ExecutionSuspended(gate, on, wake_at)])
-        raise Unwind()
+        raise self._halt()
+
+    def _unconsumed(self, what: str, index: int, found: str, next_up: str) -> NonDeterminismError:
+        """A call with no record while the journal still records more: the code gained
+        a call before something the run already did."""
+        return NonDeterminismError(
+            self._state.id, what, index, f"(nothing here: the journal has {next_up} next)", found
+        )
+
+    def _before_new_gate(self) -> None:
+        """Checks an async context makes before a new gate is journaled."""
 
     def _gate_name(self, on: object) -> str:
         if not isinstance(on, str) or not on or on.startswith(_RESERVED_PREFIX):
-            raise Unwind(
+            raise self._halt(
                 InvalidArgumentError(
                     f"a gate name is a non-empty str not starting with 'loom.', not {on!r}"
                 )
@@ -325,7 +385,7 @@ class _Replay:
         try:
             return _seconds(duration)
         except InvalidArgumentError as exc:
-            raise Unwind(exc) from None
+            raise self._halt(exc) from None
 
     def now(self) -> float:
         """The current time (epoch seconds), journaled: a replay sees the same value."""
@@ -391,7 +451,7 @@ class Context(_Replay):
             if type(value) not in PLAIN_TYPES and inspect.isawaitable(value):
                 if inspect.iscoroutine(value):
                     value.close()
-                raise Unwind(
+                raise self._halt(
                     InvalidArgumentError(
                         f"step {name!r} returned an awaitable in a sync flow; "
                         "make the flow `async def`"
@@ -414,13 +474,76 @@ class Context(_Replay):
 
 
 class AsyncContext(_Replay):
-    """What an `async def` flow receives as `ctx`: the same journal, awaitable calls."""
+    """What an `async def` flow receives as `ctx`: the same journal, awaitable calls.
+
+    The rule in async flows: `step`, `suspend` and `sleep` return awaitables, and each
+    must be awaited before the flow parks or returns (an un-awaited one would silently
+    not happen, so it is refused). `now`, `random` and `uuid` are plain calls, as in a
+    sync flow. Steps may run concurrently (`asyncio.gather`); gates may not: a
+    `suspend` or `sleep` is refused unless the flow's own task awaits it.
+    """
+
+    def __init__(
+        self, runtime: Runtime, state: ExecutionState, control: DriveControl | None = None
+    ) -> None:
+        super().__init__(runtime, state, control)
+        self._task: asyncio.Task[Any] | None = None
+        self._unstarted: dict[object, tuple[str, Coroutine[Any, Any, Any]]] = {}
+
+    async def run(self, flow: Coroutine[Any, Any, Any]) -> Any:
+        """Run the flow's coroutine as the task its gates must be awaited in."""
+        self._task = asyncio.current_task()
+        try:
+            result = await flow
+        finally:
+            self._task = None
+        self._refuse_unawaited("returned")
+        return result
 
     def _running_step(self) -> str | None:
         running = _RUNNING_STEP.get()
         return running[1] if running is not None and running[0] is self else None
 
-    async def step(
+    def _track(
+        self, what: str, make: Callable[[object], Coroutine[Any, Any, T]]
+    ) -> Coroutine[Any, Any, T]:
+        token = object()
+        coroutine = make(token)
+        self._unstarted[token] = (what, coroutine)
+        return coroutine
+
+    def _refuse_unawaited(self, before: str) -> None:
+        if not self._unstarted:
+            return
+        what, _ = next(iter(self._unstarted.values()))
+        for _what, coroutine in self._unstarted.values():
+            coroutine.close()  # it will never run: no "never awaited" warning on top
+        self._unstarted.clear()
+        raise self._halt(
+            InvalidArgumentError(
+                f"{what} was called but never awaited before the flow {before}: in an async "
+                "flow every ctx.step, ctx.suspend and ctx.sleep must be awaited (an "
+                "un-awaited call does not happen, and a replay could not tell)"
+            )
+        )
+
+    def _before_new_gate(self) -> None:
+        self._refuse_unawaited("parked")
+
+    def _gate_in_own_task(self, call: str) -> None:
+        if self._halted is not None:
+            raise self._halted
+        if self._task is not None and asyncio.current_task() is not self._task:
+            raise self._halt(
+                InvalidArgumentError(
+                    f"{call} was awaited in another task than the flow's own (asyncio.gather, "
+                    "asyncio.wait, create_task): gates cannot race each other or a timer, "
+                    "because which one wins is not journaled; await gates one at a time in "
+                    "the flow itself"
+                )
+            )
+
+    def step(
         self,
         name: str,
         fn: Callable[..., Any],
@@ -428,12 +551,26 @@ class AsyncContext(_Replay):
         retry: RetryPolicy | None = None,
         returns: type[T] | None = None,
         **kwargs: Any,
-    ) -> Any:
-        """As `Context.step`; `fn` may be sync or async.
+    ) -> Coroutine[Any, Any, Any]:
+        """As `Context.step`, awaitable; `fn` may be sync or async.
 
-        A step's identity is its call order, fixed when `step` is called, so steps
-        gathered concurrently replay correctly whatever order they finished in.
+        A step's identity is its call order: steps gathered concurrently start in the
+        order they were given and replay correctly whatever order they finished in.
         """
+        return self._track(
+            f"ctx.step({name!r})",
+            lambda token: self._step(token, name, partial(fn, *args, **kwargs), retry, returns),
+        )
+
+    async def _step(
+        self,
+        token: object,
+        name: str,
+        call: Callable[[], Any],
+        retry: RetryPolicy | None,
+        returns: type[T] | None,
+    ) -> Any:
+        self._unstarted.pop(token, None)
         # The replay hot path, inline, as in Context.step.
         frame = self._state.steps.get(self._step_index)
         if frame is not None and frame.name == name and frame.error is None and returns is None:
@@ -447,7 +584,7 @@ class AsyncContext(_Replay):
             running = _RUNNING_STEP.set((self, name))
             try:
                 try:
-                    value = fn(*args, **kwargs)
+                    value = call()
                     if inspect.isawaitable(value):
                         value = await value
                 finally:
@@ -455,19 +592,28 @@ class AsyncContext(_Replay):
             except Unwind:
                 raise
             except Exception as exc:
-                await self._pause(self._retry_delay(policy, index, name, exc, attempt))
+                await self._runtime.async_sleep(
+                    self._retry_delay(policy, index, name, exc, attempt)
+                )
                 continue
             return self._journal_success(index, name, value, attempt, returns)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _pause(self, seconds: float) -> None:
-        await self._runtime.async_sleep(seconds)
+    def suspend(self, on: str) -> Coroutine[Any, Any, Any]:
+        """As `Context.suspend`, awaitable; awaited by the flow's own task."""
+        return self._track(f"ctx.suspend({on!r})", lambda token: self._suspend(token, on))
 
-    async def suspend(self, on: str) -> Any:
-        """As `Context.suspend`."""
+    async def _suspend(self, token: object, on: str) -> Any:
+        self._unstarted.pop(token, None)
+        self._gate_in_own_task(f"ctx.suspend({on!r})")
         _passed, payload = self._gate(self._gate_name(on), None)
         return payload
 
-    async def sleep(self, duration: float | timedelta) -> None:
-        """As `Context.sleep`."""
+    def sleep(self, duration: float | timedelta) -> Coroutine[Any, Any, None]:
+        """As `Context.sleep`, awaitable; awaited by the flow's own task."""
+        return self._track(f"ctx.sleep({duration!r})", lambda token: self._sleep(token, duration))
+
+    async def _sleep(self, token: object, duration: float | timedelta) -> None:
+        self._unstarted.pop(token, None)
+        self._gate_in_own_task("ctx.sleep")
         self._gate(TIMER_GATE, self._sleep_seconds(duration))

@@ -34,22 +34,34 @@ def run_flow(
         NonDeterminismError, InvalidArgumentError: the code misused or diverged from
             the journal; the journal is left as it was.
     """
+    context: Context | AsyncContext
     try:
         if definition.is_async:
-            result = _run_coroutine(
-                definition.fn(AsyncContext(runtime, state, control), state.input)
-            )
+            context = AsyncContext(runtime, state, control)
+            result = _run_coroutine(context.run(definition.fn(context, state.input)))
         else:
-            result = definition.fn(Context(runtime, state, control), state.input)
+            context = Context(runtime, state, control)
+            result = definition.fn(context, state.input)
     except Unwind as unwind:
-        if unwind.error is not None:
-            raise unwind.error from None
+        _raise_error(unwind)
         return None
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:
+        if context.halted is not None:  # the flow went on past a stop it swallowed
+            _raise_error(context.halted)
+            return None
         return ExecutionFailed(error_info(exc))
+    if context.halted is not None:
+        _raise_error(context.halted)
+        return None
     return ExecutionCompleted(to_json(result, f"the result of flow {definition.name!r}"))
+
+
+def _raise_error(unwind: Unwind) -> None:
+    """A drive a ctx call stopped on an error: raise it to the caller (a park returns)."""
+    if unwind.error is not None:
+        raise unwind.error from None
 
 
 def awaitable_sleep(sleep: Callable[[float], None]) -> Callable[[float], Awaitable[None]]:

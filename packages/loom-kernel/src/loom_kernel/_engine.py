@@ -163,10 +163,16 @@ class Engine:
 
     # -- driving ----------------------------------------------------------------
 
-    def _append(self, state: ExecutionState, events: list[Event]) -> None:
+    def _append(
+        self, state: ExecutionState, events: list[Event], control: DriveControl | None = None
+    ) -> None:
+        """Journal `events` at the state's position, after what the drive holds pending."""
         stream = self.stream_of(state.id)
         now = self.clock()
-        self.store.append(stream, state.position, [encode_event(e, now) for e in events])
+        pending = control.pending if control is not None else []
+        records = pending + [encode_event(e, now) for e in events]
+        self.store.append(stream, state.position - len(pending), records)
+        pending.clear()
         for event in events:
             state.apply(event)
 
@@ -186,11 +192,17 @@ class Engine:
         """
         if state.status is not Status.RUNNING:
             return
-        ending = run_flow(self._flow(state.flow), self._runtime(), state, control or DriveControl())
+        control = control or DriveControl()
+        ending = run_flow(self._flow(state.flow), self._runtime(), state, control)
         if ending is not None:
-            self._append(state, [ending])
+            self._append(state, [ending], control)
+        elif control.pending:  # parked without new work: the resume still happened
+            self.store.append(
+                self.stream_of(state.id), state.position - len(control.pending), control.pending
+            )
+            control.pending.clear()
 
-    def _drive_owned(self, state: ExecutionState) -> Execution:
+    def _drive_owned(self, state: ExecutionState, control: DriveControl | None = None) -> Execution:
         """Drive a state this caller owns (holding the run's lock), then cache it.
 
         A racing writer (another engine, or a cancel) is the one now in charge: the
@@ -200,12 +212,14 @@ class Engine:
             The run's view after the drive (built before the state goes back to the
             cache, where another thread may fold into it).
         """
-        control = DriveControl()
+        control = control or DriveControl()
         with self._drives_lock:
             self._drives[state.id] = control
         try:
             self._drive(state, control)
         except ConflictError:
+            if control.pending:
+                raise  # the resume itself lost the race: the caller's payload went nowhere
             state = load(self.store, state.id, None)
         finally:
             with self._drives_lock:
@@ -303,7 +317,6 @@ class Engine:
             state = self._checkout(execution_id)
             try:
                 self._check_parked(state, key, timer=timer, on=on)
-                self._append(state, [ExecutionResumed(data, key)])
             except _AlreadyDeliveredError:
                 execution = Execution.of(state)
                 self._cache.give_back(state)
@@ -313,7 +326,13 @@ class Engine:
             except LoomError:
                 self._cache.give_back(state)
                 raise
-            execution = self._drive_owned(state)
+            # The resume is journaled with the drive's first new work, not before: a
+            # replay that diverges before then journals nothing, and the run stays
+            # parked at its gate for fixed code to take the same payload.
+            resumed = ExecutionResumed(data, key)
+            control = DriveControl([encode_event(resumed, self.clock())])
+            state.apply(resumed)
+            execution = self._drive_owned(state, control)
         return self._settled(execution) if settle else execution
 
     @staticmethod
