@@ -10,6 +10,7 @@ import loom_orchestration
 import pytest
 from loom_kernel import (
     CanonicalJSONError,
+    CodeVersionError,
     ConflictError,
     Context,
     Engine,
@@ -54,6 +55,7 @@ EXAMPLES: list[LoomError] = [
     ExecutionNotFoundError("no run"),
     NotSuspendedError("a", "running", "detail"),
     NonDeterminismError("a", "step", 3, "charge", "refund"),
+    CodeVersionError("a", "approval", "version:1", ["version:2"]),
     StepFailedError("charge", "builtins.ValueError", "no", 3),
     ChildFailedError("p/c0", "builtins.ValueError", "no"),
     ChildCancelledError("p/c0", "by hand"),

@@ -12,6 +12,7 @@ from loom_kernel._context import AsyncContext, Context
 from loom_kernel._engine import Engine
 from loom_kernel._errors import (
     CanonicalJSONError,
+    CodeVersionError,
     ConflictError,
     ExecutionNotFoundError,
     InvalidArgumentError,
@@ -40,6 +41,7 @@ from loom_kernel._views import Execution, HistoryEntry
 __all__ = [
     "AsyncContext",
     "CanonicalJSONError",
+    "CodeVersionError",
     "ConflictError",
     "Context",
     "Engine",

@@ -126,7 +126,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     show = commands.add_parser("show", help="print an execution's journal as a timeline")
     show.add_argument("execution_id")
     show.add_argument("--store", required=True, help="store URL")
+    from loom_kernel._deploy import add_deploy_commands  # noqa: PLC0415 - imports the engine
+
+    deploy = add_deploy_commands(commands)
     args = parser.parse_args(argv)
+    if args.command in deploy:
+        return deploy[args.command](args)
     if args.command == "stores":
         return _stores_command(args.urls)
     if args.command in ("ls", "show"):

@@ -52,6 +52,8 @@ __all__ = ["MAX_SLEEP", "AsyncContext", "Context", "DriveControl", "Runtime", "U
 T = TypeVar("T")
 
 _RESERVED_PREFIX: Final = "loom."
+#: The name of the recorded marker of `ctx.patched(change)`.
+PATCH_PREFIX: Final = "loom.patched:"
 #: The longest sleep, in seconds: 100 years (longer is a mistake, not a plan).
 MAX_SLEEP: Final = 100 * 365.25 * 86_400
 
@@ -96,13 +98,18 @@ class DriveControl:
         pending: records already folded into the run's state but not yet journaled
             (a resume): they are journaled with the drive's first new work, so a
             replay that diverges before any journals nothing.
+        replay_only: a replay-check: the drive stops, as if parked, at the first new
+            work, having written nothing and run no new step.
     """
 
-    __slots__ = ("pending", "stopped")
+    __slots__ = ("pending", "replay_only", "stopped")
 
-    def __init__(self, pending: list[NewRecord] | None = None) -> None:
+    def __init__(
+        self, pending: list[NewRecord] | None = None, *, replay_only: bool = False
+    ) -> None:
         self.stopped = False
         self.pending: list[NewRecord] = pending or []
+        self.replay_only = replay_only
 
 
 _MISSING: Final = object()
@@ -272,6 +279,8 @@ class _Replay:
         run stops before it starts a step, instead of finding out at the next append.
         Skipped on stores whose head is a network round trip (`head_is_cheap`).
         """
+        if self._control.replay_only:
+            raise self._halt()  # a replay-check ends where recorded history does
         if self._control.pending:
             self._write([])  # the pending resume, at the exact head: the same check
             return
@@ -371,6 +380,54 @@ class _Replay:
 
     def _before_new_gate(self) -> None:
         """Checks an async context makes before a new gate is journaled."""
+
+    def unconsumed(self) -> tuple[str, int, str] | None:
+        """The first recorded call this drive did not reach: (kind, index, name), or None."""
+        state = self._state
+        later = [index for index in state.steps if index >= self._step_index]
+        if later:
+            return "step", min(later), state.steps[min(later)].name
+        if self._gate_index < len(state.gates):
+            return "gate", self._gate_index, state.gates[self._gate_index].on
+        return None
+
+    def _history_ahead(self) -> bool:
+        """Whether the journal records a call at or after this point of the code."""
+        state = self._state
+        return (
+            len(state.gates) > self._gate_index
+            or self._step_index in state.steps
+            or any(index >= self._step_index for index in state.steps)
+        )
+
+    def patched(self, change: str) -> bool:
+        """Whether this run reaches this point with the code that has `change` (K11).
+
+        True for a run that reaches the call with the new code (journaled, so its
+        replays say True too); False while replaying history recorded before the
+        change existed (nothing journaled). Branch on it to change a flow in place::
+
+            if ctx.patched("fraud-check"):
+                ctx.step("fraud_check", check, order)
+
+        Raises:
+            InvalidArgumentError: `change` is not a non-empty str.
+        """
+        if not isinstance(change, str) or not change:
+            raise self._halt(
+                InvalidArgumentError(f"a change id is a non-empty str, not {change!r}")
+            )
+        if self._halted is not None:
+            raise self._halted
+        self._refuse_inside_step(f"ctx.patched({change!r})")
+        name = PATCH_PREFIX + change
+        frame = self._state.steps.get(self._step_index)
+        if frame is not None and frame.name == name:
+            self._step_index += 1
+            return True
+        if self._history_ahead():
+            return False  # history from before the change: it has no marker here
+        return bool(self._recorded(name, lambda: True))
 
     def _gate_name(self, on: object) -> str:
         if not isinstance(on, str) or not on or on.startswith(_RESERVED_PREFIX):

@@ -10,11 +10,12 @@ from typing import Any
 
 from loom_kernel._codec import to_json
 from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, Unwind
+from loom_kernel._errors import NonDeterminismError
 from loom_kernel._events import ExecutionCompleted, ExecutionFailed, error_info
 from loom_kernel._flows import Flow
 from loom_kernel._state import ExecutionState
 
-__all__ = ["awaitable_sleep", "run_flow"]
+__all__ = ["awaitable_sleep", "replay_check", "run_flow"]
 
 
 def run_flow(
@@ -34,28 +35,65 @@ def run_flow(
         NonDeterminismError, InvalidArgumentError: the code misused or diverged from
             the journal; the journal is left as it was.
     """
-    context: Context | AsyncContext
+    ending, _context = _execute(definition, runtime, state, control)
+    return ending
+
+
+def replay_check(definition: Flow, runtime: Runtime, state: ExecutionState) -> None:
+    """Re-run `definition` against the run's recorded history, in memory, writing nothing.
+
+    The replay stops where recorded history ends (at the first call with no record,
+    before it runs); no new step runs and nothing is journaled.
+
+    Raises:
+        NonDeterminismError: the code diverges from the history: it asks for another
+            call than the one recorded (naming the index and both names), or it stops
+            (returns, fails, parks) before it reaches everything recorded.
+    """
+    control = DriveControl(replay_only=True)
+    ending, context = _execute(definition, runtime, state.copy(), control)
+    missed = context.unconsumed()
+    if missed is not None:
+        kind, index, name = missed
+        if isinstance(ending, ExecutionFailed):
+            found = (
+                f"(nothing: the code failed first with {ending.error.type}: {ending.error.message})"
+            )
+        elif isinstance(ending, ExecutionCompleted):
+            found = "(nothing: the code returned first)"
+        else:
+            found = "(nothing: the code stopped first)"
+        raise NonDeterminismError(state.id, kind, index, name, found)
+
+
+def _execute(
+    definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
+) -> tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]:
+    context: Context | AsyncContext = (
+        AsyncContext(runtime, state, control)
+        if definition.is_async
+        else Context(runtime, state, control)
+    )
     try:
-        if definition.is_async:
-            context = AsyncContext(runtime, state, control)
+        if isinstance(context, AsyncContext):
             result = _run_coroutine(context.run(definition.fn(context, state.input)))
         else:
-            context = Context(runtime, state, control)
             result = definition.fn(context, state.input)
     except Unwind as unwind:
         _raise_error(unwind)
-        return None
+        return None, context
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:
         if context.halted is not None:  # the flow went on past a stop it swallowed
             _raise_error(context.halted)
-            return None
-        return ExecutionFailed(error_info(exc))
+            return None, context
+        return ExecutionFailed(error_info(exc)), context
     if context.halted is not None:
         _raise_error(context.halted)
-        return None
-    return ExecutionCompleted(to_json(result, f"the result of flow {definition.name!r}"))
+        return None, context
+    completed = ExecutionCompleted(to_json(result, f"the result of flow {definition.name!r}"))
+    return completed, context
 
 
 def _raise_error(unwind: Unwind) -> None:

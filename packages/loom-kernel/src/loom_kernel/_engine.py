@@ -13,9 +13,10 @@ from typing import Any
 from loom_kernel._cache import StateCache
 from loom_kernel._codec import decode_events, encode_event, to_json
 from loom_kernel._context import DriveControl, Runtime
-from loom_kernel._driving import awaitable_sleep, run_flow
+from loom_kernel._driving import awaitable_sleep, replay_check, run_flow
 from loom_kernel._each import raise_first, try_each
 from loom_kernel._errors import (
+    CodeVersionError,
     ConflictError,
     ExecutionNotFoundError,
     InvalidArgumentError,
@@ -28,6 +29,7 @@ from loom_kernel._errors import (
 from loom_kernel._events import (
     Event,
     ExecutionCancelled,
+    ExecutionMigrated,
     ExecutionResumed,
     ExecutionStarted,
 )
@@ -86,7 +88,8 @@ class Engine:
         )
         self.retry = retry or RetryPolicy()
         self.timers = TimerIndex(store, clock)
-        self._flows: dict[str, Flow] = {}
+        self._flows: dict[str, dict[str, Flow]] = {}  # name -> code hash -> flow
+        self._newest: dict[str, Flow] = {}
         self._cache = StateCache(cache_size)
         self._locks = KeyedLocks()
         self._drives: dict[str, DriveControl] = {}
@@ -125,17 +128,74 @@ class Engine:
     # -- registration and ids -------------------------------------------------
 
     def register(self, item: Flow | Callable[..., Any]) -> Flow:
-        """Make a flow startable by name; a plain function is wrapped with `@flow`."""
+        """Make a flow startable by name; a plain function is wrapped with `@flow`.
+
+        Registering another version of a registered name (another `version=`, or
+        changed source) hosts both: each run is driven on the code it is pinned to,
+        and new runs start on the version registered last.
+        """
         registered = item if isinstance(item, Flow) else flow(item)
-        self._flows[registered.name] = registered
+        self._flows.setdefault(registered.name, {})[registered.code_hash] = registered
+        self._newest[registered.name] = registered
         return registered
 
     def _flow(self, name: str | Flow) -> Flow:
+        """The flow new runs of `name` start on: the version registered last."""
         key = name.name if isinstance(name, Flow) else name
-        found = self._flows.get(key) if isinstance(key, str) else None
+        found = self._newest.get(key) if isinstance(key, str) else None
         if found is None:
-            known = ", ".join(sorted(self._flows)) or "none"
+            known = ", ".join(sorted(self._newest)) or "none"
             raise UnknownFlowError(f"no flow named {key!r} is registered (registered: {known})")
+        if isinstance(name, Flow) and name.code_hash in self._flows[key]:
+            return self._flows[key][name.code_hash]
+        return found
+
+    def hosts(self, name: str) -> bool:
+        """Whether any version of flow `name` is registered here."""
+        return name in self._newest
+
+    def newest(self, name: str) -> Flow:
+        """The version of flow `name` that new runs start on (the one registered last).
+
+        Raises:
+            UnknownFlowError: no version of it is registered.
+        """
+        return self._flow(name)
+
+    def _pinned_flow(self, state: ExecutionState) -> Flow:
+        """The code a run is pinned to (K11).
+
+        Raises:
+            UnknownFlowError: no version of its flow is registered.
+            CodeVersionError: its flow is registered, but not in the version it pins.
+        """
+        versions = self._flows.get(state.flow)
+        if not versions:
+            self._flow(state.flow)  # raises UnknownFlowError, naming what is registered
+        assert versions is not None
+        found = versions.get(state.code_hash)
+        if found is None:
+            raise CodeVersionError(state.id, state.flow, state.code_hash, sorted(versions))
+        return found
+
+    def _resolve_version(self, name: str, to: Flow | str | None) -> Flow:
+        """A registered version of flow `name`: by Flow, by code hash or version, or the
+        newest when None."""
+        if to is None:
+            return self._flow(name)
+        versions = self._flows.get(name, {})
+        if isinstance(to, Flow):
+            wanted = to.code_hash
+        elif isinstance(to, str) and to:
+            wanted = to if ":" in to else f"version:{to}"
+        else:
+            raise InvalidArgumentError(f"a version is a Flow, a code hash or a version, not {to!r}")
+        found = versions.get(wanted)
+        if found is None:
+            have = ", ".join(sorted(versions)) or "none"
+            raise UnknownFlowError(
+                f"flow {name!r} has no registered version {wanted!r} (registered: {have})"
+            )
         return found
 
     @staticmethod
@@ -193,7 +253,7 @@ class Engine:
         if state.status is not Status.RUNNING:
             return
         control = control or DriveControl()
-        ending = run_flow(self._flow(state.flow), self._runtime(), state, control)
+        ending = run_flow(self._pinned_flow(state), self._runtime(), state, control)
         if ending is not None:
             self._append(state, [ending], control)
         elif control.pending:  # parked without new work: the resume still happened
@@ -462,7 +522,7 @@ class Engine:
                 state = self._checkout(execution_id)
             except ExecutionNotFoundError:
                 return None  # deleted since the listing
-            if state.status is Status.RUNNING and state.flow in self._flows:
+            if state.status is Status.RUNNING and state.flow in self._newest:
                 execution = self._drive_owned(state)
                 driven = execution_id
             else:
@@ -509,6 +569,68 @@ class Engine:
                 return False  # another engine woke it meanwhile
         self._settled(execution)
         return True
+
+    def replay_check(self, execution_id: str, to: Flow | str | None = None) -> None:
+        """Check that a run's recorded history replays on other code, touching nothing.
+
+        The code is re-run in memory against the journal up to where the history
+        ends; no step runs and nothing is written.
+
+        Args:
+            execution_id: the execution.
+            to: the code to check against: a registered Flow, a code hash
+                ("sha256:..."), a version ("2" or "version:2"); None for the newest
+                registered version of the run's flow.
+
+        Raises:
+            NonDeterminismError: the history does not replay (the index, what was
+                recorded, what the code asks for).
+            UnknownFlowError: no such version of the run's flow is registered.
+        """
+        state = self._checkout(execution_id)
+        try:
+            replay_check(self._resolve_version(state.flow, to), self._runtime(), state)
+        finally:
+            self._cache.give_back(state)
+
+    def resume_as(
+        self, execution_id: str, to: Flow | str, *, reason: str | None = None
+    ) -> Execution:
+        """Migrate a live run to other code of its flow (K11), after a replay-check.
+
+        The recorded history is first re-run on the new code in memory (see
+        `replay_check`); only when it replays does the engine journal
+        EXECUTION_MIGRATED (from, to, reason), an entry of the run's append-only
+        `_migrations` audit, and pin the run to the new code. A parked run stays
+        parked (its next resume runs the new code); a run left running is driven by
+        `recover()`. Migrating to the code it is pinned to changes nothing.
+
+        Raises:
+            NonDeterminismError: the history does not replay on the new code;
+                nothing was journaled.
+            InvalidArgumentError: the run has finished (it never runs again).
+            UnknownFlowError: that version of its flow is not registered here.
+            ConflictError: the run moved meanwhile; check again.
+        """
+        with self._locks.hold(execution_id):
+            state = self._checkout(execution_id)
+            try:
+                if state.status.finished:
+                    raise InvalidArgumentError(
+                        f"execution {execution_id!r} is {state.status}: a finished run never "
+                        "runs again, so there is nothing to migrate"
+                    )
+                target = self._resolve_version(state.flow, to)
+                if target.code_hash != state.code_hash:
+                    replay_check(target, self._runtime(), state)
+                    migrated = ExecutionMigrated(state.code_hash, target.code_hash, reason)
+                    self._append(state, [migrated])
+                execution = Execution.of(state)
+            except BaseException:
+                self._cache.drop(execution_id)
+                raise
+            self._cache.give_back(state)
+        return execution
 
     def compact(self, execution_id: str) -> int:
         """Snapshot the folded state, then trim the journal below it (K10.4).

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 __all__ = [
     "CanonicalJSONError",
+    "CodeVersionError",
     "ConflictError",
     "ExecutionNotFoundError",
     "InvalidArgumentError",
@@ -231,6 +232,7 @@ class NonDeterminismError(LoomError):
 
     Attributes:
         execution_id: the execution.
+        what: "step" or "gate": the sequence the call is in.
         index: the position of the call in its sequence (steps or gates).
         recorded: what the journal recorded there.
         found: what the code asked for this time.
@@ -238,6 +240,7 @@ class NonDeterminismError(LoomError):
 
     def __init__(self, execution_id: str, what: str, index: int, recorded: str, found: str) -> None:
         self.execution_id = execution_id
+        self.what = what
         self.index = index
         self.recorded = recorded
         self.found = found
@@ -246,6 +249,34 @@ class NonDeterminismError(LoomError):
             f"{recorded!r} but the code now asks for {found!r}; the flow's code changed "
             "between runs, or it branches on something that is not journaled "
             "(see docs/determinism.md)"
+        )
+
+
+class CodeVersionError(LoomError):
+    """A run is pinned to code this engine does not have; nothing was journaled.
+
+    An execution pins its flow's code hash at start (K11). Driving it with other code
+    is refused: keep the old version registered beside the new one, or migrate the
+    run with `Engine.resume_as` once its history replays on the new code.
+
+    Attributes:
+        execution_id: the execution.
+        flow: the flow's name.
+        pinned: the code hash the run is pinned to.
+        registered: the code hashes of that flow this engine has.
+    """
+
+    def __init__(self, execution_id: str, flow: str, pinned: str, registered: list[str]) -> None:
+        self.execution_id = execution_id
+        self.flow = flow
+        self.pinned = pinned
+        self.registered = registered
+        have = ", ".join(registered) or "none"
+        super().__init__(
+            f"execution {execution_id!r} of flow {flow!r} is pinned to code {pinned!r}, and "
+            f"this engine has {have}; keep that version registered beside the new one "
+            f"(engine.register(old_flow)), or migrate the run once its history replays on "
+            f"the new code: engine.resume_as({execution_id!r}, ...) (docs/versioning.md)"
         )
 
 

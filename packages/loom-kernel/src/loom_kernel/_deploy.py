@@ -1,0 +1,142 @@
+"""`loom replay-check` and `loom migrate`: check stored runs against the code you are
+about to deploy, and move the runs that replay onto it (K11)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from loom_kernel._engine import Engine
+from loom_kernel._errors import InvalidArgumentError, LoomError, NonDeterminismError
+from loom_kernel._executions import execution_ids
+from loom_kernel._flows import Flow, flow
+from loom_kernel._registry import open_store
+from loom_kernel._views import Execution
+
+__all__ = ["add_deploy_commands", "load_flows"]
+
+
+def load_flows(spec: str) -> list[Flow]:
+    """The flows named by `module:attribute` (a Flow, a function, or a list of them).
+
+    The module is imported, never evaluated from text.
+
+    Raises:
+        InvalidArgumentError: the spec is malformed, or names nothing that is a flow.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise InvalidArgumentError(
+            f"--flows takes module:attribute (myapp.flows:FLOWS), not {spec!r}"
+        )
+    try:
+        value: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+    except (ImportError, AttributeError) as exc:
+        raise InvalidArgumentError(f"cannot load flows from {spec!r}: {exc}") from exc
+    items = list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
+    if not items or not all(isinstance(item, Flow) or callable(item) for item in items):
+        raise InvalidArgumentError(f"{spec!r} is not a flow or a list of flows")
+    return [item if isinstance(item, Flow) else flow(item) for item in items]
+
+
+def _candidates(engine: Engine, args: argparse.Namespace) -> Iterator[Execution | LoomError]:
+    """The live runs of the flows given (filtered by --flow, at most --limit), in id
+    order; a run that cannot be read comes as its error."""
+    given = 0
+    for execution_id in execution_ids(engine.store):
+        if args.limit is not None and given >= args.limit:
+            return
+        try:
+            execution = engine.get(execution_id)
+        except LoomError as exc:
+            given += 1
+            yield exc
+            continue
+        if execution.status.finished or (args.flow and execution.flow != args.flow):
+            continue
+        if not engine.hosts(execution.flow):
+            continue
+        given += 1
+        yield execution
+
+
+def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> int:
+    try:
+        flows = load_flows(args.flows)
+        store = open_store(args.store)
+    except LoomError as exc:
+        print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    counts = {"ok": 0, "diverged": 0, "failed": 0}
+    with store:
+        engine = Engine(store, flows, listeners=[])
+        for found in _candidates(engine, args):
+            if isinstance(found, LoomError):
+                counts["failed"] += 1
+                print(f"ERROR      {type(found).__name__}: {found}")
+                continue
+            try:
+                line = act(engine, found)
+            except NonDeterminismError as exc:
+                counts["diverged"] += 1
+                print(
+                    f"DIVERGES   {found.id} ({found.flow}, pinned {found.code_hash}): "
+                    f"{exc.what} #{exc.index} recorded {exc.recorded!r}, "
+                    f"the new code asks for {exc.found!r}"
+                )
+                continue
+            except LoomError as exc:
+                counts["failed"] += 1
+                print(f"ERROR      {found.id}: {type(exc).__name__}: {exc}")
+                continue
+            counts["ok"] += 1
+            print(line)
+    print(
+        f"{counts['ok']} ok, {counts['diverged']} would diverge, "
+        f"{counts['failed']} could not be checked"
+    )
+    return 1 if counts["diverged"] or counts["failed"] else 0
+
+
+def _check(engine: Engine, execution: Execution) -> str:
+    engine.replay_check(execution.id)
+    return f"ok         {execution.id} ({execution.flow})"
+
+
+def _migrator(reason: str | None) -> Callable[[Engine, Execution], str]:
+    def migrate(engine: Engine, execution: Execution) -> str:
+        moved = engine.resume_as(execution.id, engine.newest(execution.flow), reason=reason)
+        if moved.code_hash == execution.code_hash:
+            return f"ok         {execution.id} ({execution.flow}): already on this code"
+        change = f"{execution.code_hash} -> {moved.code_hash}"
+        return f"migrated   {execution.id} ({execution.flow}): {change}"
+
+    return migrate
+
+
+def add_deploy_commands(commands: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add `replay-check` and `migrate` to the `loom` command's subparsers."""
+    check = commands.add_parser(
+        "replay-check",
+        help="replay the store's live runs on the code you are about to deploy, writing nothing",
+    )
+    migrate = commands.add_parser(
+        "migrate", help="move every live run whose history replays onto the given code (resume_as)"
+    )
+    for parser in (check, migrate):
+        parser.add_argument("--store", required=True, help="store URL")
+        parser.add_argument(
+            "--flows", required=True, help="module:attribute of the flows to check against"
+        )
+        parser.add_argument("--flow", default=None, help="only runs of this flow")
+        parser.add_argument("--limit", type=int, default=None, help="at most this many runs")
+    migrate.add_argument("--reason", default=None, help="recorded in each run's _migrations")
+    return {
+        "replay-check": lambda args: _run(args, _check),
+        "migrate": lambda args: _run(args, _migrator(args.reason)),
+    }

@@ -1,0 +1,265 @@
+"""K11: a run is driven only on the code it is pinned to; several versions can be hosted;
+resume_as migrates after a replay-check; ctx.patched changes code in place; and the
+deploy commands check and migrate a whole store."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    CodeVersionError,
+    Context,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    NonDeterminismError,
+    UnknownFlowError,
+    flow,
+    open_store,
+)
+from loom_kernel._cli import main
+from loom_kernel.testing import FakeClock
+
+ran: list[str] = []
+
+
+def _note(what: str, value: Any) -> Any:
+    """A step's side effect: note which code ran it."""
+    ran.append(what)
+    return value
+
+
+@flow(name="order", version="1")
+def order_v1(ctx: Context, _input: Any) -> Any:
+    quote = ctx.step("quote", lambda: _note("v1 quote", 10))
+    manager = ctx.suspend("manager")
+    return {"v": 1, "quote": quote, "manager": manager}
+
+
+@flow(name="order", version="2")
+def order_v2(ctx: Context, _input: Any) -> Any:
+    quote = ctx.step("quote", lambda: _note("v2 quote", 10))
+    manager = ctx.suspend("manager")
+    ctx.step("notify", lambda: _note("v2 notify", "sent"))
+    return {"v": 2, "quote": quote, "manager": manager}
+
+
+@flow(name="order", version="3")
+def order_v3(ctx: Context, _input: Any) -> Any:
+    ctx.step("fraud_check", lambda: "ok")  # a new step before recorded history
+    quote = ctx.step("quote", lambda: 10)
+    return {"v": 3, "quote": quote, "manager": ctx.suspend("manager")}
+
+
+def _engine(store: MemoryStore, *flows: Any) -> Engine:
+    return Engine(store, flows, clock=FakeClock(), listeners=[])
+
+
+def test_a_run_is_refused_by_an_engine_without_its_code_and_nothing_is_journaled() -> None:
+    store = MemoryStore()
+    _engine(store, order_v1).start("order", key="o")
+    journal = store.read("ex/o")
+    deployed = _engine(store, order_v2)
+    with pytest.raises(CodeVersionError, match="pinned to code 'version:1'") as caught:
+        deployed.resume("o", "yes")
+    error = caught.value
+    assert (error.flow, error.pinned, error.registered) == ("order", "version:1", ["version:2"])
+    assert "resume_as" in str(error)
+    assert store.read("ex/o") == journal
+    assert deployed.get("o").waiting_on == "manager"
+
+
+def test_one_engine_hosts_two_versions_and_drives_each_run_on_its_own() -> None:
+    ran.clear()
+    store = MemoryStore()
+    old = _engine(store, order_v1).start("order", key="old")
+    both = _engine(store, order_v1, order_v2)
+    new = both.start("order", key="new")
+    assert new.code_hash == "version:2", "new runs start on the version registered last"
+    assert both.resume(old.id, "yes").result["v"] == 1
+    assert both.resume(new.id, "yes").result["v"] == 2
+    assert ran == ["v1 quote", "v2 quote", "v2 notify"]
+
+
+def test_resume_as_migrates_a_run_whose_history_replays() -> None:
+    ran.clear()
+    store = MemoryStore()
+    _engine(store, order_v1).start("order", key="o")
+    engine = _engine(store, order_v1, order_v2)
+    moved = engine.resume_as("o", "2", reason="notify customers")
+    assert moved.code_hash == "version:2"
+    assert store.read("ex/o")[-1].kind == "EXECUTION_MIGRATED"
+    assert engine.state("o").variables["_migrations"] == [
+        {"from": "version:1", "to": "version:2", "reason": "notify customers"}
+    ]
+    assert ran == ["v1 quote"], "the replay-check ran no step"
+    again = engine.resume_as("o", "2")
+    assert again.position == moved.position, "migrating to the pinned code changes nothing"
+    done = _engine(store, order_v2).resume("o", "yes")  # the old code is no longer needed
+    assert done.result["v"] == 2
+
+
+def test_resume_as_refuses_a_run_whose_history_diverges_and_journals_nothing() -> None:
+    store = MemoryStore()
+    _engine(store, order_v1).start("order", key="o")
+    journal = store.read("ex/o")
+    engine = _engine(store, order_v1, order_v3)
+    with pytest.raises(NonDeterminismError) as caught:
+        engine.resume_as("o", order_v3)
+    assert (caught.value.index, caught.value.recorded, caught.value.found) == (
+        0,
+        "quote",
+        "fraud_check",
+    )
+    assert store.read("ex/o") == journal
+    assert engine.get("o").code_hash == "version:1"
+    with pytest.raises(UnknownFlowError, match="no registered version 'version:9'"):
+        engine.resume_as("o", "9")
+
+
+def test_a_finished_run_is_not_migrated() -> None:
+    store = MemoryStore()
+    engine = _engine(store, order_v1, order_v2)
+    run = _engine(store, order_v1).start("order", key="done")
+    _engine(store, order_v1).resume(run.id, "yes")
+    with pytest.raises(InvalidArgumentError, match="finished run never runs again"):
+        engine.resume_as("done", "2")
+
+
+def test_a_replay_check_that_stops_short_of_the_history_is_refused() -> None:
+    @flow(name="order", version="4")
+    def order_v4(ctx: Context, _input: Any) -> Any:
+        return "returns before its quote"
+
+    store = MemoryStore()
+    _engine(store, order_v1).start("order", key="o")
+    with pytest.raises(NonDeterminismError, match="the code returned first"):
+        _engine(store, order_v1, order_v4).replay_check("o")
+
+
+# -- ctx.patched ----------------------------------------------------------------------
+
+
+def _patchable(patched: bool) -> Any:
+    @flow(name="ship", version="1")
+    def ship(ctx: Context, _input: Any) -> Any:
+        ctx.step("pack", lambda: "packed")
+        if patched and ctx.patched("insure"):
+            ctx.step("insure", lambda: _note("insured", "insured"))
+        label = ctx.suspend("label")
+        ctx.step("send", lambda: "sent")
+        return [label, ctx.suspend("delivered")]
+
+    return ship
+
+
+def test_patched_is_false_for_history_recorded_before_and_true_for_new_runs() -> None:
+    ran.clear()
+    store = MemoryStore()
+    old = _engine(store, _patchable(False)).start("ship", key="old")
+    _engine(store, _patchable(False)).resume(old.id, "L1")  # recorded past the patch point
+    engine = _engine(store, _patchable(True))
+    assert engine.resume(old.id, "ok").result == ["L1", "ok"]
+    assert ran == [], "the old run replays its history without the new step"
+    new = engine.start("ship", key="new")
+    assert ran == ["insured"]
+    assert [f.name for f in engine.frames(new.id).values()][:3] == [
+        "pack",
+        "loom.patched:insure",
+        "insure",
+    ]
+    fresh = _engine(store, _patchable(True))
+    fresh.resume(new.id, "L2")
+    assert fresh.resume(new.id, "ok").result == ["L2", "ok"]
+    assert ran == ["insured"], "a replay of the new run takes the patched branch again"
+
+
+# -- the deploy commands ----------------------------------------------------------------
+
+
+MODULE = """
+from loom_kernel import flow
+
+@flow(name="order", version="{version}")
+def order(ctx, _input):
+    {extra}quote = ctx.step("quote", lambda: 10)
+    manager = ctx.suspend("manager")
+    return ctx.step("after", lambda: "x")
+
+FLOWS = [order]
+"""
+
+
+def _module(tmp_path: Path, name: str, version: str, extra: str = "") -> str:
+    (tmp_path / f"{name}.py").write_text(MODULE.format(version=version, extra=extra))
+    return f"{name}:FLOWS"
+
+
+def test_replay_check_and_migrate_over_a_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    url = f"sqlite:///{tmp_path}/loom.db"
+    store = open_store(url)
+    for key in ("a", "b"):
+        _engine_on(store, order_v1).start("order", key=key)
+    done = _engine_on(store, order_v1).start("order", key="finished")
+    _engine_on(store, order_v1).resume(done.id, "yes")
+    store.close()
+    good = _module(tmp_path, "deploy_good", "2")
+    bad = _module(tmp_path, "deploy_bad", "3", extra='ctx.step("fraud_check", lambda: 1)\n    ')
+
+    assert main(["replay-check", "--store", url, "--flows", good]) == 0
+    out = capsys.readouterr().out
+    assert "ok         a (order)" in out
+    assert "2 ok, 0 would diverge" in out
+    assert "finished" not in out, "finished runs never run again: not checked"
+
+    assert main(["replay-check", "--store", url, "--flows", bad, "--limit", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "DIVERGES   a (order, pinned version:1): step #0 recorded 'quote'" in out
+    assert "'fraud_check'" in out
+    assert "0 ok, 1 would diverge" in out
+
+    assert main(["migrate", "--store", url, "--flows", bad]) == 1
+    assert "0 ok, 2 would diverge" in capsys.readouterr().out
+    assert main(["migrate", "--store", url, "--flows", good, "--reason", "deploy 2"]) == 0
+    assert "migrated   a (order): version:1 -> version:2" in capsys.readouterr().out
+    with open_store(url) as reopened:
+        assert {_engine_on(reopened).get(k).code_hash for k in ("a", "b")} == {"version:2"}
+    assert main(["replay-check", "--store", url, "--flows", "no_such_module:X"]) == 2
+    assert main(["replay-check", "--store", url, "--flows", "nocolon"]) == 2
+
+
+def _engine_on(store: Any, *flows: Any) -> Engine:
+    return Engine(store, flows, clock=FakeClock(), listeners=[])
+
+
+def test_load_flows_takes_a_flow_a_function_or_a_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from loom_kernel._deploy import load_flows
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "several.py").write_text(
+        textwrap.dedent(
+            """
+            from loom_kernel import flow
+            def plain(ctx, _input):
+                return 1
+            single = flow(plain, name="single")
+            class Box:
+                flows = (single,)
+            """
+        )
+    )
+    assert [f.name for f in load_flows("several:single")] == ["single"]
+    assert [f.name for f in load_flows("several:plain")] == ["plain"]
+    assert [f.name for f in load_flows("several:Box.flows")] == ["single"]
+    with pytest.raises(InvalidArgumentError):
+        load_flows("several:nothing")
+    sys.modules.pop("several", None)
