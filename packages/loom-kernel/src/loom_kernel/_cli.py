@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -102,6 +103,19 @@ def _inspect_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _lint_command(paths: Sequence[str]) -> int:
+    from loom_kernel._lint import lint_paths  # noqa: PLC0415 - only this command needs it
+
+    missing = [path for path in paths if not os.path.exists(path)]
+    findings, unreadable = lint_paths(path for path in paths if path not in missing)
+    for finding in findings:
+        print(finding)
+    for problem in [*(f"{path}: no such file or directory" for path in missing), *unreadable]:
+        print(f"loom lint: cannot read {problem}", file=sys.stderr)
+    print(f"{len(findings)} problem(s)" if findings else "no problems found")
+    return 1 if findings or unreadable or missing else 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `loom` command line; returns the exit status."""
     parser = argparse.ArgumentParser(prog="loom", description="Loom, durable execution for Python.")
@@ -126,12 +140,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     show = commands.add_parser("show", help="print an execution's journal as a timeline")
     show.add_argument("execution_id")
     show.add_argument("--store", required=True, help="store URL")
+    lint = commands.add_parser(
+        "lint", help="find what makes flows non-deterministic, by reading their source"
+    )
+    lint.add_argument("paths", nargs="+", help="files or directories (links are not followed)")
     from loom_kernel._deploy import add_deploy_commands  # noqa: PLC0415 - imports the engine
 
     deploy = add_deploy_commands(commands)
     args = parser.parse_args(argv)
     if args.command in deploy:
         return deploy[args.command](args)
+    if args.command == "lint":
+        return _lint_command(args.paths)
     if args.command == "stores":
         return _stores_command(args.urls)
     if args.command in ("ls", "show"):

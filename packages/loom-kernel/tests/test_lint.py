@@ -1,0 +1,105 @@
+"""`loom lint`: each rule finds its problem with file:line and a fix; the walk ends on a
+symbolic-link loop; the project's own examples and demo are clean."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from pathlib import Path
+
+import pytest
+from loom_kernel._cli import main
+from loom_kernel._lint import lint_source, python_files
+
+ROOT = Path(__file__).parents[3]
+
+BAD_FLOW = """
+import os, random, time, threading, uuid
+from datetime import datetime
+from loom_kernel import flow
+
+@flow
+def bad(ctx, order):
+    started = time.time()                       # LOOM001
+    when = datetime.now()                       # LOOM001
+    pick = random.choice([1, 2])                # LOOM002
+    key = uuid.uuid4()                          # LOOM003
+    region = os.environ["REGION"]               # LOOM004
+    region = os.getenv("REGION")                # LOOM004
+    threading.Thread(target=print).start()      # LOOM005
+    data = open("orders.csv").read()            # LOOM006
+    ctx.step("nested", lambda: ctx.now())       # LOOM007
+    for sku in {"a", "b"}:                      # LOOM009
+        ctx.step(sku, print)
+    fine = ctx.step("clock", time.time)         # a reference, run by the step: fine
+    also_fine = ctx.step("io", lambda: open("x").read())
+    return [sorted(set(order))]
+
+@flow
+async def forgetful(ctx, order):
+    ctx.suspend("approve")                      # LOOM008
+    await ctx.step("ok", print)
+    return [x for x in set(order)]              # LOOM009
+
+def helper(order):
+    return time.time()                          # not a flow: not linted
+"""
+
+
+def test_every_rule_finds_its_problem_with_its_line() -> None:
+    findings = lint_source(BAD_FLOW, "bad.py")
+    found = {(f.rule, f.line) for f in findings}
+    lines = {
+        number: line.split("# ")[-1].strip()
+        for number, line in enumerate(BAD_FLOW.splitlines(), start=1)
+        if "# LOOM" in line
+    }
+    assert found == {(rule, number) for number, rule in lines.items()}
+    first = next(f for f in findings if f.rule == "LOOM001")
+    assert str(first).startswith("bad.py:8:15: LOOM001 reads the wall clock")
+    assert "fix: use ctx.now()" in str(first)
+
+
+def test_a_flow_is_found_by_its_decorator_or_its_ctx_parameter() -> None:
+    source = textwrap.dedent(
+        """
+        import time
+        from loom_kernel import flow as lf
+        @lf(name="x", version="2")
+        def decorated(context, _):
+            return time.time()
+        def by_parameter(ctx, _):
+            return time.time()
+        """
+    )
+    assert [f.line for f in lint_source(source)] == [6, 8]
+
+
+def test_the_walk_does_not_follow_links_and_ends_on_a_loop(tmp_path: Path) -> None:
+    (tmp_path / "pkg" / "deep").mkdir(parents=True)
+    (tmp_path / "pkg" / "deep" / "flows.py").write_text(BAD_FLOW)
+    (tmp_path / "pkg" / "clean.py").write_text("x = 1\n")
+    os.symlink(tmp_path / "pkg", tmp_path / "pkg" / "deep" / "loop")  # a cycle
+    os.symlink(tmp_path / "pkg" / "deep" / "flows.py", tmp_path / "pkg" / "alias.py")
+    (tmp_path / "pkg" / ".hidden").mkdir()
+    (tmp_path / "pkg" / ".hidden" / "skip.py").write_text(BAD_FLOW)
+    files = sorted(path.relative_to(tmp_path).as_posix() for path in python_files([str(tmp_path)]))
+    assert files == ["pkg/clean.py", "pkg/deep/flows.py"]
+
+
+def test_the_command_exits_non_zero_on_problems_and_zero_when_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "bad.py").write_text(BAD_FLOW)
+    (tmp_path / "broken.py").write_text("def (:\n")
+    assert main(["lint", str(tmp_path / "bad.py")]) == 1
+    assert "LOOM006 does I/O in a flow body" in capsys.readouterr().out
+    assert main(["lint", str(tmp_path / "broken.py")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["lint", str(tmp_path / "missing")]) == 1
+
+
+def test_the_projects_own_examples_and_demo_are_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    demo = ROOT / "packages" / "loom-kernel" / "src" / "loom_kernel" / "_demo.py"
+    assert main(["lint", str(ROOT / "docs" / "examples"), str(demo)]) == 0
+    assert "no problems found" in capsys.readouterr().out
