@@ -11,6 +11,7 @@ from loom_kernel.testing import FakeClock
 from loom_orchestration import (
     ChildSpec,
     SupervisorEscalationError,
+    await_child,
     await_children,
     supervise_children,
 )
@@ -59,3 +60,21 @@ def test_a_supervisor_escalates_within_the_call_however_high_its_intensity() -> 
     assert failed.error is not None
     assert failed.error.type == SupervisorEscalationError.__module__ + ".SupervisorEscalationError"
     assert engine.get("sup/b@400").status is Status.FAILED
+
+
+@flow
+def approval(ctx: Context, _input: Any) -> Any:
+    return ctx.suspend("approve")
+
+
+def test_an_engine_built_with_no_listeners_still_wakes_an_awaiting_parent() -> None:
+    @flow
+    def parent(ctx: Context, _input: Any) -> Any:
+        return await_child(ctx, approval)
+
+    engine = Engine(MemoryStore(), [parent, approval], clock=FakeClock(), listeners=[])
+    run = engine.start("parent", key="p")
+    assert run.waiting_on == "child:p/c0"
+    engine.resume("p/c0", "yes")
+    assert engine.get("p").status is Status.COMPLETED
+    assert engine.get("p").result == "yes"

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from loom_kernel import Context, Engine, flow, open_store
 from loom_kernel.spi import (
+    ConflictError,
+    Fault,
     InvalidArgumentError,
     NewRecord,
     SchemaError,
@@ -127,3 +129,28 @@ def test_a_row_lost_from_the_database_is_a_schema_error(tmp_path: Path, missing:
     fresh = Engine(open_store(f"sqlite://{path}"), [charge], listeners=[])
     with pytest.raises(SchemaError, match=f"record {missing} is missing"):
         fresh.resume("order-1", "go")
+
+
+class CountingConfirmStore(SqliteStore):
+    """Counts how often the ambiguous-commit confirmation runs."""
+
+    confirmations = 0
+
+    def _confirm(
+        self, stream: str, expected: int, count: int, txn: str, cause: BaseException
+    ) -> int:
+        CountingConfirmStore.confirmations += 1
+        return super()._confirm(stream, expected, count, txn, cause)
+
+
+def test_a_lost_reply_really_takes_the_confirmation_path(tmp_path: Path) -> None:
+    store = CountingConfirmStore(str(tmp_path / "lost.db"))
+    store.append("s", 0, _records(1))
+    assert CountingConfirmStore.confirmations == 0
+    store.inject_fault(Fault.LOST_REPLY)
+    assert store.append("s", 1, _records(2, "x")) == 3
+    assert CountingConfirmStore.confirmations == 1, "the landed write was confirmed by its id"
+    store.inject_fault(Fault.LOST_REPLY)
+    with pytest.raises(ConflictError):
+        store.append("s", 1, _records(1, "stale"))  # refused inside: nothing to confirm
+    assert CountingConfirmStore.confirmations == 1
