@@ -1,0 +1,299 @@
+"""Sample mutations of Loom's code and count how many the test suite catches.
+
+    python3 -m uv run python scripts/mutation_sample.py [--sample 200] [--seed 1]
+        [--only kernel|stores|orchestration] [--equivalent scripts/equivalent-mutants.txt]
+
+Each mutant is one small change to one module, made on its syntax tree: a statement
+deleted, `return X` made `return None`, a comparison or a boolean flipped, an integer
+constant off by one. The sampler copies the source tree to a scratch directory once,
+then for each sampled mutant writes the mutated module there, runs the tests of that
+package against the copy (stopping at the first failure, slow tests excluded), and
+puts the module back. A mutant is caught when a test fails (or the run times out).
+
+Mutant ids (`module:line:col:operator`) are stable for a given source, so a mutant
+judged unable to change behaviour (an equivalent mutant) can be listed in the
+`--equivalent` file and left out of the score. The score is printed with the survivors.
+Not part of CI: a run of 200 mutants takes tens of minutes on two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {
+    "kernel": ("packages/loom-kernel/src/loom_kernel", ["packages/loom-kernel/tests"]),
+    "sqlite": (
+        "packages/loom-store-sqlite/src/loom_store_sqlite",
+        ["packages/loom-store-sqlite/tests"],
+    ),
+    "orchestration": (
+        "packages/loom-orchestration/src/loom_orchestration",
+        ["packages/loom-orchestration/tests"],
+    ),
+}
+GROUPS = {"kernel": ["kernel"], "stores": ["sqlite"], "orchestration": ["orchestration"]}
+#: Modules a mutant of which no test should be expected to catch: the command line's
+#: printing, the demo's narration, the benchmark-only and typing-only helpers.
+SKIPPED = {"_cli.py", "_demo.py", "_timeline.py", "__init__.py", "_deploy.py"}
+FLIPS = {
+    ast.Eq: ast.NotEq,
+    ast.NotEq: ast.Eq,
+    ast.Lt: ast.GtE,
+    ast.GtE: ast.Lt,
+    ast.Gt: ast.LtE,
+    ast.LtE: ast.Gt,
+    ast.Is: ast.IsNot,
+    ast.IsNot: ast.Is,
+    ast.In: ast.NotIn,
+    ast.NotIn: ast.In,
+}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    package: str
+    path: Path  # relative to ROOT
+    number: int  # which site of the module, in walk order
+    line: int
+    column: int
+    operator: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.path.name}:{self.line}:{self.column}:{self.operator}"
+
+
+def _is_docstring(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Expr)
+        and isinstance(node.value, ast.Constant)
+        and isinstance(node.value.value, str)
+    )
+
+
+def _sites(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
+    """Every place a mutation can be made, with the operator's name."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and type(node.ops[0]) in FLIPS:
+            yield node, f"flip {type(node.ops[0]).__name__}"
+        elif isinstance(node, ast.BoolOp):
+            yield node, f"flip {type(node.op).__name__}"
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.Not):
+            yield node, "drop not"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
+            yield node, f"flip {node.value}"
+        elif (
+            isinstance(node, ast.Constant)
+            and type(node.value) is int
+            and not isinstance(node.value, bool)
+        ):
+            yield node, f"{node.value}+1"
+        elif (
+            isinstance(node, ast.Return)
+            and node.value is not None
+            and not (isinstance(node.value, ast.Constant) and node.value.value is None)
+        ):
+            yield node, "return None"
+        elif isinstance(
+            node, ast.Expr | ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Raise | ast.Delete
+        ) and not _is_docstring(node):
+            yield node, "delete statement"
+
+
+def _mutate(tree: ast.Module, number: int) -> ast.Module:
+    """A copy of `tree` with site `number` mutated."""
+    mutated = copy.deepcopy(tree)
+    node, _operator = list(_sites(mutated))[number]
+    if isinstance(node, ast.Compare):
+        node.ops[0] = FLIPS[type(node.ops[0])]()
+    elif isinstance(node, ast.BoolOp):
+        node.op = ast.Or() if isinstance(node.op, ast.And) else ast.And()
+    elif isinstance(node, ast.UnaryOp):
+        _replace_expression(mutated, node, node.operand)
+    elif isinstance(node, ast.Constant) and isinstance(node.value, bool):
+        node.value = not node.value
+    elif isinstance(node, ast.Constant):
+        node.value = node.value + 1
+    elif isinstance(node, ast.Return):
+        node.value = ast.Constant(value=None)
+    else:
+        _replace_with_pass(mutated, node)
+    return ast.fix_missing_locations(mutated)
+
+
+def _replace_with_pass(tree: ast.Module, target: ast.AST) -> None:
+    for parent in ast.walk(tree):
+        for _field, value in ast.iter_fields(parent):
+            if isinstance(value, list) and target in value:
+                value[value.index(target)] = ast.Pass()
+                return
+
+
+def _replace_expression(tree: ast.Module, target: ast.AST, replacement: ast.expr) -> None:
+    for parent in ast.walk(tree):
+        for field, value in ast.iter_fields(parent):
+            if value is target:
+                setattr(parent, field, replacement)
+                return
+            if isinstance(value, list) and target in value:
+                value[value.index(target)] = replacement
+                return
+
+
+def _all_mutants(packages: list[str]) -> list[Mutant]:
+    found: list[Mutant] = []
+    for package in packages:
+        source_dir, _tests = PACKAGES[package]
+        for path in sorted((ROOT / source_dir).rglob("*.py")):
+            if path.name in SKIPPED or "testing" in path.parts:
+                continue
+            tree = ast.parse(path.read_text())
+            for number, (node, operator) in enumerate(_sites(tree)):
+                found.append(
+                    Mutant(
+                        package,
+                        path.relative_to(ROOT),
+                        number,
+                        getattr(node, "lineno", 0),
+                        getattr(node, "col_offset", 0),
+                        operator,
+                    )
+                )
+    return found
+
+
+def _run(scratch: Path, mutant: Mutant, timeout: float) -> str:
+    """'caught', 'survived' or 'timeout' (caught) for one mutant."""
+    target = scratch / mutant.path
+    original = target.read_text()
+    mutated = ast.unparse(_mutate(ast.parse(original), mutant.number))
+    target.write_text(mutated)
+    try:
+        outcome = "survived" if _pytest(scratch, mutant.package, timeout) == 0 else "caught"
+    except subprocess.TimeoutExpired:
+        outcome = "timeout"
+    finally:
+        target.write_text(original)
+    return outcome
+
+
+def _environment(scratch: Path) -> dict[str, str]:
+    """Imports resolve to the scratch copy's sources, not the installed ones."""
+    source_dirs = [str((scratch / source).parent) for source, _ in PACKAGES.values()]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(source_dirs)}
+
+
+def _check_baseline(scratch: Path, packages: list[str], timeout: float) -> None:
+    """Unmutated, the copy imports itself and its tests pass: else every mutant would
+    look caught (or none)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import loom_kernel; print(loom_kernel.__file__)"],
+        env=_environment(scratch),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    if not probe.stdout.startswith(str(scratch)):
+        raise SystemExit(f"the copy is not what is imported: {probe.stdout.strip()}")
+    for package in packages:
+        if _pytest(scratch, package, timeout) != 0:
+            raise SystemExit(f"the unmutated tests of {package} fail: fix them first")
+
+
+def _pytest(scratch: Path, package: str, timeout: float) -> int:
+    _source, tests = PACKAGES[package]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-m",
+            "not slow",
+            "-p",
+            "no:cacheprovider",
+            "-n",
+            "2",
+            *(str(scratch / test) for test in tests),
+        ],
+        cwd=scratch,
+        env=_environment(scratch),
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+    )
+    return done.returncode
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sample", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", choices=sorted(GROUPS), action="append")
+    parser.add_argument(
+        "--equivalent", type=Path, default=ROOT / "scripts" / "equivalent-mutants.txt"
+    )
+    parser.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args()
+    packages = [p for group in (args.only or sorted(GROUPS)) for p in GROUPS[group]]
+    equivalent = set()
+    if args.equivalent.exists():
+        equivalent = {
+            line.split("#")[0].strip()
+            for line in args.equivalent.read_text().splitlines()
+            if line.split("#")[0].strip()
+        }
+    mutants = _all_mutants(packages)
+    chosen = random.Random(args.seed).sample(mutants, min(args.sample, len(mutants)))
+    print(f"{len(mutants)} mutation sites in {', '.join(packages)}; sampling {len(chosen)}")
+    with tempfile.TemporaryDirectory(prefix="loom-mutants-") as scratch_name:
+        scratch = Path(scratch_name)
+        for part in ("packages", "tests", "docs", "conftest.py", "pyproject.toml"):
+            source = ROOT / part
+            if source.is_dir():
+                shutil.copytree(
+                    source, scratch / part, ignore=shutil.ignore_patterns("__pycache__")
+                )
+            else:
+                shutil.copy(source, scratch / part)
+        _check_baseline(scratch, packages, args.timeout)
+        counts = {"caught": 0, "survived": 0, "timeout": 0, "equivalent": 0}
+        survivors: list[Mutant] = []
+        started = time.monotonic()
+        for index, mutant in enumerate(sorted(chosen, key=lambda m: (str(m.path), m.number)), 1):
+            if mutant.id in equivalent:
+                counts["equivalent"] += 1
+                continue
+            outcome = _run(scratch, mutant, args.timeout)
+            counts[outcome] += 1
+            if outcome == "survived":
+                survivors.append(mutant)
+            print(f"[{index}/{len(chosen)}] {outcome:<8} {mutant.id}", flush=True)
+    judged = counts["caught"] + counts["timeout"] + counts["survived"]
+    score = (counts["caught"] + counts["timeout"]) / judged if judged else 1.0
+    print(
+        f"\ncaught {counts['caught'] + counts['timeout']} of {judged} behaviour-changing "
+        f"mutants ({score:.1%}); {counts['equivalent']} listed as equivalent; "
+        f"{time.monotonic() - started:.0f} s"
+    )
+    for mutant in survivors:
+        print(f"SURVIVED {mutant.id}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
