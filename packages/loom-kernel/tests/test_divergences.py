@@ -137,6 +137,17 @@ def _program(ops: list[Op], insert: tuple[int, str] | None) -> Any:
     return program
 
 
+def _parked_at_last(ops: list[Op]) -> MemoryStore:
+    """A store holding run "p" of `ops`, every gate passed but the last."""
+    store = MemoryStore()
+    engine = Engine(store, [_program(ops, None)], listeners=[])
+    run = engine.start("program", key="p")
+    while run.waiting_on is not None and run.waiting_on != "last":
+        run = engine.resume("p", run.waiting_on)
+    assert run.waiting_on == "last"
+    return store
+
+
 ops_strategy = st.lists(
     st.tuples(st.sampled_from(["step", "gate"]), st.sampled_from(["a", "b", "c"])),
     min_size=1,
@@ -149,12 +160,7 @@ ops_strategy = st.lists(
 def test_a_call_inserted_before_recorded_history_is_refused_and_journals_nothing(
     ops: list[Op], data: st.DataObject
 ) -> None:
-    store = MemoryStore()
-    engine = Engine(store, [_program(ops, None)], listeners=[])
-    run = engine.start("program", key="p")
-    while run.waiting_on is not None and run.waiting_on != "last":
-        run = engine.resume("p", run.waiting_on)
-    assert run.waiting_on == "last"
+    store = _parked_at_last(ops)
     journal = store.read("ex/p")
     position = data.draw(st.integers(0, len(ops) - 1), label="insert before op")
     kind = data.draw(st.sampled_from(sorted(INSERTS)), label="inserted call")
@@ -190,3 +196,37 @@ def test_the_issue_example_a_fraud_check_inserted_before_a_passed_gate() -> None
         deployed.resume("o", "shipped")
     assert (caught.value.index, caught.value.found) == (1, "fraud_check")
     assert box.store.read("ex/o") == journal
+
+
+def _cut_short(ops: list[Op], after: int, ending: str) -> Any:
+    @flow(name="program", version="1")
+    def program(ctx: Context, _input: Any) -> Any:
+        for kind, name in ops[:after]:
+            if kind == "step":
+                ctx.step(name, lambda name=name: name)
+            else:
+                ctx.suspend(name)
+        if ending == "fails":
+            raise RuntimeError("gave up early")
+        return "returned early"
+
+    return program
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=ops_strategy, data=st.data())
+def test_a_flow_that_ends_before_its_recorded_history_is_refused(
+    ops: list[Op], data: st.DataObject
+) -> None:
+    store = _parked_at_last(ops)
+    journal = store.read("ex/p")
+    after = data.draw(st.integers(0, len(ops) - 1), label="ops the new code reaches")
+    ending = data.draw(st.sampled_from(["returns", "fails"]), label="how it ends")
+    changed = Engine(store, [_cut_short(ops, after, ending)], listeners=[])
+    with pytest.raises(NonDeterminismError, match="first") as caught:
+        changed.resume("p", "done")
+    assert caught.value.found == "(nothing: the code returned first)" or ending == "fails"
+    assert store.read("ex/p") == journal, "no completion journaled, the payload not spent"
+    assert changed.get("p").status is Status.SUSPENDED
+    done = Engine(store, [_program(ops, None)], listeners=[]).resume("p", "done")
+    assert done.status is Status.COMPLETED

@@ -33,9 +33,12 @@ def run_flow(
     Raises:
         ConflictError: another writer moved the journal (this run stopped).
         NonDeterminismError, InvalidArgumentError: the code misused or diverged from
-            the journal; the journal is left as it was.
+            the journal (including returning or failing before it reached every
+            recorded call); the journal is left as it was.
     """
-    ending, _context = _execute(definition, runtime, state, control)
+    ending, context = _execute(definition, runtime, state, control)
+    if ending is not None:
+        _refuse_unconsumed(state.id, ending, context)
     return ending
 
 
@@ -52,18 +55,26 @@ def replay_check(definition: Flow, runtime: Runtime, state: ExecutionState) -> N
     """
     control = DriveControl(replay_only=True)
     ending, context = _execute(definition, runtime, state.copy(), control)
+    _refuse_unconsumed(state.id, ending, context)
+
+
+def _refuse_unconsumed(
+    execution_id: str,
+    ending: ExecutionCompleted | ExecutionFailed | None,
+    context: Context | AsyncContext,
+) -> None:
+    """Raise when the code stopped before reaching every call the journal records."""
     missed = context.unconsumed()
-    if missed is not None:
-        kind, index, name = missed
-        if isinstance(ending, ExecutionFailed):
-            found = (
-                f"(nothing: the code failed first with {ending.error.type}: {ending.error.message})"
-            )
-        elif isinstance(ending, ExecutionCompleted):
-            found = "(nothing: the code returned first)"
-        else:
-            found = "(nothing: the code stopped first)"
-        raise NonDeterminismError(state.id, kind, index, name, found)
+    if missed is None:
+        return
+    kind, index, name = missed
+    if isinstance(ending, ExecutionFailed):
+        found = f"(nothing: the code failed first with {ending.error.type}: {ending.error.message})"
+    elif isinstance(ending, ExecutionCompleted):
+        found = "(nothing: the code returned first)"
+    else:
+        found = "(nothing: the code stopped first)"
+    raise NonDeterminismError(execution_id, kind, index, name, found)
 
 
 def _execute(
