@@ -8,7 +8,7 @@ import inspect
 import itertools
 import random as _random
 import uuid as _uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import timedelta
 from functools import partial
 from typing import TYPE_CHECKING, Any, Final, TypeVar
@@ -157,6 +157,7 @@ class _Replay:
         self._control = control or DriveControl()
         self._inside_step: str | None = None  # sync flows: the step whose function runs
         self._halted: Unwind | None = None
+        self.replay_again = False
 
     @property
     def halted(self) -> Unwind | None:
@@ -166,6 +167,14 @@ class _Replay:
         cannot make the run go on: every later ctx call raises it again, and the
         engine ends the drive on it whatever the flow returns.
         """
+        return self._halted
+
+    def _replay_again(self) -> Unwind:
+        """Stop this pass so the flow's code runs again from the top on the journal
+        (async flows: it was about to see how concurrent steps finished)."""
+        if self._halted is None:
+            self._halted = Unwind()
+            self.replay_again = True
         return self._halted
 
     def _halt(self, error: LoomError | None = None) -> Unwind:
@@ -233,11 +242,27 @@ class _Replay:
                 )
             )
 
+    def _before_claim(self, call: str) -> None:
+        """Checks an async context makes before a call takes an index."""
+
+    def _cut_short(self, name: str, exc: BaseException) -> None:
+        """A step function ended by a BaseException (a cancel, an interrupt): stop the
+        drive on it, since the journal cannot say whether the step's work happened."""
+        self._halt(
+            InvalidArgumentError(
+                f"step {name!r} was cut short by {type(exc).__name__} before it finished "
+                "(asyncio.wait_for, a cancelled task, an exception that is not an "
+                "Exception): the journal could not say whether its work happened, so a "
+                "replay could not match it; put timeouts inside the step function"
+            )
+        )
+
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
         if not isinstance(name, str) or not name:
             raise self._halt(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
         if self._halted is not None:
             raise self._halted
+        self._before_claim(f"ctx.step({name!r})")
         self._refuse_inside_step(f"ctx.step({name!r})")
         index = self._step_index
         self._step_index += 1
@@ -419,6 +444,7 @@ class _Replay:
             )
         if self._halted is not None:
             raise self._halted
+        self._before_claim(f"ctx.patched({change!r})")
         self._refuse_inside_step(f"ctx.patched({change!r})")
         name = PATCH_PREFIX + change
         frame = self._state.steps.get(self._step_index)
@@ -505,6 +531,9 @@ class Context(_Replay):
             except Exception as exc:
                 self._runtime.sleep(self._retry_delay(policy, index, name, exc, attempt))
                 continue
+            except BaseException as exc:
+                self._cut_short(name, exc)
+                raise
             if type(value) not in PLAIN_TYPES and inspect.isawaitable(value):
                 if inspect.iscoroutine(value):
                     value.close()
@@ -530,14 +559,52 @@ class Context(_Replay):
         self._gate(TIMER_GATE, self._sleep_seconds(duration))
 
 
+class _Resumptions:
+    """Awaits a coroutine, calling `check` each time the event loop resumes it.
+
+    `check` returns a stop to throw into the coroutine instead of resuming it, or None.
+    """
+
+    __slots__ = ("_check", "_coroutine")
+
+    def __init__(
+        self, coroutine: Coroutine[Any, Any, Any], check: Callable[[], Unwind | None]
+    ) -> None:
+        self._coroutine = coroutine
+        self._check = check
+
+    def __await__(self) -> Generator[Any, Any, Any]:
+        coroutine = self._coroutine
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                yielded = coroutine.send(value) if error is None else coroutine.throw(error)
+            except StopIteration as stop:
+                return stop.value
+            value, error = None, None
+            try:
+                value = yield yielded
+            except BaseException as exc:  # a cancel or close: handed to the flow's code
+                error = exc
+            if error is None:
+                error = self._check()
+
+
 class AsyncContext(_Replay):
     """What an `async def` flow receives as `ctx`: the same journal, awaitable calls.
 
     The rule in async flows: `step`, `suspend` and `sleep` return awaitables, and each
     must be awaited before the flow parks or returns (an un-awaited one would silently
     not happen, so it is refused). `now`, `random` and `uuid` are plain calls, as in a
-    sync flow. Steps may run concurrently (`asyncio.gather`); gates may not: a
-    `suspend` or `sleep` is refused unless the flow's own task awaits it.
+    sync flow. Every ctx call is made by the flow's own code (its own task); steps may
+    run concurrently when that code gathers them (`asyncio.gather(ctx.step(...),
+    ctx.step(...))`). The flow's code never sees how new concurrent steps finished:
+    when it would (it resumes after one finished elsewhere), the pass ends, the steps
+    still running finish and are journaled, and the code runs again from the top on
+    the journal, where every step is recorded and they finish in the order they were
+    called. So what the code decides never depends on timing. Gates are awaited by
+    the flow's own task, one at a time.
     """
 
     def __init__(
@@ -546,20 +613,60 @@ class AsyncContext(_Replay):
         super().__init__(runtime, state, control)
         self._task: asyncio.Task[Any] | None = None
         self._unstarted: dict[object, tuple[str, Coroutine[Any, Any, Any]]] = {}
+        self._in_flight: set[int] = set()  # new steps whose functions are running
+        self._quiet: asyncio.Future[None] | None = None  # done when none is running
+        self._own_step = False  # the flow's own task is running a new step's function
+        self._finished_elsewhere = False  # a new step finished in another task
+        self._replaying: dict[int, asyncio.Future[None] | None] = {}  # see _in_call_order
 
     async def run(self, flow: Coroutine[Any, Any, Any]) -> Any:
-        """Run the flow's coroutine as the task its gates must be awaited in."""
+        """Run the flow's coroutine as the task its ctx calls must come from; however
+        the pass ends, the new steps it started finish and are journaled first."""
         self._task = asyncio.current_task()
         try:
-            result = await flow
+            result = await _Resumptions(flow, self._on_resume)
+            self._refuse_unawaited("returned")
+            if self._in_flight:
+                raise self._replay_again()
+            return result
         finally:
             self._task = None
-        self._refuse_unawaited("returned")
-        return result
+            for _what, coroutine in self._unstarted.values():
+                coroutine.close()
+            while self._in_flight:
+                self._quiet = asyncio.get_running_loop().create_future()
+                await self._quiet
+
+    def _on_resume(self) -> Unwind | None:
+        """The loop resumes the flow's code after new steps ran elsewhere: end the pass."""
+        if self._own_step or not (self._in_flight or self._finished_elsewhere):
+            return None
+        return self._replay_again()
 
     def _running_step(self) -> str | None:
         running = _RUNNING_STEP.get()
         return running[1] if running is not None and running[0] is self else None
+
+    def _before_claim(self, call: str) -> None:
+        task = self._task
+        if task is None:
+            return
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # another thread, with no loop
+            current = None
+        if current is task:
+            return
+        self._refuse_inside_step(call)
+        raise self._halt(
+            InvalidArgumentError(
+                f"{call} was called in another task than the flow's own (a coroutine run "
+                "by asyncio.gather, create_task or wait): which position it takes would "
+                "depend on timing, so a replay could not match it; call ctx in the flow "
+                "itself (asyncio.gather(ctx.step(...), ctx.step(...)) runs steps "
+                "concurrently), and make a branch of several steps one step or a child flow"
+            )
+        )
 
     def _track(
         self, what: str, make: Callable[[object], Coroutine[Any, Any, T]]
@@ -586,6 +693,8 @@ class AsyncContext(_Replay):
 
     def _before_new_gate(self) -> None:
         self._refuse_unawaited("parked")
+        if self._in_flight:
+            raise self._replay_again()
 
     def _gate_in_own_task(self, call: str) -> None:
         if self._halted is not None:
@@ -611,32 +720,97 @@ class AsyncContext(_Replay):
     ) -> Coroutine[Any, Any, Any]:
         """As `Context.step`, awaitable; `fn` may be sync or async.
 
-        A step's identity is its call order: steps gathered concurrently start in the
-        order they were given and replay correctly whatever order they finished in.
+        A step takes its position when `ctx.step` is called, in the flow's own code,
+        so steps gathered concurrently replay correctly whatever order they finished in.
         """
-        return self._track(
-            f"ctx.step({name!r})",
-            lambda token: self._step(token, name, partial(fn, *args, **kwargs), retry, returns),
-        )
-
-    async def _step(
-        self,
-        token: object,
-        name: str,
-        call: Callable[[], Any],
-        retry: RetryPolicy | None,
-        returns: type[T] | None,
-    ) -> Any:
-        self._unstarted.pop(token, None)
-        # The replay hot path, inline, as in Context.step.
-        frame = self._state.steps.get(self._step_index)
+        what = f"ctx.step({name!r})"
+        self._before_claim(what)
+        # The replay hot path, as in Context.step.
+        index = self._step_index
+        frame = self._state.steps.get(index)
         if frame is not None and frame.name == name and frame.error is None and returns is None:
             self._step_index += 1
-            return frame.result
-        index, replayed = self._begin_step(name, returns)
+            return self._track(what, lambda token: self._replayed_step(token, index, frame.result))
+        try:
+            index, replayed = self._begin_step(name, returns)
+        except Exception as exc:  # a recorded failure: raised where the step is awaited
+            failure = exc
+            return self._track(what, lambda token: self._replayed_step(token, index, None, failure))
         if replayed is not _MISSING:
-            return replayed
+            return self._track(what, lambda token: self._replayed_step(token, index, replayed))
+        call = partial(fn, *args, **kwargs)
         policy = retry or self._runtime.retry
+        return self._track(
+            what,
+            lambda token: self._new_step(token, index, name, call, policy=policy, returns=returns),
+        )
+
+    async def _replayed_step(
+        self, token: object, index: int, result: Any, failure: Exception | None = None
+    ) -> Any:
+        self._unstarted.pop(token, None)
+        if asyncio.current_task() is not self._task:
+            await self._in_call_order(index)
+        if failure is not None:
+            raise failure
+        return result
+
+    async def _in_call_order(self, index: int) -> None:
+        """Recorded steps running concurrently finish in the order they were called
+        (whatever order asyncio started their tasks in), so code that watches them
+        finish (asyncio.as_completed) sees the same order on every replay."""
+        waiting = self._replaying
+        waiting[index] = None
+        try:
+            await asyncio.sleep(0)  # siblings scheduled beside this one start too
+            if min(waiting) != index:
+                turn = waiting[index] = asyncio.get_running_loop().create_future()
+                await turn
+        finally:
+            del waiting[index]
+            if waiting:
+                following = waiting[min(waiting)]
+                if following is not None and not following.done():
+                    following.set_result(None)
+
+    async def _new_step(
+        self,
+        token: object,
+        index: int,
+        name: str,
+        call: Callable[[], Any],
+        *,
+        policy: RetryPolicy,
+        returns: type[Any] | None,
+    ) -> Any:
+        self._unstarted.pop(token, None)
+        if self._halted is not None:
+            raise self._halted  # the drive stopped before this step began
+        own = asyncio.current_task() is self._task
+        self._in_flight.add(index)
+        self._own_step = self._own_step or own
+        try:
+            value = await self._attempts(index, name, call, policy, returns)
+        finally:
+            self._in_flight.discard(index)
+            if own:
+                self._own_step = False
+            else:
+                self._finished_elsewhere = True
+            if not self._in_flight and self._quiet is not None and not self._quiet.done():
+                self._quiet.set_result(None)
+        if own and (self._in_flight or self._finished_elsewhere):
+            raise self._replay_again()
+        return value
+
+    async def _attempts(
+        self,
+        index: int,
+        name: str,
+        call: Callable[[], Any],
+        policy: RetryPolicy,
+        returns: type[T] | None,
+    ) -> Any:
         for attempt in itertools.count(1):
             running = _RUNNING_STEP.set((self, name))
             try:
@@ -653,6 +827,9 @@ class AsyncContext(_Replay):
                     self._retry_delay(policy, index, name, exc, attempt)
                 )
                 continue
+            except BaseException as exc:
+                self._cut_short(name, exc)
+                raise
             return self._journal_success(index, name, value, attempt, returns)
         raise AssertionError("unreachable")  # pragma: no cover
 

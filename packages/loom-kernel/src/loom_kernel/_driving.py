@@ -80,6 +80,17 @@ def _refuse_unconsumed(
 def _execute(
     definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
 ) -> tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]:
+    """Run the code from the top, again while a pass asks to (`Context.replay_again`):
+    each such pass journaled the steps it left running, so the next one gets further."""
+    while True:
+        ending, context = _execute_once(definition, runtime, state, control)
+        if not context.replay_again:
+            return ending, context
+
+
+def _execute_once(
+    definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
+) -> tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]:
     context: Context | AsyncContext = (
         AsyncContext(runtime, state, control)
         if definition.is_async
