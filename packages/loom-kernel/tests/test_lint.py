@@ -60,6 +60,54 @@ def test_every_rule_finds_its_problem_with_its_line() -> None:
     assert "fix: use ctx.now()" in str(first)
 
 
+IMPORTED_NAMES = """
+import time as t
+from time import time
+from random import random, getrandbits
+from uuid import uuid4
+from os import environ
+from loom_kernel import flow
+
+@flow
+def aliased(ctx, order):
+    a = t.time()                                # LOOM001
+    b = time()                                  # LOOM001
+    c = random()                                # LOOM002
+    d = getrandbits(8)                          # LOOM002
+    e = uuid4()                                 # LOOM003
+    f = environ.get("REGION")                   # LOOM004
+    g = environ["REGION"]                       # LOOM004
+
+    def stamp():
+        return time()                           # a step function: fine
+
+    if order:
+        def later():
+            return t.time()                     # nested deeper: not walked either
+    return ctx.step("stamp", stamp)
+"""
+
+
+def test_names_are_followed_through_imports_and_nested_functions_are_not_walked() -> None:
+    found = sorted((f.rule, f.line) for f in lint_source(IMPORTED_NAMES, "aliased.py"))
+    expected = sorted(
+        (line.split("# ")[-1].strip(), number)
+        for number, line in enumerate(IMPORTED_NAMES.splitlines(), start=1)
+        if "# LOOM" in line
+    )
+    assert found == expected
+
+
+def test_a_file_too_deep_to_parse_is_reported_not_raised(tmp_path: Path) -> None:
+    (tmp_path / "deep.py").write_text("x = " + "-" * 200_000 + "1\n")
+    (tmp_path / "nul.py").write_bytes(b"x = 1\x00\n")
+    from loom_kernel._lint import lint_paths
+
+    findings, unreadable = lint_paths([str(tmp_path)])
+    assert findings == []
+    assert len(unreadable) == 2
+
+
 def test_a_flow_is_found_by_its_decorator_or_its_ctx_parameter() -> None:
     source = textwrap.dedent(
         """

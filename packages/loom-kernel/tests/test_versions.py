@@ -22,7 +22,7 @@ from loom_kernel import (
     open_store,
 )
 from loom_kernel._cli import main
-from loom_kernel.testing import FakeClock
+from loom_kernel.testing import FakeClock, sandbox
 
 ran: list[str] = []
 
@@ -235,6 +235,29 @@ def test_replay_check_and_migrate_over_a_store(
     assert main(["replay-check", "--store", url, "--flows", "nocolon"]) == 2
 
 
+def test_replay_check_fails_on_runs_the_new_code_would_strand_and_on_an_empty_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.syspath_prepend(str(tmp_path))
+    url = f"sqlite:///{tmp_path}/loom.db"
+    with open_store(url) as store:
+        _engine_on(store, order_v1).start("order", key="a")
+    (tmp_path / "renamed.py").write_text(
+        MODULE.format(version="2", extra="").replace('name="order"', 'name="purchase"')
+    )
+    assert main(["replay-check", "--store", url, "--flows", "renamed:FLOWS"]) == 1
+    out = capsys.readouterr().out
+    assert "UNHOSTED   a: suspended run of flow 'order', which the new code" in out
+    assert "0 ok, 0 would diverge, 1 could not be checked" in out
+
+    typo = f"sqlite:///{tmp_path}/typo.db"
+    good = _module(tmp_path, "deploy_same", "2")
+    assert main(["replay-check", "--store", typo, "--flows", good]) == 2
+    assert "holds no runs at all" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["replay-check", "--store", url, "--flows", good, "--limit", "0"])
+
+
 def _engine_on(store: Any, *flows: Any) -> Engine:
     return Engine(store, flows, clock=FakeClock(), listeners=[])
 
@@ -263,3 +286,25 @@ def test_load_flows_takes_a_flow_a_function_or_a_list(
     with pytest.raises(InvalidArgumentError):
         load_flows("several:nothing")
     sys.modules.pop("several", None)
+
+
+def test_a_flow_version_that_is_not_registered_is_refused_not_swapped() -> None:
+    @flow(name="order", version="1")
+    def v1(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    @flow(name="order", version="2")
+    def v2(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    @flow(name="refund", version="2")
+    def other(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    box = sandbox(v2, other)
+    with pytest.raises(UnknownFlowError, match="no registered version 'version:1'"):
+        box.engine.start(v1)
+    assert list(box.engine.executions()) == []
+    box.engine.start(v2, key="o")
+    with pytest.raises(InvalidArgumentError, match="another flow than 'order'"):
+        box.engine.resume_as("o", other)

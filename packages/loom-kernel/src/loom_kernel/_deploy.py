@@ -44,25 +44,40 @@ def load_flows(spec: str) -> list[Flow]:
     return [item if isinstance(item, Flow) else flow(item) for item in items]
 
 
-def _candidates(engine: Engine, args: argparse.Namespace) -> Iterator[Execution | LoomError]:
-    """The live runs of the flows given (filtered by --flow, at most --limit), in id
-    order; a run that cannot be read comes as its error."""
+class _UnhostedError(LoomError):
+    """A live run of a flow the new code does not have: deploying it strands the run."""
+
+
+def _candidates(
+    engine: Engine, args: argparse.Namespace, seen: list[int]
+) -> Iterator[tuple[str, Execution | LoomError]]:
+    """The live runs (filtered by --flow, at most --limit), in id order, each with its
+    id; a run that cannot be read, or whose flow the new code lacks, comes as an
+    error. `seen[0]` counts every run in the store."""
     given = 0
     for execution_id in execution_ids(engine.store):
+        seen[0] += 1
         if args.limit is not None and given >= args.limit:
             return
         try:
             execution = engine.get(execution_id)
         except LoomError as exc:
             given += 1
-            yield exc
+            yield execution_id, exc
             continue
         if execution.status.finished or (args.flow and execution.flow != args.flow):
             continue
-        if not engine.hosts(execution.flow):
-            continue
         given += 1
-        yield execution
+        if not engine.hosts(execution.flow):
+            yield (
+                execution_id,
+                _UnhostedError(
+                    f"{execution.status.value} run of flow {execution.flow!r}, which the new "
+                    "code does not define: deploying it would strand this run"
+                ),
+            )
+            continue
+        yield execution_id, execution
 
 
 def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> int:
@@ -73,12 +88,17 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
     counts = {"ok": 0, "diverged": 0, "failed": 0}
+    seen = [0]
     with store:
         engine = Engine(store, flows, listeners=[])
-        for found in _candidates(engine, args):
+        for execution_id, found in _candidates(engine, args, seen):
+            if isinstance(found, _UnhostedError):
+                counts["failed"] += 1
+                print(f"UNHOSTED   {execution_id}: {found}")
+                continue
             if isinstance(found, LoomError):
                 counts["failed"] += 1
-                print(f"ERROR      {type(found).__name__}: {found}")
+                print(f"ERROR      {execution_id}: {type(found).__name__}: {found}")
                 continue
             try:
                 line = act(engine, found)
@@ -96,6 +116,12 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
                 continue
             counts["ok"] += 1
             print(line)
+    if not seen[0]:
+        print(
+            f"loom: the store at {args.store} holds no runs at all: is --store right?",
+            file=sys.stderr,
+        )
+        return 2
     print(
         f"{counts['ok']} ok, {counts['diverged']} would diverge, "
         f"{counts['failed']} could not be checked"
@@ -119,6 +145,13 @@ def _migrator(reason: str | None) -> Callable[[Engine, Execution], str]:
     return migrate
 
 
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"a limit is at least 1, not {number}")
+    return number
+
+
 def add_deploy_commands(commands: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
     """Add `replay-check` and `migrate` to the `loom` command's subparsers."""
     check = commands.add_parser(
@@ -134,7 +167,7 @@ def add_deploy_commands(commands: Any) -> dict[str, Callable[[argparse.Namespace
             "--flows", required=True, help="module:attribute of the flows to check against"
         )
         parser.add_argument("--flow", default=None, help="only runs of this flow")
-        parser.add_argument("--limit", type=int, default=None, help="at most this many runs")
+        parser.add_argument("--limit", type=_positive, default=None, help="at most this many runs")
     migrate.add_argument("--reason", default=None, help="recorded in each run's _migrations")
     return {
         "replay-check": lambda args: _run(args, _check),

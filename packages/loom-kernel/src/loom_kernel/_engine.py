@@ -146,8 +146,8 @@ class Engine:
         if found is None:
             known = ", ".join(sorted(self._newest)) or "none"
             raise UnknownFlowError(f"no flow named {key!r} is registered (registered: {known})")
-        if isinstance(name, Flow) and name.code_hash in self._flows[key]:
-            return self._flows[key][name.code_hash]
+        if isinstance(name, Flow):
+            return self._resolve_version(key, name)
         return found
 
     def hosts(self, name: str) -> bool:
@@ -185,6 +185,11 @@ class Engine:
             return self._flow(name)
         versions = self._flows.get(name, {})
         if isinstance(to, Flow):
+            if to.name != name:
+                raise InvalidArgumentError(
+                    f"{to.name!r} {to.code_hash} is another flow than {name!r}: a run moves "
+                    "only to a version of its own flow"
+                )
             wanted = to.code_hash
         elif isinstance(to, str) and to:
             wanted = to if ":" in to else f"version:{to}"

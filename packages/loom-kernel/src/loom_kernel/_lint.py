@@ -3,7 +3,9 @@
 A flow's body re-runs on every resume and must ask for the same calls each time, so
 anything in it that can differ between runs (the clock, randomness, the environment,
 I/O, threads, the order of a set) belongs in a step. Step functions (lambdas and
-nested functions) are not linted for that: they run once and are journaled. What a
+nested functions) are not linted for that: they run once and are journaled; nor is a
+helper function the flow calls (lint it as a flow by giving it `ctx` first). Names
+are followed through imports (`from time import time`, `import random as r`). What a
 flow is: a function decorated with `@flow`, or whose first parameter is `ctx`.
 
 The walk is iterative and never follows a symbolic link, so a link loop ends.
@@ -148,6 +150,21 @@ def _dotted(node: ast.expr) -> str | None:
     return None
 
 
+def _imported_names(tree: ast.Module) -> dict[str, str]:
+    """What each imported name stands for: `t` -> `time` for `import time as t`,
+    `uuid4` -> `uuid.uuid4` for `from uuid import uuid4`."""
+    names: dict[str, str] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.asname:
+                    names[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            for alias in node.names:
+                names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    return names
+
+
 def _flow_names(tree: ast.Module) -> set[str]:
     """The names `flow` is known by in a module (`from loom_kernel import flow as lf`)."""
     names = {"flow"}
@@ -170,8 +187,14 @@ def _is_flow(node: ast.FunctionDef | ast.AsyncFunctionDef, flow_names: set[str])
 class _FlowChecker:
     """The rules, applied to one flow function."""
 
-    def __init__(self, path: str, flow: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+    def __init__(
+        self,
+        path: str,
+        flow: ast.FunctionDef | ast.AsyncFunctionDef,
+        imported: dict[str, str] | None = None,
+    ) -> None:
         self.path = path
+        self.imported = imported or {}
         self.flow = flow
         self.is_async = isinstance(flow, ast.AsyncFunctionDef)
         arguments = flow.args.posonlyargs + flow.args.args
@@ -189,7 +212,11 @@ class _FlowChecker:
 
     def check(self) -> list[Finding]:
         parents: dict[ast.AST, ast.AST] = {}
-        todo: list[ast.AST] = list(self.flow.body)
+        todo: list[ast.AST] = [
+            statement
+            for statement in self.flow.body
+            if not isinstance(statement, ast.FunctionDef | ast.AsyncFunctionDef)
+        ]
         for statement in todo:
             parents[statement] = self.flow
         while todo:  # the flow's own body: nested functions and lambdas are not walked into
@@ -204,7 +231,7 @@ class _FlowChecker:
     def check_node(self, node: ast.AST, parents: dict[ast.AST, ast.AST]) -> None:
         if isinstance(node, ast.Call):
             self.check_call(node, parents)
-        elif isinstance(node, ast.Subscript) and _dotted(node.value) == "os.environ":
+        elif isinstance(node, ast.Subscript) and self.resolve(node.value) == "os.environ":
             self.add(node, *_CALLS["os.getenv"])
         elif isinstance(node, ast.For | ast.AsyncFor | ast.comprehension):
             iterable = node.iter
@@ -218,11 +245,24 @@ class _FlowChecker:
                     "iterate over sorted(...) instead",
                 )
 
+    def resolve(self, node: ast.expr) -> str | None:
+        """The dotted name of `node` with its head as imported (`t.time` -> `time.time`)."""
+        name = _dotted(node)
+        if name is None:
+            return None
+        head, dot, rest = name.partition(".")
+        if head == self.ctx or head not in self.imported:
+            return name
+        return self.imported[head] + dot + rest
+
     def check_call(self, call: ast.Call, parents: dict[ast.AST, ast.AST]) -> None:
         name = _dotted(call.func)
         if name is None:
             return
-        found = _CALLS.get(name) or _CALLS.get(".".join(name.split(".")[-2:]))
+        resolved = self.resolve(call.func) or name
+        found = _CALLS.get(resolved) or _CALLS.get(".".join(resolved.split(".")[-2:]))
+        if found is None and resolved.startswith(("random.", "secrets.")):
+            found = _CALLS["random.random"]
         if found is not None:
             self.add(call, *found)
             return
@@ -267,10 +307,11 @@ def lint_source(source: str, path: str = "<source>") -> list[Finding]:
     """
     tree = ast.parse(source, filename=path)
     flow_names = _flow_names(tree)
+    imported = _imported_names(tree)
     findings: list[Finding] = []
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and _is_flow(node, flow_names):
-            findings.extend(_FlowChecker(path, node).check())
+            findings.extend(_FlowChecker(path, node, imported).check())
     return findings
 
 
@@ -309,6 +350,6 @@ def lint_paths(paths: Iterable[str]) -> tuple[list[Finding], list[str]]:
     for path in python_files(paths):
         try:
             findings.extend(lint_source(path.read_text(encoding="utf-8"), str(path)))
-        except (OSError, UnicodeDecodeError, SyntaxError) as exc:
+        except (OSError, ValueError, SyntaxError, MemoryError, RecursionError) as exc:
             unreadable.append(f"{path}: {type(exc).__name__}: {exc}")
     return findings, unreadable
