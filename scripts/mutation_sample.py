@@ -39,12 +39,13 @@ PACKAGES = {
         "packages/loom-store-sqlite/src/loom_store_sqlite",
         ["packages/loom-store-sqlite/tests"],
     ),
+    "s3": ("packages/loom-store-s3/src/loom_store_s3", ["packages/loom-store-s3/tests"]),
     "orchestration": (
         "packages/loom-orchestration/src/loom_orchestration",
         ["packages/loom-orchestration/tests"],
     ),
 }
-GROUPS = {"kernel": ["kernel"], "stores": ["sqlite"], "orchestration": ["orchestration"]}
+GROUPS = {"kernel": ["kernel"], "stores": ["sqlite", "s3"], "orchestration": ["orchestration"]}
 #: Modules a mutant of which no test should be expected to catch: the command line's
 #: printing, the demo's narration, the benchmark-only and typing-only helpers.
 SKIPPED = {"_cli.py", "_demo.py", "_timeline.py", "__init__.py", "_deploy.py"}
