@@ -17,8 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from loom_kernel import (
     AsyncContext,
+    ConflictError,
     Context,
     InvalidArgumentError,
+    MemoryStore,
     Status,
     StepFailedError,
     flow,
@@ -198,3 +200,41 @@ def test_a_step_cancelled_before_it_starts_is_refused_as_never_awaited() -> None
     with pytest.raises(InvalidArgumentError, match="never awaited"):
         box.engine.start("cancels", key="c")
     assert "after" not in [record[1] for record in box.store.read("ex/c")]
+
+
+class UncheckedHeadStore(MemoryStore):
+    """A store whose head the engine does not look at before each step (as on S3)."""
+
+    head_is_cheap = False
+
+
+@pytest.mark.parametrize("store_class", [MemoryStore, UncheckedHeadStore])
+def test_a_store_error_while_a_pass_settles_ends_the_drive_and_runs_nothing_again(
+    store_class: type[MemoryStore],
+) -> None:
+    box_holder: list[Any] = []
+
+    async def cancelled_meanwhile() -> str:
+        calls.append("slow")
+        await asyncio.sleep(0.005)
+        box_holder[0].new_engine().cancel("c", reason="elsewhere")  # moves the head
+        return "slow"
+
+    @flow(name="moved", version="1")
+    async def moved(ctx: AsyncContext, _input: Any) -> Any:
+        steps = [
+            asyncio.ensure_future(ctx.step("slow", cancelled_meanwhile)),
+            asyncio.ensure_future(ctx.step("fast", work, "fast", 0.0)),
+        ]
+        await asyncio.wait(steps, return_when=asyncio.FIRST_COMPLETED)
+        return "done"
+
+    calls.clear()
+    box = sandbox(moved, store=store_class())
+    box_holder.append(box)
+    try:
+        run = box.engine.start("moved", key="c")
+    except ConflictError:
+        run = box.engine.get("c")
+    assert calls.count("slow") == 1, "the step whose append was refused did not run again"
+    assert run.status is Status.CANCELLED

@@ -178,9 +178,11 @@ class _Replay:
         return self._halted
 
     def _halt(self, error: LoomError | None = None) -> Unwind:
-        """Stop the drive: at a gate (no error) or on an error; the first stop holds."""
-        if self._halted is None:
+        """Stop the drive: at a gate (no error) or on an error; the first stop holds,
+        except that an error replaces a pass ending to run again (the error wins)."""
+        if self._halted is None or (error is not None and self.replay_again):
             self._halted = Unwind(error)
+            self.replay_again = False
         return self._halted
 
     @property

@@ -102,7 +102,7 @@ def _execute_once(
         else:
             result = definition.fn(context, state.input)
     except Unwind as unwind:
-        _raise_error(unwind)
+        _raise_error(context.halted or unwind)  # an error may have replaced a replay
         return None, context
     except (KeyboardInterrupt, SystemExit):
         raise
