@@ -20,6 +20,10 @@ __all__ = ["Interleaving"]
 Choose = Callable[[Sequence[str]], str]
 
 
+class _Abandoned(BaseException):
+    """Ends an actor whose run was given up (the scheduler raised): it never goes on."""
+
+
 class _Actor:
     def __init__(self, name: str, action: Callable[[], Any]) -> None:
         self.name = name
@@ -45,6 +49,7 @@ class Interleaving(JournalStore):
         self.head_is_cheap = store.head_is_cheap  # type: ignore[misc]
         self._actors: dict[int, _Actor] = {}
         self._changed = threading.Condition()
+        self._abandoned = False
 
     def run(self, actors: dict[str, Callable[[], Any]], choose: Choose) -> dict[str, Any]:
         """Run each actor in its own thread; before each store call, `choose` picks who
@@ -54,11 +59,28 @@ class Interleaving(JournalStore):
             Each actor's return value, or the exception it raised.
         """
         started = [_Actor(name, action) for name, action in actors.items()]
-        threads = [threading.Thread(target=self._body, args=(actor,)) for actor in started]
+        threads = [
+            threading.Thread(target=self._body, args=(actor,), daemon=True) for actor in started
+        ]
+        self._abandoned = False
         for thread, actor in zip(threads, started, strict=True):
             thread.start()
             self._actors[thread.ident or 0] = actor
             actor.go.set()  # to its first store call
+        try:
+            self._schedule(started, choose)
+        except BaseException:
+            self._abandoned = True  # hypothesis gave up, say: every parked actor ends
+            for actor in started:
+                actor.go.set()
+            raise
+        finally:
+            for thread in threads:
+                thread.join(timeout=60)
+            self._actors.clear()
+        return {actor.name: actor.error or actor.result for actor in started}
+
+    def _schedule(self, started: list[_Actor], choose: Choose) -> None:
         while True:
             with self._changed:
                 self._changed.wait_for(
@@ -74,10 +96,6 @@ class Interleaving(JournalStore):
             with self._changed:
                 chosen.waiting = False
             chosen.go.set()
-        for thread in threads:
-            thread.join()
-        self._actors.clear()
-        return {actor.name: actor.error or actor.result for actor in started}
 
     def _body(self, actor: _Actor) -> None:
         actor.go.wait()
@@ -100,6 +118,8 @@ class Interleaving(JournalStore):
             self._changed.notify_all()
         actor.go.wait()
         actor.go.clear()
+        if self._abandoned:
+            raise _Abandoned
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
         self._turn()
