@@ -80,6 +80,13 @@ class Mutant:
         return f"{self.path.name}:{self.line}:{self.column}:{self.operator}"
 
 
+def _is_export_list(node: ast.AST) -> bool:
+    """`__all__ = [...]`: what `import *` takes, which no module of the project uses."""
+    return isinstance(node, ast.Assign) and any(
+        isinstance(target, ast.Name) and target.id == "__all__" for target in node.targets
+    )
+
+
 def _is_docstring(node: ast.AST) -> bool:
     return (
         isinstance(node, ast.Expr)
@@ -113,7 +120,7 @@ def _sites(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
             yield node, "return None"
         elif isinstance(
             node, ast.Expr | ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Raise | ast.Delete
-        ) and not _is_docstring(node):
+        ) and not (_is_docstring(node) or _is_export_list(node)):
             yield node, "delete statement"
 
 

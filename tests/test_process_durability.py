@@ -144,3 +144,72 @@ def test_racing_worker_processes_double_nothing(
         _out, err = worker.communicate(timeout=300)
         assert worker.returncode == 0, err.decode()
     _check_journals(target, executions, steps, gate=True)
+
+
+OWNERSHIP_WORKER = Path(__file__).parent / "ownership_worker.py"
+
+
+def _slow_run_in_another_process(
+    target: _Target, tmp_path: Path
+) -> tuple[subprocess.Popen[str], Path, Path]:
+    side, flag = tmp_path / "side.txt", tmp_path / "flag"
+    flag.touch()
+    worker = subprocess.Popen(
+        [sys.executable, str(OWNERSHIP_WORKER), target.url, str(side), str(flag)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **target.environment, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+    deadline = time.monotonic() + 60
+    while not (side.exists() and side.read_text()) and time.monotonic() < deadline:
+        assert worker.poll() is None, worker.stderr.read() if worker.stderr else ""
+        time.sleep(0.02)
+    assert side.read_text() == "slow\n", "the slow step is running in the other process"
+    return worker, side, flag
+
+
+def _engine_on(target: _Target, side: Path, flag: Path) -> Engine:
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from ownership_flow import slow_then_after  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    with mock.patch.dict(os.environ, target.environment):
+        store = open_store(target.url)
+    return Engine(store, [slow_then_after(side, flag)], listeners=[])
+
+
+def test_recover_in_another_process_leaves_a_live_run_to_its_owner(
+    target: _Target, tmp_path: Path
+) -> None:
+    worker, side, flag = _slow_run_in_another_process(target, tmp_path)
+    try:
+        engine = _engine_on(target, side, flag)
+        with mock.patch.dict(os.environ, target.environment):
+            assert engine.recover() == [], "its owner is alive: not taken over"
+            view = engine.get("own")
+        assert worker.stdout is not None
+        owner = worker.stdout.readline().strip()
+        assert (view.status, view.owner) == (Status.RUNNING, owner)
+    finally:
+        flag.unlink()
+    assert worker.wait(60) == 0
+    assert side.read_text() == "slow\n", "the step ran once"
+    with mock.patch.dict(os.environ, target.environment):
+        assert engine.get("own").status is Status.COMPLETED
+
+
+def test_a_killed_owner_is_taken_over_at_once_on_its_machine(
+    target: _Target, tmp_path: Path
+) -> None:
+    worker, side, flag = _slow_run_in_another_process(target, tmp_path)
+    worker.kill()
+    worker.wait(30)
+    flag.unlink()
+    engine = _engine_on(target, side, flag)
+    with mock.patch.dict(os.environ, target.environment):
+        assert engine.recover() == ["own"], "its process is gone: no lease to wait out"
+        done = engine.get("own")
+    assert (done.status, done.result) == (Status.COMPLETED, ["slow done", "after"])
+    assert side.read_text() == "slow\nslow\n", "in flight at the kill: it ran again"

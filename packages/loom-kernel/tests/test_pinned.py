@@ -81,3 +81,88 @@ def test_a_bucket_deleted_between_listing_and_reading_is_skipped() -> None:
     clock.advance(100)
     assert engine.fire_due_timers() == ["second"]
     assert engine.get("first").status is Status.SUSPENDED, "its hint is gone, not doubled"
+
+
+def test_the_state_cache_drops_the_least_recently_used_first() -> None:
+    from loom_kernel._cache import StateCache
+    from loom_kernel._state import ExecutionState
+
+    cache = StateCache(2)
+    for name in ("a", "b"):
+        cache.give_back(ExecutionState(id=name))
+    used = cache.take("a")
+    assert used is not None
+    cache.give_back(used)  # "a" is now the most recently used
+    cache.give_back(ExecutionState(id="c"))
+    assert cache.take("b") is None, "the least recently used went"
+    assert cache.take("a") is used
+    assert cache.take("c") is not None
+
+
+def test_the_history_of_a_deleted_execution_is_not_found() -> None:
+    from loom_kernel import ExecutionNotFoundError
+
+    box = sandbox(counter)
+    box.engine.start("counter", key="gone")
+    box.store.delete("ex/gone")
+    with pytest.raises(ExecutionNotFoundError, match="was deleted"):
+        box.engine.history("gone")
+
+
+def test_decoding_no_records_gives_no_events() -> None:
+    from loom_kernel._codec import decode_events, parse_envelopes
+
+    assert parse_envelopes([]) == []
+    assert decode_events([]) == []
+
+
+def _legacy_store(frame_fields: tuple[str, ...] = ()) -> MemoryStore:
+    """The 1.15 fixture run, compacted, its snapshot's step frames without `frame_fields`."""
+    import json
+    from pathlib import Path
+
+    from loom_kernel.spi import NewRecord
+
+    fixture = json.loads((Path(__file__).parent / "fixtures" / "journal_1_15.json").read_text())
+    store = MemoryStore()
+    stream = "ex/" + fixture["execution_id"]
+    store.append(
+        stream,
+        0,
+        [
+            NewRecord(r["kind"], json.dumps(r["payload"]).encode(), r["timestamp"])
+            for r in fixture["records"]
+        ],
+    )
+    for _index, frame in fixture["snapshot"]["state"]["steps"]:
+        for field in frame_fields:
+            del frame[field]
+    snapshot = json.dumps(fixture["snapshot"]).encode()
+    store.append("snap/" + fixture["execution_id"], 0, [NewRecord("loom.snapshot", snapshot, 0.0)])
+    store.trim(stream, 5)
+    return store
+
+
+def test_a_snapshot_frame_without_attempts_counts_one() -> None:
+    engine = Engine(_legacy_store(("attempts",)), [], clock=FakeClock(), listeners=[])
+    assert engine.frames("legacy-1")[0].attempts == 1
+
+
+def test_a_snapshot_from_before_migrations_existed_migrates() -> None:
+    store = _legacy_store()
+
+    @flow(name="single_gate", version="2")
+    def single_gate_v2(ctx: Context, order: Any) -> Any:
+        quote = ctx.step("quote", lambda: {"total": 42})
+        return {"order": order, "quote": quote, "approval": ctx.suspend("approval")}
+
+    @flow(name="single_gate", version="1")
+    def single_gate_v1(ctx: Context, order: Any) -> Any:
+        quote = ctx.step("quote", lambda: {"total": 42})
+        return {"order": order, "quote": quote, "approval": ctx.suspend("approval")}
+
+    engine = Engine(store, [single_gate_v1, single_gate_v2], clock=FakeClock(), listeners=[])
+    assert engine.state("legacy-1").variables["_migrations"] == []
+    moved = engine.resume_as("legacy-1", "2", reason="test")
+    assert moved.code_hash == "version:2"
+    assert len(engine.state("legacy-1").variables["_migrations"]) == 1

@@ -16,6 +16,7 @@ from loom_kernel.events import (
     ErrorInfo,
     Event,
     ExecutionCancelled,
+    ExecutionClaimed,
     ExecutionCompleted,
     ExecutionFailed,
     ExecutionMigrated,
@@ -41,6 +42,8 @@ ALL_EVENTS: list[Event] = [
     ExecutionFailed(error=ErrorInfo("builtins.KeyError", "'x'")),
     ExecutionCancelled(reason="operator"),
     ExecutionMigrated(from_hash="sha256:aa", to_hash="sha256:bb", reason="fix"),
+    ExecutionClaimed(by="host.1:42:ab12", previous="host.2:7:cd34"),
+    ExecutionResumed(payload=None, key="timer:1", by="host.1:42:ab12"),
 ]
 
 
@@ -49,8 +52,8 @@ def test_known_event_types_equal_pinned() -> None:
     assert known_event_types() == PINNED
 
 
-def test_schema_version_is_1_16_0() -> None:
-    assert EVENT_SCHEMA == "1.16.0"
+def test_schema_version_is_1_17_0() -> None:
+    assert EVENT_SCHEMA == "1.17.0"
 
 
 def test_every_kind_has_an_example_here() -> None:

@@ -312,8 +312,12 @@ class _Replay:
             self._write([])  # the pending resume, at the exact head: the same check
             return
         stopped = self._control.stopped
-        if not stopped and not self._runtime.store.head_is_cheap:
-            return
+        if (
+            not stopped
+            and not self._runtime.store.head_is_cheap
+            and not self._runtime.engine.lease_in_doubt()
+        ):
+            return  # renewed within half a lease: nobody can have taken the run
         try:
             head = self._runtime.store.head(self._stream)
         except LoomError as exc:
@@ -387,7 +391,7 @@ class _Replay:
             self._append(
                 [
                     ExecutionSuspended(gate, on, wake_at),
-                    ExecutionResumed(None, timer_resume_key(gate)),
+                    ExecutionResumed(None, timer_resume_key(gate), self._runtime.engine.worker_id),
                 ]
             )
             return True, None

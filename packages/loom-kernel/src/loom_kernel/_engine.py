@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
+
+import attrs
 
 from loom_kernel._cache import StateCache
 from loom_kernel._codec import decode_events, encode_event, to_json
@@ -29,6 +32,7 @@ from loom_kernel._errors import (
 from loom_kernel._events import (
     Event,
     ExecutionCancelled,
+    ExecutionClaimed,
     ExecutionMigrated,
     ExecutionResumed,
     ExecutionStarted,
@@ -36,11 +40,22 @@ from loom_kernel._events import (
 from loom_kernel._executions import compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
 from loom_kernel._journal import JournalStore, check_gapless
+from loom_kernel._leases import (
+    DEFAULT_LEASE,
+    MAX_LEASE,
+    Heartbeat,
+    abandoned_here,
+    default_worker_id,
+    sighting,
+)
 from loom_kernel._listeners import Listener, Listeners, installed_listeners
 from loom_kernel._locks import KeyedLocks
+from loom_kernel._numbers import finite_number
 from loom_kernel._state import ExecutionState, Status, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
 from loom_kernel._views import Execution, HistoryEntry
+
+logger = logging.getLogger("loom")
 
 __all__ = ["Engine"]
 
@@ -66,6 +81,11 @@ class Engine:
         listeners: called when a run parks or ends (see `add_listener`); by default,
             every listener installed in the `loom.listeners` entry-point group (so
             installing loom-orchestration makes every engine deliver child outcomes).
+        worker_id: who this engine is in the journal (the owner of the runs it
+            drives); by default unique per engine, `<host>.<pid namespace>:<pid>:<nonce>`.
+        lease: seconds this engine may go without renewing its lease (it renews
+            every third of it while it drives) before another worker's `recover()`
+            may take its running runs over; see docs/running.md.
     """
 
     def __init__(
@@ -79,7 +99,16 @@ class Engine:
         retry: RetryPolicy | None = None,
         cache_size: int = 1024,
         listeners: Iterable[Listener] | None = None,
+        worker_id: str | None = None,
+        lease: float = DEFAULT_LEASE,
     ) -> None:
+        if not finite_number(lease) or not 0 < lease <= MAX_LEASE:
+            raise InvalidArgumentError(
+                f"a lease is a number of seconds above 0 and at most {MAX_LEASE:.0f}, not {lease!r}"
+            )
+        self.worker_id = default_worker_id() if worker_id is None else worker_id
+        self.lease = float(lease)
+        self._heartbeat = Heartbeat(store, self.worker_id, self.lease, clock)
         self.store = store
         self.clock = clock
         self.sleep = sleep
@@ -281,7 +310,8 @@ class Engine:
         with self._drives_lock:
             self._drives[state.id] = control
         try:
-            self._drive(state, control)
+            with self._heartbeat.holding(state.id):
+                self._drive(state, control)
         except ConflictError:
             if control.pending:
                 raise  # the resume itself lost the race: the caller's payload went nowhere
@@ -323,7 +353,9 @@ class Engine:
         data = to_json(input, "the flow input")
         execution_id = key if key is not None else uuid.uuid4().hex
         stream = self.stream_of(execution_id)
-        event = ExecutionStarted(definition.name, definition.code_hash, data, key, parent)
+        event = ExecutionStarted(
+            definition.name, definition.code_hash, data, key, parent, self.worker_id
+        )
         with self._locks.hold(execution_id):
             try:
                 self.store.append(stream, 0, [encode_event(event, self.clock())])
@@ -394,7 +426,7 @@ class Engine:
             # The resume is journaled with the drive's first new work, not before: a
             # replay that diverges before then journals nothing, and the run stays
             # parked at its gate for fixed code to take the same payload.
-            resumed = ExecutionResumed(data, key)
+            resumed = ExecutionResumed(data, key, self.worker_id)
             control = DriveControl([encode_event(resumed, self.clock())])
             state.apply(resumed)
             execution = self._drive_owned(state, control)
@@ -446,13 +478,18 @@ class Engine:
         return self._settled(execution)
 
     def get(self, execution_id: str) -> Execution:
-        """The execution's current view.
+        """The execution's current view; for a running run, who drives it and when that
+        worker was last seen, so a crash (seen longer ago than a lease) and a run
+        driven elsewhere are different answers.
 
         Raises:
             ExecutionNotFoundError: no such execution.
         """
         view: Execution = self._view(execution_id, Execution.of)
-        return view
+        if view.owner is None:
+            return view
+        seen = sighting(self.store, view.owner, self.stream_of(execution_id))
+        return attrs.evolve(view, owner_seen_at=seen.seen_at)
 
     def state(self, execution_id: str) -> ExecutionState:
         """A copy of the execution's full folded state (frames, gates, variables)."""
@@ -527,7 +564,11 @@ class Engine:
                 state = self._checkout(execution_id)
             except ExecutionNotFoundError:
                 return None  # deleted since the listing
-            if state.status is Status.RUNNING and state.flow in self._newest:
+            if (
+                state.status is Status.RUNNING
+                and state.flow in self._newest
+                and self._take_over(state)
+            ):
                 execution = self._drive_owned(state)
                 driven = execution_id
             else:
@@ -535,6 +576,40 @@ class Engine:
                 self._cache.give_back(state)
         self._settled(execution)
         return driven
+
+    def lease_in_doubt(self) -> bool:
+        """Whether this engine's lease may have run out (no renewal for half a lease):
+        a drive then looks at the journal's head before its next step, even on a store
+        where that costs a request."""
+        return self._heartbeat.in_doubt()
+
+    def _take_over(self, state: ExecutionState) -> bool:
+        """Whether this engine may drive a running run now, claiming it first when
+        another worker owned it (an append at the exact head: one taker wins, and the
+        old owner's next append is refused)."""
+        owner = state.owner
+        if owner is None:
+            return True  # journaled before owners were (schema 1.16): as before
+        if owner == self.worker_id and abandoned_here(owner, state.id):
+            return True  # this engine's own drive stopped (a store fault, say)
+        if owner != self.worker_id:
+            if not abandoned_here(owner, state.id):
+                seen = sighting(self.store, owner, self.stream_of(state.id))
+                if not seen.expired(self.clock(), self.lease):
+                    logger.info(
+                        "loom: %s is running on %s (seen %.1f s ago): not taken over",
+                        state.id,
+                        owner,
+                        self.clock() - (seen.seen_at or 0.0),
+                    )
+                    return False
+        elif owner == self.worker_id:
+            return False  # being driven by this engine, in another thread
+        try:
+            self._append(state, [ExecutionClaimed(self.worker_id, owner)])
+        except ConflictError:
+            return False  # another taker, a cancel or the owner itself moved first
+        return True
 
     def fire_due_timers(self) -> list[str]:
         """Wake every run whose timer is due by the engine's clock.

@@ -18,6 +18,7 @@ __all__ = [
     "ErrorInfo",
     "Event",
     "ExecutionCancelled",
+    "ExecutionClaimed",
     "ExecutionCompleted",
     "ExecutionFailed",
     "ExecutionMigrated",
@@ -31,7 +32,7 @@ __all__ = [
     "known_event_types",
 ]
 
-EVENT_SCHEMA: Final = "1.16.0"
+EVENT_SCHEMA: Final = "1.17.0"
 
 
 @attrs.frozen
@@ -52,7 +53,8 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 @attrs.frozen
 class ExecutionStarted:
-    """An execution began: the flow, the pinned hash of its code, its input."""
+    """An execution began: the flow, the pinned hash of its code, its input, and the
+    worker that drives it (`by`, from 1.17.0)."""
 
     KIND: ClassVar[str] = "EXECUTION_STARTED"
     flow: str
@@ -60,6 +62,7 @@ class ExecutionStarted:
     input: Any
     key: str | None = None
     parent: str | None = None
+    by: str | None = None
 
 
 @attrs.frozen
@@ -96,11 +99,24 @@ class ExecutionSuspended:
 
 @attrs.frozen
 class ExecutionResumed:
-    """A payload was delivered to the parked gate (`key` dedupes re-deliveries)."""
+    """A payload was delivered to the parked gate (`key` dedupes re-deliveries); `by`
+    is the worker that drives the run on from there (from 1.17.0)."""
 
     KIND: ClassVar[str] = "EXECUTION_RESUMED"
     payload: Any
     key: str | None = None
+    by: str | None = None
+
+
+@attrs.frozen
+class ExecutionClaimed:
+    """Worker `by` took over a running run whose owner (`previous`) stopped renewing
+    its lease; appended at the exact head, so one taker wins and the old owner's next
+    append is refused."""
+
+    KIND: ClassVar[str] = "EXECUTION_CLAIMED"
+    by: str
+    previous: str | None = None
 
 
 @attrs.frozen
@@ -147,6 +163,7 @@ Event = (
     | ExecutionFailed
     | ExecutionCancelled
     | ExecutionMigrated
+    | ExecutionClaimed
 )
 
 _CLASSES: Final[tuple[type[Any], ...]] = (
@@ -159,6 +176,7 @@ _CLASSES: Final[tuple[type[Any], ...]] = (
     ExecutionFailed,
     ExecutionCancelled,
     ExecutionMigrated,
+    ExecutionClaimed,
 )
 _BY_KIND: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in _CLASSES}
 
@@ -174,6 +192,7 @@ PINNED: Final = frozenset(
         "EXECUTION_FAILED",
         "EXECUTION_CANCELLED",
         "EXECUTION_MIGRATED",
+        "EXECUTION_CLAIMED",
     }
 )
 

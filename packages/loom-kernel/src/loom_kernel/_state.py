@@ -16,6 +16,7 @@ from loom_kernel._events import (
     ErrorInfo,
     Event,
     ExecutionCancelled,
+    ExecutionClaimed,
     ExecutionCompleted,
     ExecutionFailed,
     ExecutionMigrated,
@@ -120,6 +121,8 @@ class ExecutionState:
         variables: fold keys: `_resumePayload` (latest), `_resumePayloads` (ordered,
             append-only) and `_migrations` (append-only audit).
         resume_keys: dedupe keys of the resumes delivered so far.
+        owner: the worker driving the run while it is running (the `by` of its last
+            start, resume or claim), else None.
     """
 
     id: str
@@ -137,6 +140,7 @@ class ExecutionState:
     cancel_reason: str | None = None
     variables: dict[str, Any] = attrs.Factory(_variables)
     resume_keys: list[str] = attrs.Factory(list)
+    owner: str | None = None
 
     @property
     def resume_payloads(self) -> list[Any]:
@@ -190,25 +194,27 @@ class ExecutionState:
         self.position += 1
         if isinstance(event, ExecutionSuspended):
             self.gates.append(Gate(event.on, event.wake_at))
-            self.status = Status.SUSPENDED
+            self.status, self.owner = Status.SUSPENDED, None
         elif isinstance(event, ExecutionResumed):
             self.variables[RESUME_PAYLOAD] = event.payload
             self.resume_payloads.append(event.payload)
             if event.key is not None:
                 self.resume_keys.append(event.key)
-            self.status = Status.RUNNING
+            self.status, self.owner = Status.RUNNING, event.by
         elif isinstance(event, ExecutionStarted):
             self.flow, self.code_hash, self.input = event.flow, event.code_hash, event.input
             self.key, self.parent = event.key, event.parent
-            self.status = Status.RUNNING
+            self.status, self.owner = Status.RUNNING, event.by
         elif isinstance(event, StepFailed):
             self.steps[event.index] = StepFrame(event.name, None, event.error, event.attempts)
         elif isinstance(event, ExecutionCompleted):
-            self.result, self.status = event.result, Status.COMPLETED
+            self.result, self.status, self.owner = event.result, Status.COMPLETED, None
         elif isinstance(event, ExecutionFailed):
-            self.error, self.status = event.error, Status.FAILED
+            self.error, self.status, self.owner = event.error, Status.FAILED, None
         elif isinstance(event, ExecutionCancelled):
-            self.cancel_reason, self.status = event.reason, Status.CANCELLED
+            self.cancel_reason, self.status, self.owner = event.reason, Status.CANCELLED, None
+        elif isinstance(event, ExecutionClaimed):
+            self.owner = event.by
         elif isinstance(event, ExecutionMigrated):
             self.variables[MIGRATIONS].append(
                 {"from": event.from_hash, "to": event.to_hash, "reason": event.reason}

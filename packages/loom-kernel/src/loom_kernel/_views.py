@@ -30,6 +30,9 @@ class Execution:
         code_hash: the pinned hash of the flow's code.
         position: how many journal records it has.
         cancel_reason: why it was cancelled, once cancelled.
+        owner: while it runs, the worker driving it (see docs/running.md).
+        owner_seen_at: when that worker was last seen alive (its last lease renewal
+            or the run's last record, by its clock); filled in by `Engine.get`.
     """
 
     id: str
@@ -45,6 +48,8 @@ class Execution:
     code_hash: str
     position: int
     cancel_reason: str | None = None
+    owner: str | None = None
+    owner_seen_at: float | None = None
 
     @classmethod
     def of(cls, state: ExecutionState) -> Execution:
@@ -64,6 +69,7 @@ class Execution:
             code_hash=state.code_hash,
             position=state.position,
             cancel_reason=state.cancel_reason,
+            owner=state.owner if state.status is Status.RUNNING else None,
         )
 
 

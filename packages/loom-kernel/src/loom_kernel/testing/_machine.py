@@ -183,6 +183,8 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
             before = max(0, self.model_head(stream) + 1 - back)
             self.both(f"trim({stream!r}, {before})", lambda s: s.trim(stream, before), twin)
             self.after_write(stream)
+            kept = max(0, before - 1)
+            self.both(f"read({stream!r}, {kept}) after a trim", lambda s: s.read(stream, kept))
 
         @rule(stream=st.sampled_from(STREAMS), dice=st.integers(0, 5), twin=st.booleans())
         def delete(self, stream: str, dice: int, twin: bool) -> None:

@@ -1,0 +1,195 @@
+"""Runs have owners: a live owner's run is not taken over, an expired or abandoned one
+is, by an append at the exact head that fences the old owner."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    ConflictError,
+    Context,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    Status,
+    flow,
+)
+from loom_kernel.events import ExecutionResumed, ExecutionStarted
+from loom_kernel.testing import FakeClock
+
+REMOTE = "other-host.1:4242:abcdef"  # a worker of another machine: only its lease tells
+
+
+def _kinds(store: MemoryStore, execution_id: str) -> list[str]:
+    return [record.kind for record in store.read("ex/" + execution_id)]
+
+
+def _left_running_by(store: MemoryStore, owner: str, clock: FakeClock) -> None:
+    """Run "r" started by `owner`, which journaled one step and stopped being heard of."""
+    from loom_kernel._codec import encode_event, encode_step_completed
+
+    started = ExecutionStarted("two_steps", "version:1", None, "r", None, owner)
+    store.append(
+        "ex/r",
+        0,
+        [
+            encode_event(started, clock()),
+            encode_step_completed(0, "first", "1", 1, clock()),
+        ],
+    )
+
+
+calls: list[str] = []
+
+
+def _second() -> int:
+    calls.append("second")
+    return 2
+
+
+@flow(name="two_steps", version="1")
+def two_steps(ctx: Context, _input: Any) -> Any:
+    first = ctx.step("first", lambda: 1)
+    second = ctx.step("second", _second)
+    return [first, second]
+
+
+def test_a_run_of_a_live_owner_is_not_taken_over_until_its_lease_runs_out() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    _left_running_by(store, REMOTE, clock)
+    engine = Engine(store, [two_steps], clock=clock, lease=30.0, listeners=[])
+    calls.clear()
+
+    clock.advance(29.0)
+    assert engine.recover() == []
+    view = engine.get("r")
+    assert (view.status, view.owner, view.owner_seen_at) == (Status.RUNNING, REMOTE, 1_000.0)
+    assert calls == []
+
+    clock.advance(2.0)  # 31 s since it was last seen: the lease ran out
+    assert engine.recover() == ["r"]
+    assert calls == ["second"]
+    assert _kinds(store, "r")[2] == "EXECUTION_CLAIMED"
+    done = engine.get("r")
+    assert (done.status, done.result, done.owner) == (Status.COMPLETED, [1, 2], None)
+
+
+def test_a_lease_renewal_keeps_the_run() -> None:
+    from loom_kernel._codec import encode_event  # noqa: F401  (the beat is a plain record)
+    from loom_kernel.spi import NewRecord
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    _left_running_by(store, REMOTE, clock)
+    clock.advance(100.0)
+    store.append("workers/" + REMOTE, 0, [NewRecord("loom.beat", b"{}", clock())])
+    clock.advance(10.0)
+    engine = Engine(store, [two_steps], clock=clock, lease=30.0, listeners=[])
+    assert engine.recover() == [], "renewed 10 s ago: still its owner's"
+    assert engine.get("r").owner_seen_at == 1_100.0
+
+
+def test_the_old_owner_is_fenced_by_the_claim() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    old = Engine(store, [two_steps], clock=clock, worker_id=REMOTE, listeners=[])
+    _left_running_by(store, REMOTE, clock)
+    stale = old.state("r")  # what the old owner folded before it was paused
+    clock.advance(60.0)
+    taker = Engine(store, [two_steps], clock=clock, listeners=[])
+    assert taker.recover() == ["r"]
+    from loom_kernel._codec import encode_step_completed
+
+    with pytest.raises(ConflictError):  # the old owner wakes up and tries to go on
+        store.append("ex/r", stale.position, [encode_step_completed(1, "second", "9", 1, 0.0)])
+    assert taker.get("r").result == [1, 2]
+
+
+def test_a_run_left_by_an_engine_of_this_process_is_taken_over_at_once() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    first = Engine(store, [two_steps], clock=clock, listeners=[])
+    _left_running_by(store, first.worker_id, clock)  # its drive ended, say by a fault
+    second = Engine(store, [two_steps], clock=clock, listeners=[])
+    calls.clear()
+    assert second.recover() == ["r"], "nobody here drives it: no lease to wait out"
+    assert calls == ["second"]
+
+
+def test_a_run_driven_in_this_process_is_not_driven_twice() -> None:
+    store = MemoryStore()
+    entered, release = threading.Event(), threading.Event()
+    effects: list[str] = []
+
+    def slow() -> str:
+        effects.append("slow")
+        entered.set()
+        release.wait(10)
+        return "done"
+
+    @flow(name="slow_flow", version="1")
+    def slow_flow(ctx: Context, _input: Any) -> Any:
+        return ctx.step("slow", slow)
+
+    driver = Engine(store, [slow_flow], listeners=[])
+    other = Engine(store, [slow_flow], listeners=[])
+    thread = threading.Thread(target=lambda: driver.start("slow_flow", key="s"))
+    thread.start()
+    assert entered.wait(10)
+    try:
+        assert other.recover() == [], "a live drive here keeps its run"
+        view = other.get("s")
+        assert (view.status, view.owner) == (Status.RUNNING, driver.worker_id)
+    finally:
+        release.set()
+        thread.join(10)
+    assert effects == ["slow"]
+    assert other.get("s").status is Status.COMPLETED
+
+
+def test_starts_and_resumes_name_their_driver() -> None:
+    from loom_kernel._codec import decode_events
+
+    @flow(name="gated", version="1")
+    def gated(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    store = MemoryStore()
+    starter = Engine(store, [gated], worker_id="starter", listeners=[])
+    resumer = Engine(store, [gated], worker_id="resumer", listeners=[])
+    starter.start("gated", key="g")
+    assert starter.get("g").owner is None, "parked: nobody owns it"
+    resumer.resume("g", "ok")
+    events = decode_events(store.read("ex/g"))
+    assert isinstance(events[0], ExecutionStarted)
+    assert events[0].by == "starter"
+    resumed = next(event for event in events if isinstance(event, ExecutionResumed))
+    assert resumed.by == "resumer"
+
+
+def test_heartbeats_renew_the_lease_while_a_step_runs() -> None:
+    store = MemoryStore()
+
+    def slow() -> str:
+        threading.Event().wait(0.5)
+        return "done"
+
+    @flow(name="long_step", version="1")
+    def long_step(ctx: Context, _input: Any) -> Any:
+        return ctx.step("slow", slow)
+
+    engine = Engine(store, [long_step], lease=0.3, listeners=[])
+    engine.start("long_step", key="l")
+    assert store.head("workers/" + engine.worker_id) >= 2, "a beat every tenth of a second"
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("nan"), float("inf"), 86_401.0, "30"])
+def test_a_lease_is_a_positive_number_of_seconds(bad: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="a lease is"):
+        Engine(MemoryStore(), lease=bad)
+
+
+def test_a_worker_id_must_be_a_valid_id() -> None:
+    from loom_kernel import InvalidIdError
+
+    with pytest.raises(InvalidIdError):
+        Engine(MemoryStore(), worker_id="has space")
