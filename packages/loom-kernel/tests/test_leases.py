@@ -193,3 +193,59 @@ def test_a_worker_id_must_be_a_valid_id() -> None:
 
     with pytest.raises(InvalidIdError):
         Engine(MemoryStore(), worker_id="has space")
+
+
+def test_a_worker_restarted_under_its_configured_id_takes_its_runs_back_at_once() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    _left_running_by(store, "web-1", clock)
+    calls.clear()
+    restarted = Engine(store, [two_steps], clock=clock, worker_id="web-1", listeners=[])
+    assert restarted.recover() == ["r"]
+    assert calls == ["second"]
+    assert "EXECUTION_CLAIMED" not in _kinds(store, "r"), "already its own: nothing to claim"
+
+
+def test_a_step_that_calls_recover_does_not_drive_its_own_run_again() -> None:
+    store = MemoryStore()
+    seen: list[list[str]] = []
+
+    @flow(name="nested", version="1")
+    def nested(ctx: Context, _input: Any) -> Any:
+        def look() -> str:
+            seen.append(ctx.engine.recover())
+            return "looked"
+
+        return ctx.step("look", look)
+
+    engine = Engine(store, [nested], listeners=[])
+    assert engine.start("nested", key="n").status is Status.COMPLETED
+    assert seen == [[]]
+
+
+def test_a_run_just_started_in_this_process_is_not_claimed_before_its_first_step() -> None:
+    appended, go = threading.Event(), threading.Event()
+
+    class PausingAfterTheStart(MemoryStore):
+        """Stops the starting thread right after its start is journaled."""
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            head = super()._append(stream, expected, records)
+            if expected == 0 and stream == "ex/r":
+                appended.set()
+                go.wait(10)
+            return head
+
+    store = PausingAfterTheStart()
+    calls.clear()
+    starter = Engine(store, [two_steps], listeners=[])
+    thread = threading.Thread(target=lambda: starter.start("two_steps", key="r"))
+    thread.start()
+    assert appended.wait(10)
+    try:
+        recovered = Engine(store, [two_steps], listeners=[]).recover()
+    finally:
+        go.set()
+        thread.join(10)
+    assert recovered == [], "right after its start, the run is its starter's"
+    assert calls == ["second"]
+    assert "EXECUTION_CLAIMED" not in _kinds(store, "r")

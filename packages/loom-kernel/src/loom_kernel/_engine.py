@@ -46,6 +46,7 @@ from loom_kernel._leases import (
     Heartbeat,
     abandoned_here,
     default_worker_id,
+    driving_here,
     sighting,
 )
 from loom_kernel._listeners import Listener, Listeners, installed_listeners
@@ -356,7 +357,7 @@ class Engine:
         event = ExecutionStarted(
             definition.name, definition.code_hash, data, key, parent, self.worker_id
         )
-        with self._locks.hold(execution_id):
+        with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             try:
                 self.store.append(stream, 0, [encode_event(event, self.clock())])
             except ConflictError:
@@ -559,7 +560,7 @@ class Engine:
     def _recover_one(self, execution_id: str) -> str | None:
         """Drive one run if it is left running; its id if it was driven."""
         driven = None
-        with self._locks.hold(execution_id):
+        with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             try:
                 state = self._checkout(execution_id)
             except ExecutionNotFoundError:
@@ -590,21 +591,20 @@ class Engine:
         owner = state.owner
         if owner is None:
             return True  # journaled before owners were (schema 1.16): as before
-        if owner == self.worker_id and abandoned_here(owner, state.id):
-            return True  # this engine's own drive stopped (a store fault, say)
-        if owner != self.worker_id:
-            if not abandoned_here(owner, state.id):
-                seen = sighting(self.store, owner, self.stream_of(state.id))
-                if not seen.expired(self.clock(), self.lease):
-                    logger.info(
-                        "loom: %s is running on %s (seen %.1f s ago): not taken over",
-                        state.id,
-                        owner,
-                        self.clock() - (seen.seen_at or 0.0),
-                    )
-                    return False
-        elif owner == self.worker_id:
-            return False  # being driven by this engine, in another thread
+        if owner == self.worker_id:
+            # Ours: a drive of ours stopped (a store fault), or this worker restarted
+            # under its configured id; unless a drive of ours is on it right now.
+            return not driving_here(owner, state.id, besides=1)  # besides this recover
+        if not abandoned_here(owner, state.id):
+            seen = sighting(self.store, owner, self.stream_of(state.id))
+            if not seen.expired(self.clock(), self.lease):
+                logger.info(
+                    "loom: %s is running on %s (seen %.1f s ago): not taken over",
+                    state.id,
+                    owner,
+                    self.clock() - (seen.seen_at or 0.0),
+                )
+                return False
         try:
             self._append(state, [ExecutionClaimed(self.worker_id, owner)])
         except ConflictError:

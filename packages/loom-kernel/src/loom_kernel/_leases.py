@@ -39,6 +39,7 @@ __all__ = [
     "Sighting",
     "abandoned_here",
     "default_worker_id",
+    "driving_here",
     "sighting",
 ]
 
@@ -85,8 +86,7 @@ def abandoned_here(worker_id: str, execution_id: str) -> bool:
         return False
     pid = int(pid_text)
     if pid == os.getpid():
-        with _driving_lock:
-            return (worker_id, execution_id) not in _driving
+        return not driving_here(worker_id, execution_id)
     if os.name != "posix":
         return False
     try:
@@ -96,6 +96,14 @@ def abandoned_here(worker_id: str, execution_id: str) -> bool:
     except OSError:
         return False
     return False
+
+
+def driving_here(worker_id: str, execution_id: str, *, besides: int = 0) -> bool:
+    """Whether an engine of this process with `worker_id` is driving the run now (or
+    is about to: it holds the lease before its first append), not counting `besides`
+    holds the caller has itself."""
+    with _driving_lock:
+        return _driving.get((worker_id, execution_id), 0) > besides
 
 
 @attrs.frozen
