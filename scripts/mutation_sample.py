@@ -2,6 +2,7 @@
 
     python3 -m uv run python scripts/mutation_sample.py [--sample 200] [--seed 1]
         [--only kernel|stores|orchestration] [--equivalent scripts/equivalent-mutants.txt]
+        [--mutants ID ...]
 
 Each mutant is one small change to one module, made on its syntax tree: a statement
 deleted, `return X` made `return None`, a comparison or a boolean flipped, an integer
@@ -335,6 +336,12 @@ def main() -> int:
         "--equivalent", type=Path, default=ROOT / "scripts" / "equivalent-mutants.txt"
     )
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--mutants",
+        nargs="+",
+        default=None,
+        help="run these mutant ids (as printed) instead of a sample, e.g. to check survivors",
+    )
     args = parser.parse_args()
     packages = [p for group in (args.only or sorted(GROUPS)) for p in GROUPS[group]]
     equivalent = set()
@@ -345,7 +352,14 @@ def main() -> int:
             if line.split("#")[0].strip()
         }
     mutants = _all_mutants(packages)
-    chosen = random.Random(args.seed).sample(mutants, min(args.sample, len(mutants)))
+    if args.mutants:
+        wanted = set(args.mutants)
+        chosen = [mutant for mutant in mutants if mutant.id in wanted]
+        missing = wanted - {mutant.id for mutant in chosen}
+        if missing:
+            raise SystemExit(f"no such mutant here: {', '.join(sorted(missing))}")
+    else:
+        chosen = random.Random(args.seed).sample(mutants, min(args.sample, len(mutants)))
     print(f"{len(mutants)} mutation sites in {', '.join(packages)}; sampling {len(chosen)}")
     with tempfile.TemporaryDirectory(prefix="loom-mutants-") as scratch_name:
         scratch = Path(scratch_name)

@@ -166,3 +166,78 @@ def test_a_snapshot_from_before_migrations_existed_migrates() -> None:
     moved = engine.resume_as("legacy-1", "2", reason="test")
     assert moved.code_hash == "version:2"
     assert len(engine.state("legacy-1").variables["_migrations"]) == 1
+
+
+def test_the_parsed_version_cache_stays_bounded() -> None:
+    from loom_kernel._codec import _versions, decode_event
+    from loom_kernel.spi import NewRecord, Record
+
+    for minor in range(200):
+        payload = b'{"v":"1.%d.0","d":{"reason":null}}' % minor
+        record = Record(1, "EXECUTION_CANCELLED", payload, 0.0)
+        assert NewRecord  # the record type a store writes; Record is what it reads back
+        decode_event(record, "ex/v")
+    assert len(_versions) <= 64
+
+
+def test_a_park_is_not_an_exception_a_flow_can_catch() -> None:
+    seen: list[str] = []
+
+    @flow(name="guarded", version="1")
+    def guarded(ctx: Context, _input: Any) -> Any:
+        try:
+            return ctx.suspend("go")
+        except Exception:
+            seen.append("caught")  # must never run: parking is not a failure
+            raise
+
+    box = sandbox(guarded)
+    assert box.engine.start("guarded", key="g").status is Status.SUSPENDED
+    assert seen == []
+
+
+def test_an_async_flow_that_survives_a_cancel_of_its_own_task_goes_on() -> None:
+    import asyncio
+
+    from loom_kernel import AsyncContext
+
+    @flow(name="self_cancel", version="1")
+    async def self_cancel(ctx: AsyncContext, _input: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            task.uncancel()
+        await asyncio.sleep(0)  # the cancel was delivered once, not again
+        return await ctx.step("after", lambda: "went on")
+
+    box = sandbox(self_cancel)
+    assert box.engine.start("self_cancel", key="c").result == "went on"
+
+
+def test_a_flow_that_looks_at_a_concurrent_step_after_its_own_decides_alike_on_replay() -> (
+    None
+):
+    import asyncio
+
+    from loom_kernel import AsyncContext
+
+    async def work(name: str, delay: float) -> str:
+        await asyncio.sleep(delay)
+        return name
+
+    @flow(name="peek", version="1")
+    async def peek(ctx: AsyncContext, _input: Any) -> Any:
+        quick = asyncio.ensure_future(ctx.step("quick", work, "quick", 0.0))
+        await ctx.step("slower", work, "slower", 0.01)
+        branch = "done" if quick.done() else "pending"
+        await ctx.step(branch, lambda: branch)
+        await quick
+        await ctx.suspend("end")
+        return branch
+
+    box = sandbox(peek)
+    box.engine.start("peek", key="p")
+    assert box.new_engine().resume("p", "ok").status is Status.COMPLETED
