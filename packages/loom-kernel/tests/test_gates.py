@@ -94,10 +94,13 @@ def test_legacy_single_payload_fallback(clock: FakeClock) -> None:
     modern = Engine(modern_store, [single_gate], clock=clock)
     modern.start("single_gate", {"order": 7}, key="legacy-1")
     modern.resume("legacy-1", {"approved": True, "by": "ada"})
+    # The recovering engine first claims the ownerless 1.15 run (docs/running.md);
+    # past that record, the run goes on byte for byte as under 1.16 and later.
     legacy_tail = legacy_store.read("ex/legacy-1", 4)
     modern_tail = modern_store.read("ex/legacy-1", 4)
-    assert [(r.position, r.kind, r.payload) for r in legacy_tail] == [
-        (r.position, r.kind, r.payload) for r in modern_tail
+    assert legacy_tail[0].kind == "EXECUTION_CLAIMED"
+    assert [(r.kind, r.payload) for r in legacy_tail[1:]] == [
+        (r.kind, r.payload) for r in modern_tail
     ]
 
 

@@ -202,7 +202,7 @@ def test_a_worker_restarted_under_its_configured_id_takes_its_runs_back_at_once(
     restarted = Engine(store, [two_steps], clock=clock, worker_id="web-1", listeners=[])
     assert restarted.recover() == ["r"]
     assert calls == ["second"]
-    assert "EXECUTION_CLAIMED" not in _kinds(store, "r"), "already its own: nothing to claim"
+    assert _kinds(store, "r")[2] == "EXECUTION_CLAIMED", "a fresh sighting for other workers"
 
 
 def test_a_step_that_calls_recover_does_not_drive_its_own_run_again() -> None:
@@ -249,3 +249,167 @@ def test_a_run_just_started_in_this_process_is_not_claimed_before_its_first_step
     assert recovered == [], "right after its start, the run is its starter's"
     assert calls == ["second"]
     assert "EXECUTION_CLAIMED" not in _kinds(store, "r")
+
+
+# -- found by an adversarial review -------------------------------------------------
+
+
+def _blocking_flow(
+    name: str, entered: threading.Event, release: threading.Event, effects: list[str]
+) -> Any:
+    def slow() -> str:
+        effects.append(threading.current_thread().name)
+        entered.set()
+        release.wait(10)
+        return "done"
+
+    @flow(name=name, version="1")
+    def blocking(ctx: Context, _input: Any) -> Any:
+        return ctx.step("slow", slow)
+
+    return blocking
+
+
+def test_an_ownerless_run_is_claimed_so_a_second_engine_leaves_it() -> None:
+    from loom_kernel._codec import encode_event
+
+    entered, release = threading.Event(), threading.Event()
+    effects: list[str] = []
+    legacy = _blocking_flow("legacy", entered, release, effects)
+    store = MemoryStore()
+    started = ExecutionStarted("legacy", "version:1", None, "r", None)  # 1.16: no `by`
+    store.append("ex/r", 0, [encode_event(started, 1.0)])
+    first, second = (Engine(store, [legacy], listeners=[]) for _ in range(2))
+    thread = threading.Thread(target=first.recover, name="first")
+    thread.start()
+    assert entered.wait(10)
+    try:
+        assert first.get("r").owner == first.worker_id
+        assert second.recover() == []
+    finally:
+        release.set()
+        thread.join(10)
+    assert effects == ["first"]
+
+
+def test_a_forked_process_has_its_own_worker_id() -> None:
+    import os
+
+    engine = Engine(MemoryStore(), listeners=[])
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # pragma: no cover (the child reports through the pipe)
+        os.write(write, engine.worker_id.encode())
+        os._exit(0)
+    os.close(write)
+    os.waitpid(child, 0)
+    with os.fdopen(read, "rb") as pipe:
+        in_child = pipe.read().decode()
+    assert in_child != engine.worker_id
+    assert in_child.split(":")[1] == str(child)
+
+
+def test_a_compacted_running_run_still_shows_its_owner_alive() -> None:
+    entered, release = threading.Event(), threading.Event()
+    effects: list[str] = []
+    blocking = _blocking_flow("blocking", entered, release, effects)
+    store = MemoryStore()
+    driver = Engine(store, [blocking], worker_id="worker-a", listeners=[])
+    other = Engine(store, [blocking], worker_id="worker-b", listeners=[])
+    thread = threading.Thread(target=lambda: driver.start("blocking", key="r"), name="a")
+    thread.start()
+    assert entered.wait(10)
+    try:
+        other.compact("r")
+        assert other.get("r").owner_seen_at is not None
+        assert other.recover() == []
+    finally:
+        release.set()
+        thread.join(10)
+    assert effects == ["a"]
+
+
+def test_a_run_whose_drive_stopped_is_taken_from_an_owner_busy_with_others() -> None:
+    import time
+
+    from loom_kernel import StoreUnavailableError
+
+    class FailsOnce(MemoryStore):
+        failed = False
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == "ex/r1" and expected == 1 and not FailsOnce.failed:
+                FailsOnce.failed = True
+                raise StoreUnavailableError("transient")
+            return super()._append(stream, expected, records)
+
+    entered, release = threading.Event(), threading.Event()
+    blocking = _blocking_flow("blocking", entered, release, [])
+
+    @flow(name="quick", version="1")
+    def quick(ctx: Context, _input: Any) -> Any:
+        return ctx.step("work", lambda: "ok")
+
+    store = FailsOnce()
+    busy = Engine(store, [quick, blocking], worker_id="busy", lease=0.3, listeners=[])
+    other = Engine(store, [quick, blocking], worker_id="other", lease=0.3, listeners=[])
+    with pytest.raises(StoreUnavailableError):
+        busy.start("quick", key="r1")  # its drive stopped: r1 is left running
+    thread = threading.Thread(target=lambda: busy.start("blocking", key="r2"))
+    thread.start()
+    assert entered.wait(10)
+    try:
+        time.sleep(0.25)  # a beat or two, listing r2 only
+        assert other.recover() == ["r1"], "its owner renews, but no longer drives r1"
+    finally:
+        release.set()
+        thread.join(10)
+    assert other.get("r1").status is Status.COMPLETED
+
+
+def test_a_worker_without_the_pinned_code_never_claims() -> None:
+    from loom_kernel import CodeVersionError
+    from loom_kernel._codec import encode_event
+
+    @flow(name="f", version="2")
+    def newer(ctx: Context, _input: Any) -> Any:
+        return ctx.step("s", lambda: 2)
+
+    store = MemoryStore()
+    started = ExecutionStarted("f", "version:1", None, "r", None, REMOTE)
+    store.append("ex/r", 0, [encode_event(started, 1.0)])
+    engine = Engine(store, [newer], clock=FakeClock(10_000.0), listeners=[])
+    with pytest.raises(CodeVersionError):
+        engine.recover()
+    assert _kinds(store, "r") == ["EXECUTION_STARTED"]
+
+
+def test_a_process_of_another_boot_or_host_of_the_same_name_is_not_judged_here() -> None:
+    from loom_kernel._leases import _THIS_MACHINE, abandoned_here
+
+    host, boot, namespace = _THIS_MACHINE.split(".")
+    for machine in (f"{host}.0other0boot0.{namespace}", f"{host}.{boot}.1"):
+        assert not abandoned_here(f"{machine}:3999999:abcdef", "r")
+    assert abandoned_here(f"{_THIS_MACHINE}:3999999:abcdef", "r"), "no such pid here"
+
+
+def test_the_heartbeat_thread_ends_with_the_last_drive_and_a_failed_start_leaks_no_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+
+    from loom_kernel._leases import driving_here
+
+    engine = Engine(MemoryStore(), [two_steps], lease=3600.0, listeners=[])
+    engine.start("two_steps", key="a")
+    thread = engine._heartbeat._thread
+    assert thread is not None
+    thread.join(5)
+    assert not thread.is_alive(), "no thread waits out a third of an hour"
+
+    def cannot_start(_self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    with pytest.raises(RuntimeError):
+        engine.start("two_steps", key="b")
+    assert not driving_here(engine.worker_id, "b")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 import uuid
@@ -39,10 +40,12 @@ from loom_kernel._events import (
 )
 from loom_kernel._executions import compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
+from loom_kernel._ids import validate_stream_id
 from loom_kernel._journal import JournalStore, check_gapless
 from loom_kernel._leases import (
     DEFAULT_LEASE,
     MAX_LEASE,
+    WORKERS_PREFIX,
     Heartbeat,
     abandoned_here,
     default_worker_id,
@@ -107,9 +110,11 @@ class Engine:
             raise InvalidArgumentError(
                 f"a lease is a number of seconds above 0 and at most {MAX_LEASE:.0f}, not {lease!r}"
             )
-        self.worker_id = default_worker_id() if worker_id is None else worker_id
+        self._configured_id = worker_id
+        self._default_id = (os.getpid(), default_worker_id())
         self.lease = float(lease)
-        self._heartbeat = Heartbeat(store, self.worker_id, self.lease, clock)
+        self._heartbeat = Heartbeat(store, lambda: self.worker_id, self.lease, clock)
+        validate_stream_id(WORKERS_PREFIX + self.worker_id)
         self.store = store
         self.clock = clock
         self.sleep = sleep
@@ -489,7 +494,7 @@ class Engine:
         view: Execution = self._view(execution_id, Execution.of)
         if view.owner is None:
             return view
-        seen = sighting(self.store, view.owner, self.stream_of(execution_id))
+        seen = sighting(self.store, view.owner, execution_id, self.stream_of(execution_id))
         return attrs.evolve(view, owner_seen_at=seen.seen_at)
 
     def state(self, execution_id: str) -> ExecutionState:
@@ -509,7 +514,8 @@ class Engine:
         return frames
 
     def history(self, execution_id: str) -> list[HistoryEntry]:
-        """The decoded journal (from the last snapshot on, if the run was compacted)."""
+        """The decoded journal (if the run was compacted: from the last record its
+        latest snapshot covers on)."""
         stream = self.stream_of(execution_id)
         after = 0
         try:
@@ -578,6 +584,17 @@ class Engine:
         self._settled(execution)
         return driven
 
+    @property
+    def worker_id(self) -> str:
+        """Who this engine is in the journal: the configured id, or one made for this
+        process (a process forked from it gets its own)."""
+        if self._configured_id is not None:
+            return self._configured_id
+        pid, made = self._default_id
+        if pid != os.getpid():
+            self._default_id = pid, made = os.getpid(), default_worker_id()
+        return made
+
     def lease_in_doubt(self) -> bool:
         """Whether this engine's lease may have run out (no renewal for half a lease):
         a drive then looks at the journal's head before its next step, even on a store
@@ -588,15 +605,15 @@ class Engine:
         """Whether this engine may drive a running run now, claiming it first when
         another worker owned it (an append at the exact head: one taker wins, and the
         old owner's next append is refused)."""
-        owner = state.owner
-        if owner is None:
-            return True  # journaled before owners were (schema 1.16): as before
-        if owner == self.worker_id:
+        self._pinned_flow(state)  # a worker without the run's code never claims it
+        owner, me = state.owner, self.worker_id
+        if owner == me:
             # Ours: a drive of ours stopped (a store fault), or this worker restarted
             # under its configured id; unless a drive of ours is on it right now.
-            return not driving_here(owner, state.id, besides=1)  # besides this recover
-        if not abandoned_here(owner, state.id):
-            seen = sighting(self.store, owner, self.stream_of(state.id))
+            if driving_here(owner, state.id, besides=1):  # besides this recover
+                return False
+        elif owner is not None and not abandoned_here(owner, state.id):
+            seen = sighting(self.store, owner, state.id, self.stream_of(state.id))
             if not seen.expired(self.clock(), self.lease):
                 logger.info(
                     "loom: %s is running on %s (seen %.1f s ago): not taken over",
@@ -605,8 +622,8 @@ class Engine:
                     self.clock() - (seen.seen_at or 0.0),
                 )
                 return False
-        try:
-            self._append(state, [ExecutionClaimed(self.worker_id, owner)])
+        try:  # a claim even of a run with no owner (1.16) or ours: it is a fresh sighting
+            self._append(state, [ExecutionClaimed(me, owner)])
         except ConflictError:
             return False  # another taker, a cancel or the owner itself moved first
         return True

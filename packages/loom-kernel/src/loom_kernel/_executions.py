@@ -235,5 +235,7 @@ def compact(store: JournalStore, state: ExecutionState, clock: Callable[[], floa
         store.trim(stream, head + 1)  # older snapshots are never read again
         covered = state.position
         break
-    store.trim(stream_of(state.id), covered + 1)
+    # The last covered record stays: its time tells when the run was last written
+    # (a takeover's sighting of its owner); a load reads after the snapshot anyway.
+    store.trim(stream_of(state.id), covered)
     return covered

@@ -8,6 +8,7 @@ from typing import Any
 
 from loom_kernel._events import (
     ExecutionCancelled,
+    ExecutionClaimed,
     ExecutionCompleted,
     ExecutionFailed,
     ExecutionMigrated,
@@ -69,6 +70,8 @@ def _describe(entry: HistoryEntry, start: float) -> tuple[str, str]:
         return "cancelled", event.reason or ""
     if isinstance(event, ExecutionMigrated):
         return "migrated", f"{event.from_hash} → {event.to_hash}"
+    if isinstance(event, ExecutionClaimed):
+        return "claimed", f"by {event.by} (from {event.previous or 'no owner'})"
     return type(event).__name__, ""  # pragma: no cover - every kind is handled above
 
 

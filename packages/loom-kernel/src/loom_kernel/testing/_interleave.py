@@ -47,7 +47,7 @@ class Interleaving(JournalStore):
     def __init__(self, store: JournalStore) -> None:
         self.inner = store
         self.head_is_cheap = store.head_is_cheap  # type: ignore[misc]
-        self._actors: dict[int, _Actor] = {}
+        self._actors: dict[threading.Thread, _Actor] = {}  # by thread: idents are reused
         self._changed = threading.Condition()
         self._abandoned = False
 
@@ -65,7 +65,7 @@ class Interleaving(JournalStore):
         self._abandoned = False
         for thread, actor in zip(threads, started, strict=True):
             thread.start()
-            self._actors[thread.ident or 0] = actor
+            self._actors[thread] = actor
             actor.go.set()  # to its first store call
         try:
             self._schedule(started, choose)
@@ -110,7 +110,7 @@ class Interleaving(JournalStore):
                 self._changed.notify_all()
 
     def _turn(self) -> None:
-        actor = self._actors.get(threading.get_ident())
+        actor = self._actors.get(threading.current_thread())
         if actor is None:
             return
         with self._changed:
