@@ -413,3 +413,47 @@ def test_the_heartbeat_thread_ends_with_the_last_drive_and_a_failed_start_leaks_
     with pytest.raises(RuntimeError):
         engine.start("two_steps", key="b")
     assert not driving_here(engine.worker_id, "b")
+
+
+def test_on_a_store_with_costly_heads_a_drive_in_doubt_of_its_lease_looks_before_a_step() -> (
+    None
+):
+    import time
+
+    from loom_kernel import StoreUnavailableError
+    from loom_kernel._codec import encode_event
+    from loom_kernel.events import ExecutionClaimed
+
+    class CostlyHeads(MemoryStore):
+        """Heads cost a request here (as on S3); beats cannot be written; and a claim by
+        another worker lands right after the first step is journaled."""
+
+        head_is_cheap = False
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream.startswith("workers/"):
+                raise StoreUnavailableError("beats cannot be written")
+            head = super()._append(stream, expected, records)
+            if stream == "ex/r" and records[0].kind == "STEP_COMPLETED":
+                claim = encode_event(ExecutionClaimed("thief", "x"), 0.0)
+                head = super()._append(stream, head, (claim,))
+            return head
+
+    effects: list[str] = []
+
+    def first() -> str:
+        time.sleep(0.15)  # longer than half the lease, with no beat getting through
+        return "first"
+
+    def second() -> str:
+        effects.append("second")
+        return "second"
+
+    @flow(name="pair", version="1")
+    def pair(ctx: Context, _input: Any) -> Any:
+        return [ctx.step("first", first), ctx.step("second", second)]
+
+    engine = Engine(CostlyHeads(), [pair], lease=0.2, listeners=[])
+    engine.start("pair", key="r")
+    assert effects == [], "it saw the claim before starting the next step"
+    assert engine.get("r").owner == "thief"
