@@ -415,9 +415,7 @@ def test_the_heartbeat_thread_ends_with_the_last_drive_and_a_failed_start_leaks_
     assert not driving_here(engine.worker_id, "b")
 
 
-def test_on_a_store_with_costly_heads_a_drive_in_doubt_of_its_lease_looks_before_a_step() -> (
-    None
-):
+def test_on_a_store_with_costly_heads_a_drive_in_doubt_of_its_lease_looks_before_a_step() -> None:
     import time
 
     from loom_kernel import StoreUnavailableError
