@@ -13,6 +13,7 @@ from loom_kernel import _codec, _fast_fold, _state
 from loom_kernel._codec import dump_json, encode_step_completed
 from loom_kernel._fast_fold import decode_step_runs
 from loom_kernel.events import (
+    EVENT_SCHEMA,
     ExecutionStarted,
     ExecutionState,
     ExecutionSuspended,
@@ -34,16 +35,20 @@ json_values = st.recursive(
     max_leaves=8,
 )
 
-#: Step payloads the typed decoder must refuse, so the general path judges them.
+#: Step payloads the typed decoder must refuse, so the general path judges them
+#: (CURRENT stands for this kernel's EVENT_SCHEMA: the typed decoder's own version).
 odd_steps = st.sampled_from(
     [
-        b'{"v":"1.15.0","d":{"index":%d,"name":"old","result":1,"attempts":1}}',
-        b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1,"attempts":1,"extra":2}}',
-        b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1e400,"attempts":1}}',
-        b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1,"attempts":1.0}}',
-        # two envelopes in one record: must not shift the frames after it
-        b'{"v":"1.16.0","d":{"index":%d,"name":"x","result":1,"attempts":1}},'
-        b'{"v":"1.16.0","d":{"index":99,"name":"y","result":2,"attempts":1}}',
+        payload.replace(b"CURRENT", EVENT_SCHEMA.encode())
+        for payload in (
+            b'{"v":"1.15.0","d":{"index":%d,"name":"old","result":1,"attempts":1}}',
+            b'{"v":"CURRENT","d":{"index":%d,"name":"x","result":1,"attempts":1,"extra":2}}',
+            b'{"v":"CURRENT","d":{"index":%d,"name":"x","result":1e400,"attempts":1}}',
+            b'{"v":"CURRENT","d":{"index":%d,"name":"x","result":1,"attempts":1.0}}',
+            # two envelopes in one record: must not shift the frames after it
+            b'{"v":"CURRENT","d":{"index":%d,"name":"x","result":1,"attempts":1}},'
+            b'{"v":"CURRENT","d":{"index":99,"name":"y","result":2,"attempts":1}}',
+        )
     ]
 )
 

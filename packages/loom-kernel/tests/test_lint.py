@@ -151,3 +151,9 @@ def test_the_projects_own_examples_and_demo_are_clean(capsys: pytest.CaptureFixt
     demo = ROOT / "packages" / "loom-kernel" / "src" / "loom_kernel" / "_demo.py"
     assert main(["lint", str(ROOT / "docs" / "examples"), str(demo)]) == 0
     assert "no problems found" in capsys.readouterr().out
+
+
+def test_a_call_through_a_module_attribute_is_matched_by_its_last_two_names() -> None:
+    source = "import tools\nfrom loom_kernel import flow\n@flow\ndef f(ctx, _):\n"
+    source += "    return tools.datetime.now()\n"
+    assert [f.rule for f in lint_source(source, "via.py")] == ["LOOM001"]

@@ -238,3 +238,51 @@ def test_a_flow_that_looks_at_a_concurrent_step_after_its_own_decides_alike_on_r
     box = sandbox(peek)
     box.engine.start("peek", key="p")
     assert box.new_engine().resume("p", "ok").status is Status.COMPLETED
+
+
+def test_a_prefix_that_is_not_a_str_is_named_as_such() -> None:
+    box = sandbox(counter)
+    with pytest.raises(InvalidIdError, match="an execution id prefix is a str"):
+        list(box.engine.executions(123))  # type: ignore[arg-type]
+
+
+def test_an_unhashable_id_is_an_invalid_id_not_a_type_error() -> None:
+    with pytest.raises(InvalidIdError):
+        validate_stream_id(["ex", "1"])
+
+
+def test_a_kind_of_65_characters_is_refused() -> None:
+    from loom_kernel.spi import MAX_KIND_LENGTH, NewRecord
+
+    store = MemoryStore()
+    assert MAX_KIND_LENGTH == 64
+    store.append("s", 0, [NewRecord("k" * 64, b"", 0.0)])
+    with pytest.raises(InvalidArgumentError):
+        store.append("s", 1, [NewRecord("k" * 65, b"", 0.0)])
+
+
+def test_appending_past_the_head_of_a_missing_stream_conflicts() -> None:
+    from loom_kernel import ConflictError
+    from loom_kernel.spi import NewRecord
+
+    with pytest.raises(ConflictError):
+        MemoryStore().append("missing", 3, [NewRecord("k", b"", 0.0)])
+
+
+def test_a_second_compaction_drops_the_older_snapshot() -> None:
+    from loom_kernel import TrimmedError
+
+    @flow(name="parked", version="1")
+    def parked(ctx: Context, _input: Any) -> Any:
+        ctx.step("one", lambda: 1)
+        first = ctx.suspend("a")
+        return [first, ctx.suspend("b")]
+
+    box = sandbox(parked)
+    box.engine.start("parked", key="p")
+    box.engine.compact("p")
+    box.engine.resume("p", "x")
+    box.engine.compact("p")
+    with pytest.raises(TrimmedError):
+        box.store.read("snap/p", 0)
+    assert len(box.store.read("snap/p", box.store.head("snap/p") - 1)) == 1
