@@ -86,7 +86,9 @@ class Engine:
             every listener installed in the `loom.listeners` entry-point group (so
             installing loom-orchestration makes every engine deliver child outcomes).
         worker_id: who this engine is in the journal (the owner of the runs it
-            drives); by default unique per engine, `<host>.<pid namespace>:<pid>:<nonce>`.
+            drives); by default unique per engine and process,
+            `<host>.<boot id>.<pid namespace>:<pid>:<nonce>`. A configured id must be
+            unique among the processes alive at once.
         lease: seconds this engine may go without renewing its lease (it renews
             every third of it while it drives) before another worker's `recover()`
             may take its running runs over; see docs/running.md.
