@@ -286,3 +286,12 @@ def test_a_second_compaction_drops_the_older_snapshot() -> None:
     with pytest.raises(TrimmedError):
         box.store.read("snap/p", 0)
     assert len(box.store.read("snap/p", box.store.head("snap/p") - 1)) == 1
+
+
+def test_a_record_holding_two_json_values_is_a_schema_error() -> None:
+    from loom_kernel._codec import decode_events
+    from loom_kernel.spi import Record, SchemaError
+
+    two = b'{"v":"1.17.0","d":{"reason":null}},{"v":"1.17.0","d":{"reason":null}}'
+    with pytest.raises(SchemaError):
+        decode_events([Record(1, "EXECUTION_CANCELLED", two, 0.0)], "ex/two")
