@@ -295,3 +295,55 @@ def test_a_record_holding_two_json_values_is_a_schema_error() -> None:
     two = b'{"v":"1.17.0","d":{"reason":null}},{"v":"1.17.0","d":{"reason":null}}'
     with pytest.raises(SchemaError):
         decode_events([Record(1, "EXECUTION_CANCELLED", two, 0.0)], "ex/two")
+
+
+def test_a_gate_after_a_swallowed_park_journals_nothing() -> None:
+    import contextlib
+
+    @flow(name="stubborn", version="1")
+    def stubborn(ctx: Context, _input: Any) -> Any:
+        with contextlib.suppress(BaseException):
+            ctx.suspend("first")
+        with contextlib.suppress(BaseException):
+            ctx.suspend("second")
+        return "went on"
+
+    box = sandbox(stubborn)
+    assert box.engine.start("stubborn", key="s").waiting_on == "first"
+    kinds = [record.kind for record in box.store.read("ex/s")]
+    assert kinds == ["EXECUTION_STARTED", "EXECUTION_SUSPENDED"]
+
+
+@pytest.mark.parametrize("change", ["", 7, None])
+def test_a_change_id_must_be_a_non_empty_str(change: Any) -> None:
+    @flow(name="patchy", version="1")
+    def patchy(ctx: Context, _input: Any) -> Any:
+        return ctx.patched(change)
+
+    with pytest.raises(InvalidArgumentError, match="a change id is a non-empty str"):
+        sandbox(patchy).engine.start("patchy", key="p")
+
+
+def test_a_recorded_step_asked_for_from_another_task_is_refused_on_replay() -> None:
+    import asyncio
+
+    from loom_kernel import AsyncContext
+
+    @flow(name="moved", version="1")
+    async def recorded(ctx: AsyncContext, _input: Any) -> Any:
+        first = await ctx.step("a", lambda: 1)
+        return [first, await ctx.suspend("go")]
+
+    @flow(name="moved", version="1")
+    async def helper_task(ctx: AsyncContext, _input: Any) -> Any:
+        async def helper() -> Any:
+            return await ctx.step("a", lambda: 1)
+
+        first = await asyncio.create_task(helper())
+        return [first, await ctx.suspend("go")]
+
+    box = sandbox(recorded)
+    box.engine.start("moved", key="m")
+    changed = Engine(box.store, [helper_task], listeners=[])
+    with pytest.raises(InvalidArgumentError, match="another task than the flow's own"):
+        changed.resume("m", "ok")
