@@ -347,3 +347,55 @@ def test_a_recorded_step_asked_for_from_another_task_is_refused_on_replay() -> N
     changed = Engine(box.store, [helper_task], listeners=[])
     with pytest.raises(InvalidArgumentError, match="another task than the flow's own"):
         changed.resume("m", "ok")
+
+
+def test_the_history_of_an_execution_never_started_is_not_found() -> None:
+    from loom_kernel import ExecutionNotFoundError
+
+    with pytest.raises(ExecutionNotFoundError, match="no execution with id"):
+        sandbox(counter).engine.history("never")
+
+
+def test_a_stale_timer_hint_wakes_nothing() -> None:
+    @flow(name="napper", version="1")
+    def napper(ctx: Context, _input: Any) -> Any:
+        ctx.sleep(60)
+        return ctx.suspend("human")
+
+    box = sandbox(napper)
+    box.engine.start("napper", key="n")
+    box.clock.advance(61)
+    assert box.engine.fire_due_timers() == ["n"]
+    assert box.engine.get("n").waiting_on == "human"
+    now = box.clock()
+    box.engine.timers.add("n", 0, now - 1)  # the timer gate, already woken
+    box.engine.timers.add("n", 1, now - 1)  # a human gate: no timer wakes it
+    assert box.engine.fire_due_timers() == []
+    assert box.engine.get("n").waiting_on == "human"
+
+
+def test_a_cancel_landing_between_two_steps_stops_the_next_one_on_a_store_with_costly_heads() -> (
+    None
+):
+    effects: list[str] = []
+    engines: list[Engine] = []
+
+    class CancelledBetweenSteps(MemoryStore):
+        head_is_cheap = False
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            head = super()._append(stream, expected, records)
+            if stream == "ex/c" and b'"name":"a"' in records[0].payload:
+                engines[0].cancel("c", "between the steps")
+            return head
+
+    @flow(name="pair", version="1")
+    def pair(ctx: Context, _input: Any) -> Any:
+        ctx.step("a", lambda: effects.append("a"))
+        ctx.step("b", lambda: effects.append("b"))
+        return "done"
+
+    engine = Engine(CancelledBetweenSteps(), [pair], listeners=[])
+    engines.append(engine)
+    assert engine.start("pair", key="c").status is Status.CANCELLED
+    assert effects == ["a"], "the cancel stopped the run before step b ran"
