@@ -399,3 +399,11 @@ def test_a_cancel_landing_between_two_steps_stops_the_next_one_on_a_store_with_c
     engines.append(engine)
     assert engine.start("pair", key="c").status is Status.CANCELLED
     assert effects == ["a"], "the cancel stopped the run before step b ran"
+
+
+def test_a_flow_can_still_be_called_as_the_function_it_decorates() -> None:
+    @flow(name="plain", version="1")
+    def plain(_ctx: Any, number: int) -> int:
+        return number * 2
+
+    assert plain(None, 21) == 42
