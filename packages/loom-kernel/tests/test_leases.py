@@ -455,3 +455,17 @@ def test_on_a_store_with_costly_heads_a_drive_in_doubt_of_its_lease_looks_before
     engine.start("pair", key="r")
     assert effects == [], "it saw the claim before starting the next step"
     assert engine.get("r").owner == "thief"
+
+
+@pytest.mark.parametrize("payload", [b"\xff\xfe", b"[" * 100_000, b'"just a string"', b"{}"])
+def test_a_damaged_beat_only_means_waiting_for_the_lease(payload: bytes) -> None:
+    from loom_kernel.spi import NewRecord
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    _left_running_by(store, REMOTE, clock)
+    clock.advance(1.0)
+    store.append("workers/" + REMOTE, 0, [NewRecord("loom.beat", payload, clock())])
+    engine = Engine(store, [two_steps], clock=clock, lease=30.0, listeners=[])
+    assert engine.recover() == [], "seen a second ago: its owner's"
+    clock.advance(31.0)
+    assert engine.recover() == ["r"]

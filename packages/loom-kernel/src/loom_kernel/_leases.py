@@ -152,7 +152,7 @@ def _last(store: JournalStore, stream: str) -> Record | None:
 def _beat_lists(record: Record, execution_id: str) -> bool:
     try:
         runs = json.loads(record.payload).get("runs")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return True  # not a beat this kernel wrote: assume the best, wait for the lease
     return not isinstance(runs, list) or execution_id in runs
 
