@@ -214,16 +214,7 @@ def _coverage(scratch: Path, packages: list[str], timeout: float) -> Coverage:
         data_file = scratch / f".coverage-{package}"
         subprocess.run(
             [
-                sys.executable,
-                "-m",
-                "pytest",
-                "-q",
-                "-m",
-                "not slow",
-                "-p",
-                "no:cacheprovider",
-                "-n",
-                "0",
+                *_pytest_command("0"),
                 f"--cov={scratch / source}",
                 "--cov-context=test",
                 "--cov-report=",
@@ -299,23 +290,30 @@ def _check_baseline(scratch: Path, packages: list[str], timeout: float) -> None:
             raise SystemExit(f"the unmutated tests of {package} fail: fix them first")
 
 
+def _pytest_command(workers: str) -> list[str]:
+    """pytest on the fast tests, quietly, with no cache, on `workers` processes."""
+    return [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "not slow",
+        "-p",
+        "no:cacheprovider",
+        "-n",
+        workers,
+    ]
+
+
 def _pytest(scratch: Path, package: str, timeout: float, only: list[str] | None = None) -> int:
     _source, tests = PACKAGES[package]
     targets = only if only is not None else [str(scratch / test) for test in tests]
     workers = "2" if only is None or len(only) > 40 else "0"
     done = subprocess.run(
         [
-            sys.executable,
-            "-m",
-            "pytest",
+            *_pytest_command(workers),
             "-x",
-            "-q",
-            "-m",
-            "not slow",
-            "-p",
-            "no:cacheprovider",
-            "-n",
-            workers,
             "-k",
             "not rgw",  # the S3 store is judged on moto: Ceph RGW's start costs a minute
             *targets,
