@@ -75,3 +75,15 @@ def test_one_damaged_journal_does_not_stop_recover_for_the_others() -> None:
     assert caught.value.stream == "ex/a-broken"
     for key in ("b-left-running", "c-left-running"):
         assert fresh.get(key).status is Status.SUSPENDED, f"{key} was not driven past the break"
+
+
+def test_a_journal_trimmed_past_its_latest_snapshot_is_a_schema_error_naming_the_loss() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    run = engine.start("charge", None, key="lost")
+    covered = engine.compact(run.id)
+    head = engine.resume(run.id, "shipped").position
+    store.trim("ex/lost", head)  # trimmed by other means, past what the snapshot holds
+    with pytest.raises(SchemaError, match="are lost") as caught:
+        _engine(store).get(run.id)
+    assert (caught.value.stream, caught.value.position) == ("ex/lost", covered + 1)

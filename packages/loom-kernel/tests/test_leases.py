@@ -469,3 +469,21 @@ def test_a_damaged_beat_only_means_waiting_for_the_lease(payload: bytes) -> None
     assert engine.recover() == [], "seen a second ago: its owner's"
     clock.advance(31.0)
     assert engine.recover() == ["r"]
+
+
+def test_a_lease_is_in_doubt_once_no_beat_succeeded_for_half_of_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time
+
+    from loom_kernel._leases import Heartbeat
+
+    now = [100.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    heartbeat = Heartbeat(MemoryStore(), lambda: "w", 30.0, FakeClock())
+    now[0] += 14.0  # past a beat's interval (10 s): one beat may be late, no doubt yet
+    assert not heartbeat.in_doubt()
+    now[0] += 1.5
+    assert heartbeat.in_doubt()
+    heartbeat.beat()
+    assert not heartbeat.in_doubt(), "a beat that lands renews it"

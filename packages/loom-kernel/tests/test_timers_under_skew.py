@@ -206,3 +206,31 @@ def test_a_hint_written_while_its_bucket_is_retired_is_never_lost(
     _engine(store, later).fire_due_timers()
     for execution_id in (first.id, outcome["sleep"]):
         assert _engine(store, later).get(execution_id).status is Status.COMPLETED
+
+
+def test_a_hint_of_a_run_that_does_not_exist_is_dropped_not_kept_for_ever() -> None:
+    store, clock = MemoryStore(), FakeClock()
+    TimerIndex(store, clock).add("never-started", 0, clock() + 5)  # its start never landed
+    clock.advance(3600)
+    engine = _engine(store, clock)
+    assert engine.fire_due_timers() == []
+    assert TimerIndex(store, clock).buckets() == [], "the obsolete hint is handled"
+
+
+def test_a_timer_woken_by_another_engine_meanwhile_is_not_counted_as_woken_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    store, clock = MemoryStore(), FakeClock()
+    here, there = _engine(store, clock), _engine(store, clock)
+    run = here.start("nap", 30)
+    clock.advance(60)
+    resume = here._resume
+
+    def beaten_to_it(*args: Any, **kwargs: Any) -> Any:
+        assert there.fire_due_timers() == [run.id]  # between the look and the resume
+        return resume(*args, **kwargs)
+
+    monkeypatch.setattr(here, "_resume", beaten_to_it)
+    assert here.fire_due_timers() == [], "woken once, by the other engine"
+    assert here.get(run.id).result == "rested"
+    assert TimerIndex(store, clock).buckets() == []
