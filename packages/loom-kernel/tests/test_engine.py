@@ -456,7 +456,8 @@ def test_bad_input_gets_kernel_errors_and_changes_nothing(
     with pytest.raises(InvalidArgumentError, match="resume key"):
         engine.resume("g1", 1, key=5)  # type: ignore[arg-type]
     assert _journal(store, ex.id) == before
-    assert store.streams() == ["ex/g1"]
+    assert store.streams("ex/") == ["ex/g1"]
+    assert store.streams("snap/") == store.streams("timers/") == []
 
 
 def test_non_determinism_names_index_and_both_names(store: JournalStore, clock: FakeClock) -> None:

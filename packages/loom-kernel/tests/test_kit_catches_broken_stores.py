@@ -321,6 +321,10 @@ def test_kit_fails_a_broken_store(broken: type[MemoryStore]) -> None:
     ids=lambda cls: cls.__name__,
 )
 def test_state_machine_alone_fails_a_broken_store(broken: type[MemoryStore]) -> None:
-    """The stateful comparison finds each bug by itself, not only the example checks."""
+    """The stateful comparison finds each bug by itself, not only the example checks.
+
+    With more examples than the kit's default: which derandomized examples come first
+    shifts with unrelated changes, and one bug (deleted streams on a listing's later
+    pages) needs a long enough run to show."""
     with pytest.raises(AssertionError):
-        run_store_machine(_harness(broken), KIT_SETTINGS)
+        run_store_machine(_harness(broken), settings(KIT_SETTINGS, max_examples=200))

@@ -81,11 +81,13 @@ class DeferringEngine(Engine):
         self.immediate = immediate  # per check, in order: run it now, as a live process would
         self.pending: list[Execution] = []
 
-    def _settled(self, execution: Execution) -> Execution:
+    def _settled(
+        self, execution: Execution, delivered: Callable[[Execution], None] | None = None
+    ) -> Execution:
         if self.deferring and not (self.immediate and self.immediate.pop(0)):
             self.pending.append(execution)
             return execution
-        return super()._settled(execution)
+        return super()._settled(execution, delivered)
 
 
 def _resumes(engine: Engine, execution_id: str) -> list[Any]:

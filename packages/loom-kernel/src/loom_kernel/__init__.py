@@ -14,6 +14,7 @@ from loom_kernel._errors import (
     CanonicalJSONError,
     CodeVersionError,
     ConflictError,
+    ExecutionEndedError,
     ExecutionNotFoundError,
     InvalidArgumentError,
     InvalidIdError,
@@ -21,6 +22,7 @@ from loom_kernel._errors import (
     NonDeterminismError,
     NotFoundError,
     NotSuspendedError,
+    ResultTimeoutError,
     SchemaError,
     StepFailedError,
     StoreMisconfiguredError,
@@ -31,12 +33,14 @@ from loom_kernel._errors import (
     publish_errors,
 )
 from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
+from loom_kernel._handles import RunHandle
 from loom_kernel._listeners import Listener
 from loom_kernel._memory_store import MemoryStore
 from loom_kernel._reachability import reachable
 from loom_kernel._registry import installed_stores, open_store
 from loom_kernel._state import ExecutionState, Gate, Status, StepFrame
 from loom_kernel._views import Execution, HistoryEntry
+from loom_kernel._worker import Worker, WorkerStats
 
 __all__ = [
     "AsyncContext",
@@ -46,6 +50,7 @@ __all__ = [
     "Context",
     "Engine",
     "Execution",
+    "ExecutionEndedError",
     "ExecutionNotFoundError",
     "ExecutionState",
     "Flow",
@@ -59,7 +64,9 @@ __all__ = [
     "NonDeterminismError",
     "NotFoundError",
     "NotSuspendedError",
+    "ResultTimeoutError",
     "RetryPolicy",
+    "RunHandle",
     "SchemaError",
     "Status",
     "StepFailedError",
@@ -69,6 +76,8 @@ __all__ = [
     "StreamDeletedError",
     "TrimmedError",
     "UnknownFlowError",
+    "Worker",
+    "WorkerStats",
     "code_hash",
     "flow",
     "installed_stores",

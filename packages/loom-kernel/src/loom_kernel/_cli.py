@@ -88,7 +88,7 @@ def _inspect_command(args: argparse.Namespace) -> int:
         with open_store(args.store) as store:
             engine = Engine(store, listeners=[])
             if args.command == "ls":
-                for execution in engine.executions():
+                for execution in engine.executions(status=args.status, flow=args.flow):
                     waiting = (
                         f"  waiting on {execution.waiting_on!r}" if execution.waiting_on else ""
                     )
@@ -101,6 +101,54 @@ def _inspect_command(args: argparse.Namespace) -> int:
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _worker_command(args: argparse.Namespace) -> int:
+    import logging  # noqa: PLC0415 - only this command needs these
+
+    from loom_kernel._deploy import load_flows  # noqa: PLC0415
+    from loom_kernel._engine import Engine  # noqa: PLC0415
+    from loom_kernel._worker import Worker, terminal_status  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        flows = [item for spec in args.flows for item in load_flows(spec)]
+        with open_store(args.store) as store:
+            engine = Engine(store, flows, worker_id=args.worker_id, lease=args.lease)
+            worker = Worker(engine, concurrency=args.concurrency, grace=args.grace)
+            print(
+                f"loom worker {engine.worker_id}: {len(flows)} flow(s), "
+                f"concurrency {args.concurrency}; SIGTERM or Ctrl-C stops it",
+                file=sys.stderr,
+                flush=True,
+            )
+            worker.run(status=terminal_status())
+    except LoomError as exc:
+        print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    worker = commands.add_parser(
+        "worker", help="fire due timers and drive enqueued and abandoned runs until stopped"
+    )
+    worker.add_argument("--store", required=True, help="store URL")
+    worker.add_argument(
+        "--flows",
+        required=True,
+        action="append",
+        help="module:attribute naming a flow or a list of flows (repeatable)",
+    )
+    worker.add_argument("--concurrency", type=int, default=8, help="runs driven at once")
+    worker.add_argument("--lease", type=float, default=30.0, help="lease in seconds")
+    worker.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds runs in flight get to park or end on SIGTERM before they are released",
+    )
+    worker.add_argument("--worker-id", default=None, help="this worker's id (default: made up)")
 
 
 def _lint_command(paths: Sequence[str]) -> int:
@@ -137,6 +185,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     listing = commands.add_parser("ls", help="list the executions in a store with their status")
     listing.add_argument("--store", required=True, help="store URL")
+    listing.add_argument(
+        "--status",
+        action="append",
+        choices=["running", "suspended", "completed", "failed", "cancelled"],
+        help="only runs with this status (repeatable); answered from the run index",
+    )
+    listing.add_argument("--flow", default=None, help="only runs of this flow")
     show = commands.add_parser("show", help="print an execution's journal as a timeline")
     show.add_argument("execution_id")
     show.add_argument("--store", required=True, help="store URL")
@@ -144,12 +199,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "lint", help="find what makes flows non-deterministic, by reading their source"
     )
     lint.add_argument("paths", nargs="+", help="files or directories (links are not followed)")
+    _add_worker_command(commands)
     from loom_kernel._deploy import add_deploy_commands  # noqa: PLC0415 - imports the engine
 
     deploy = add_deploy_commands(commands)
     args = parser.parse_args(argv)
     if args.command in deploy:
         return deploy[args.command](args)
+    if args.command == "worker":
+        return _worker_command(args)
     if args.command == "lint":
         return _lint_command(args.paths)
     if args.command == "stores":

@@ -10,7 +10,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -26,6 +26,7 @@ from loom_kernel._errors import (
     InvalidArgumentError,
     LoomError,
     NotSuspendedError,
+    SchemaError,
     StreamDeletedError,
     TrimmedError,
     UnknownFlowError,
@@ -40,6 +41,7 @@ from loom_kernel._events import (
 )
 from loom_kernel._executions import compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
+from loom_kernel._handles import RunHandle
 from loom_kernel._ids import validate_stream_id
 from loom_kernel._journal import JournalStore, check_gapless
 from loom_kernel._leases import (
@@ -55,6 +57,7 @@ from loom_kernel._leases import (
 from loom_kernel._listeners import Listener, Listeners, installed_listeners
 from loom_kernel._locks import KeyedLocks
 from loom_kernel._numbers import finite_number
+from loom_kernel._run_index import ENDED, OpenHint, RunIndex
 from loom_kernel._state import ExecutionState, Status, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
 from loom_kernel._views import Execution, HistoryEntry
@@ -125,6 +128,8 @@ class Engine:
         )
         self.retry = retry or RetryPolicy()
         self.timers = TimerIndex(store, clock)
+        self.runs = RunIndex(store, clock)
+        self._work_added: list[threading.Event] = []  # set by enqueue: in-process workers
         self._flows: dict[str, dict[str, Flow]] = {}  # name -> code hash -> flow
         self._newest: dict[str, Flow] = {}
         self._cache = StateCache(cache_size)
@@ -150,17 +155,32 @@ class Engine:
         """
         self._listeners.add(listener)
 
-    def _settled(self, execution: Execution) -> Execution:
+    def _settled(
+        self, execution: Execution, delivered: Callable[[Execution], None] | None = None
+    ) -> Execution:
         """Tell the listeners about a run that parked or ended; return its view after them
-        (a listener may have moved it on, by resuming it, say)."""
-        if execution.status is Status.RUNNING or not self._listeners:
+        (a listener may have moved it on, by resuming it, say). A finished run is then
+        closed in the run index (or handed to `delivered` instead)."""
+        if execution.status is Status.RUNNING:
             return execution
-        if not self._listeners.deliver(self, execution):
+        then = delivered or self._close
+        if not self._listeners:
+            try:
+                then(execution)
+            except LoomError as exc:  # still open: the next recover() closes it
+                logger.warning("loom: %s not closed in the run index: %s", execution.id, exc)
+            return execution
+        if not self._listeners.deliver(self, execution, then):
             return execution  # queued for the delivery loop this call runs inside
         try:
             return self.get(execution.id)
         except LoomError:
             return execution
+
+    def _close(self, execution: Execution) -> None:
+        """Close a finished run in the run index, once its listeners have all run."""
+        if execution.status.finished:
+            self.runs.closed(execution.id, execution.status, execution.flow)
 
     # -- registration and ids -------------------------------------------------
 
@@ -360,23 +380,73 @@ class Engine:
         definition = self._flow(flow_name)
         data = to_json(input, "the flow input")
         execution_id = key if key is not None else uuid.uuid4().hex
-        stream = self.stream_of(execution_id)
         event = ExecutionStarted(
             definition.name, definition.code_hash, data, key, parent, self.worker_id
         )
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
-            try:
-                self.store.append(stream, 0, [encode_event(event, self.clock())])
-            except ConflictError:
+            if not self._append_start(event, execution_id):
                 return self.get(execution_id)
-            except StreamDeletedError:
-                raise ExecutionNotFoundError(
-                    f"execution {execution_id!r} was deleted; its key cannot start another run"
-                ) from None
             state = ExecutionState(id=execution_id)
             state.apply(event)
             execution = self._drive_owned(state)
         return self._settled(execution)
+
+    def enqueue(
+        self,
+        flow_name: str | Flow,
+        input: Any = None,
+        *,
+        key: str | None = None,
+        parent: str | None = None,
+    ) -> RunHandle:
+        """Start an execution without driving it: a worker (`Worker`, `loom worker`)
+        drives it. Returns at once, with a handle to wait for its result.
+
+        The run is journaled with no owner, so the first worker to claim it drives it;
+        `recover()` drives it too. Arguments and errors are those of `start`; starting
+        with an existing key returns a handle to the existing run (K9).
+        """
+        definition = self._flow(flow_name)
+        data = to_json(input, "the flow input")
+        execution_id = key if key is not None else uuid.uuid4().hex
+        event = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, None)
+        with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
+            if self._append_start(event, execution_id):
+                for wake in list(self._work_added):
+                    wake.set()
+        return RunHandle(self, execution_id)
+
+    def handle(self, execution_id: str) -> RunHandle:
+        """A handle to an existing run, to wait for its result.
+
+        Raises:
+            InvalidIdError: the id is not a valid execution id.
+        """
+        self.stream_of(execution_id)
+        return RunHandle(self, execution_id)
+
+    def _append_start(self, event: ExecutionStarted, execution_id: str) -> bool:
+        """Index the run (the hint first), then journal its start. False when a run
+        with that id exists already.
+
+        Raises:
+            ExecutionNotFoundError: the id belongs to a deleted run.
+        """
+        stream = self.stream_of(execution_id)
+        try:
+            if event.key is not None and self.store.head(stream) > 0:
+                return False  # a start by key of a run that exists: no second hint
+            self.runs.opened(execution_id, event.flow, self.worker_id)
+            self.store.append(stream, 0, [encode_event(event, self.clock())])
+        except ConflictError:
+            return False
+        except StreamDeletedError:
+            raise ExecutionNotFoundError(
+                f"execution {execution_id!r} was deleted; its key cannot start another run"
+            ) from None
+        if self._heartbeat.in_doubt():  # paused past a lease: the hint may have been dropped
+            self.runs.opened(execution_id, event.flow, self.worker_id)
+        return True
 
     def resume(
         self,
@@ -485,6 +555,14 @@ class Engine:
             control.stopped = True
         return self._settled(execution)
 
+    def _release(self, execution_id: str) -> None:
+        """Stop this engine's drive of a run before its next step, journaling nothing:
+        the run stays running, for another worker to take over."""
+        with self._drives_lock:
+            control = self._drives.get(execution_id)
+        if control is not None:
+            control.stopped = True
+
     def get(self, execution_id: str) -> Execution:
         """The execution's current view; for a running run, who drives it and when that
         worker was last seen, so a crash (seen longer ago than a lease) and a run
@@ -536,23 +614,79 @@ class Engine:
             HistoryEntry(r.position, r.timestamp, e) for r, e in zip(records, events, strict=True)
         ]
 
-    def executions(self, prefix: str = "") -> Iterator[Execution]:
-        """Every execution in the store whose id starts with `prefix`, in id order.
+    def executions(
+        self,
+        prefix: str = "",
+        *,
+        status: Status | str | Iterable[Status | str] | None = None,
+        flow: str | None = None,
+    ) -> Iterator[Execution]:
+        """The executions in the store whose id starts with `prefix`, in id order;
+        with `status` or `flow`, only those (answered from the run index: the cost is
+        the runs that match and the runs still open, not every run in the store).
+
+        Args:
+            prefix: an id prefix.
+            status: one status or several ("failed", Status.FAILED, or a list).
+            flow: a flow name.
 
         Raises:
             InvalidIdError: the prefix breaks the id rules.
+            InvalidArgumentError: an unknown status.
             SchemaError: a journal cannot be folded (the listing stops there; `recover`
                 and `loom ls` go on past it and report it).
         """
-        for execution_id in execution_ids(self.store, prefix):
+        wanted = _statuses(status)
+        if wanted is None and flow is None:
+            ids: Iterable[str] = execution_ids(self.store, prefix)
+        else:
+            ids = self._indexed_ids(prefix, wanted, flow)
+        for execution_id in ids:
             try:
-                yield self.get(execution_id)
+                execution = self.get(execution_id)
             except ExecutionNotFoundError:
                 continue
+            if (wanted is None or execution.status in wanted) and (
+                flow is None or execution.flow == flow
+            ):
+                yield execution
+
+    def _indexed_ids(
+        self, prefix: str, wanted: frozenset[Status] | None, flow: str | None
+    ) -> Iterable[str]:
+        """The ids that may match, from the run index (every id, when it is not built
+        or is damaged)."""
+        execution_ids(self.store, prefix)  # validates the prefix now, not at first use
+        try:
+            if not self.runs.built():
+                return execution_ids(self.store, prefix)
+            found: set[str] = set()
+            for hint in self.runs.open_runs():
+                if flow is None or hint.flow == flow:
+                    found.add(hint.execution_id)
+            for execution_id, ended_as, ended_flow in self.runs.closed_runs():
+                if (wanted is None or ended_as in wanted) and (flow is None or ended_flow == flow):
+                    found.add(execution_id)
+            for ended_as in ENDED:
+                if wanted is not None and ended_as not in wanted:
+                    continue
+                for execution_id, ended_flow in self.runs.ended(ended_as):
+                    if flow is None or ended_flow == flow:
+                        found.add(execution_id)
+        except SchemaError as exc:
+            logger.warning("loom: %s; listing every journal instead", exc)
+            return execution_ids(self.store, prefix)
+        return sorted(execution_id for execution_id in found if execution_id.startswith(prefix))
 
     def recover(self) -> list[str]:
         """Drive every run left running (by a crash, or a process that stopped mid-run),
-        and call the listeners again for every parked or ended run.
+        and call the listeners again for every run still open (parked, or ended with a
+        listener not yet run to the end).
+
+        The runs are found through the run index, so the cost is the runs still open,
+        however many have finished. On a store indexed by no engine yet (one written
+        by Loom before 1.18), or with a damaged index record, every journal is listed
+        instead, and the index is rewritten from them.
 
         A run that cannot be loaded or driven (a damaged journal, or code that
         diverged from it) does not stop the others: every run is tried and each
@@ -561,18 +695,95 @@ class Engine:
         Returns:
             The ids of the executions it drove.
         """
-        driven, failures = try_each(execution_ids(self.store), self._recover_one, "recover")
+        try:
+            hints = list(self.runs.open_runs()) if self.runs.built() else None
+        except SchemaError as exc:
+            logger.warning("loom: %s; recovering from every journal", exc)
+            hints = None
+        if hints is None:
+            return self._recover_everything()
+        driven, failures = try_each(hints, self.recover_open, "recover")
         raise_first(failures)
         return [execution_id for execution_id in driven if execution_id is not None]
 
-    def _recover_one(self, execution_id: str) -> str | None:
-        """Drive one run if it is left running; its id if it was driven."""
+    def recover_open(self, hint: OpenHint) -> str | None:
+        """Visit one run the index holds open: drive it if it is left running and may
+        be taken over, call the listeners again if it parked or ended, and drop the
+        hint of a run that does not exist once its writer is gone.
+
+        Returns:
+            The run's id if it was driven.
+        """
+        execution_id = hint.execution_id
+        outcome = self._recover_one(execution_id)
+        if not isinstance(outcome, _Missing):
+            return outcome
+        if self._hint_abandoned(hint):
+            self.runs.dropped(execution_id)
+        return None
+
+    def _hint_abandoned(self, hint: OpenHint) -> bool:
+        """Whether a hint's run can no longer start: deleted, or its writer is gone (known
+        gone here, or not seen for a lease since the hint)."""
+        stream = self.stream_of(hint.execution_id)
+        try:
+            if self.store.head(stream) > 0:
+                return False  # it started since
+        except StreamDeletedError:
+            return True
+        if hint.by is None:
+            return self.clock() - hint.at > self.lease
+        if abandoned_here(hint.by, hint.execution_id):
+            return True
+        seen = sighting(self.store, hint.by, hint.execution_id, stream).seen_at
+        last = hint.at if seen is None else max(seen, hint.at)
+        return self.clock() - last > self.lease
+
+    def _recover_everything(self) -> list[str]:
+        """`recover()` by listing every journal, then rewriting the run index from them."""
+        since = self.runs.heads()
+        still_open: dict[str, OpenHint] = {}
+        ended: dict[str, tuple[str, Status, str]] = {}
+
+        def file_ended(execution: Execution) -> None:
+            if execution.status.finished:
+                ended[execution.id] = (execution.id, execution.status, execution.flow)
+
+        def visit(execution_id: str) -> str | None:
+            outcome = self._recover_one(execution_id, file_ended)
+            if isinstance(outcome, _Missing):
+                return None
+            try:
+                view = self._view(execution_id, Execution.of)
+            except ExecutionNotFoundError:
+                return None
+            if execution_id not in ended:
+                still_open[execution_id] = OpenHint(execution_id, view.flow, None, self.clock())
+            return outcome
+
+        driven, failures = try_each(execution_ids(self.store), visit, "recover")
+        for execution_id in ended:
+            still_open.pop(execution_id, None)
+        try:
+            self.runs.index_ended(ended.values())
+            self.runs.rebuild(since, still_open.values())
+            self.runs.mark_built()
+        except LoomError as exc:
+            failures.append(exc)
+        raise_first(failures)
+        return [execution_id for execution_id in driven if execution_id is not None]
+
+    def _recover_one(
+        self, execution_id: str, delivered: Callable[[Execution], None] | None = None
+    ) -> str | _Missing | None:
+        """Drive one run if it is left running; its id if it was driven, None if not,
+        _MISSING if there is no such run."""
         driven = None
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             try:
                 state = self._checkout(execution_id)
             except ExecutionNotFoundError:
-                return None  # deleted since the listing
+                return _MISSING  # deleted since the listing, or never started
             if (
                 state.status is Status.RUNNING
                 and state.flow in self._newest
@@ -583,7 +794,7 @@ class Engine:
             else:
                 execution = Execution.of(state)
                 self._cache.give_back(state)
-        self._settled(execution)
+        self._settled(execution, delivered)
         return driven
 
     @property
@@ -617,7 +828,7 @@ class Engine:
         elif owner is not None and not abandoned_here(owner, state.id):
             seen = sighting(self.store, owner, state.id, self.stream_of(state.id))
             if not seen.expired(self.clock(), self.lease):
-                logger.info(
+                logger.debug(
                     "loom: %s is running on %s (seen %.1f s ago): not taken over",
                     state.id,
                     owner,
@@ -746,6 +957,25 @@ class Engine:
             return compact(self.store, state, self.clock)
         finally:
             self._cache.give_back(state)
+
+
+class _Missing:
+    """What `_recover_one` returns for a run that does not exist."""
+
+
+_MISSING: Final = _Missing()
+
+
+def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset[Status] | None:
+    """The statuses asked for, validated."""
+    if status is None:
+        return None
+    items = [status] if isinstance(status, str) else list(status)
+    try:
+        return frozenset(Status(item) for item in items)
+    except ValueError:
+        known = ", ".join(member.value for member in Status)
+        raise InvalidArgumentError(f"a status is one of {known}, not {status!r}") from None
 
 
 def _timer_due(state: ExecutionState, gate: int, now: float) -> bool | None:

@@ -8,6 +8,7 @@ __all__ = [
     "CanonicalJSONError",
     "CodeVersionError",
     "ConflictError",
+    "ExecutionEndedError",
     "ExecutionNotFoundError",
     "InvalidArgumentError",
     "InvalidIdError",
@@ -15,6 +16,7 @@ __all__ = [
     "NonDeterminismError",
     "NotFoundError",
     "NotSuspendedError",
+    "ResultTimeoutError",
     "SchemaError",
     "StepFailedError",
     "StoreMisconfiguredError",
@@ -297,4 +299,44 @@ class StepFailedError(LoomError):
         self.attempts = attempts
         super().__init__(
             f"step {step!r} failed after {attempts} attempt(s): {error_type}: {error_message}"
+        )
+
+
+class ExecutionEndedError(LoomError):
+    """A run a caller waited on for its result failed or was cancelled.
+
+    Attributes:
+        execution_id: the execution.
+        status: "failed" or "cancelled".
+        error_type: for a failed run, the qualified type name of its uncaught error.
+        error_message: for a failed run, that error's message; for a cancelled one,
+            the reason given, if any.
+    """
+
+    def __init__(
+        self, execution_id: str, status: str, error_type: str | None, error_message: str | None
+    ) -> None:
+        self.execution_id = execution_id
+        self.status = status
+        self.error_type = error_type
+        self.error_message = error_message
+        what = f": {error_type}: {error_message}" if error_type else ""
+        if not error_type and error_message:
+            what = f": {error_message}"
+        super().__init__(f"execution {execution_id!r} {status}{what}")
+
+
+class ResultTimeoutError(LoomError, TimeoutError):
+    """A run did not finish within the time a caller waited for its result.
+
+    Attributes:
+        execution_id: the execution (it goes on; wait again, or look with `get`).
+        status: its status when the wait ended.
+    """
+
+    def __init__(self, execution_id: str, status: str, timeout: float) -> None:
+        self.execution_id = execution_id
+        self.status = status
+        super().__init__(
+            f"execution {execution_id!r} is still {status} after {timeout:g} s; it goes on"
         )

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["LISTENER_GROUP", "Listener", "Listeners", "installed_listeners"]
 
 Listener = Callable[["Engine", "Execution"], None]
+_Delivery = tuple["Execution", Callable[["Execution"], None] | None]
 LISTENER_GROUP: Final = "loom.listeners"
 _installed: list[Listener] | None = None
 _log = logging.getLogger("loom")
@@ -46,7 +47,7 @@ class Listeners:
         self._listeners: list[Listener] = []
         for listener in listeners:
             self.add(listener)
-        self._queue: contextvars.ContextVar[deque[Execution] | None] = contextvars.ContextVar(
+        self._queue: contextvars.ContextVar[deque[_Delivery] | None] = contextvars.ContextVar(
             f"loom_listener_queue_{id(self)}", default=None
         )
 
@@ -58,8 +59,16 @@ class Listeners:
     def __bool__(self) -> bool:
         return bool(self._listeners)
 
-    def deliver(self, engine: Engine, execution: Execution) -> bool:
+    def deliver(
+        self,
+        engine: Engine,
+        execution: Execution,
+        delivered: Callable[[Execution], None] | None = None,
+    ) -> bool:
         """Call every listener with `execution`, and with whatever they park or end.
+
+        `delivered(execution)` is called once every listener has taken it without a
+        LoomError (one that raised is called again by `recover()`).
 
         Returns:
             True when the deliveries ran now; False when this call only queued
@@ -67,24 +76,34 @@ class Listeners:
         """
         queue = self._queue.get()
         if queue is not None:
-            queue.append(execution)
+            queue.append((execution, delivered))
             return False
-        queue = deque([execution])
+        queue = deque([(execution, delivered)])
         token = self._queue.set(queue)
         unexpected: BaseException | None = None
         try:
             while queue:
-                item = queue.popleft()
+                item, then = queue.popleft()
+                taken = True
                 for listener in self._listeners:
                     try:
                         listener(engine, item)
                     except LoomError as exc:  # recover() calls it again
+                        taken = False
                         _log.warning(
                             "listener %r on %r: %s: %s", listener, item.id, type(exc).__name__, exc
                         )
                     except Exception as exc:  # a bug: raised once every delivery is made
+                        taken = False
                         _log.exception("listener %r on %r failed", listener, item.id)
                         unexpected = unexpected or exc
+                if taken and then is not None:
+                    try:
+                        then(item)
+                    except LoomError as exc:  # recover() delivers it again
+                        _log.warning(
+                            "after delivery of %r: %s: %s", item.id, type(exc).__name__, exc
+                        )
         finally:
             self._queue.reset(token)
         if unexpected is not None:

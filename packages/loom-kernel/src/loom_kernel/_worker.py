@@ -1,0 +1,304 @@
+"""The worker: fires due timers and drives the runs no one else is driving.
+
+A worker polls two indexes kept on the journal: the timer buckets, and the run index
+(the runs still open, by partition). A run it has not seen open before (one
+`enqueue` started, a start whose process died) is visited at once; every open run is
+visited again on a sweep, every half lease, so a run whose owner stopped is taken over
+within about one and a half leases. A visit is `Engine.recover_open`: the run is
+claimed at the journal's exact head (one worker wins) and driven until it parks or
+ends. Runs are driven on a pool of `concurrency` threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Final, TextIO
+
+import attrs
+
+from loom_kernel._errors import InvalidArgumentError, LoomError
+from loom_kernel._leases import driving_here
+from loom_kernel._numbers import finite_number
+from loom_kernel._run_index import OpenHint
+
+if TYPE_CHECKING:
+    from loom_kernel._engine import Engine
+
+__all__ = ["Worker", "WorkerStats"]
+
+logger = logging.getLogger("loom")
+
+#: Seconds between polls at the busiest, on a store whose heads cost nothing.
+_FASTEST_POLL: Final = 0.05
+#: The longest idle poll by default: a store whose heads cost a request (S3) is polled
+#: less often when there is nothing to do (see docs/running.md for what it costs).
+_IDLE_POLL_CHEAP: Final = 1.0
+_IDLE_POLL_COSTLY: Final = 30.0
+_STATUS_EVERY: Final = 1.0
+
+
+@attrs.define
+class WorkerStats:
+    """What a worker has done since it started.
+
+    Attributes:
+        visited: open runs it looked at.
+        driven: runs it drove (claimed and ran until they parked or ended).
+        timers: timers it fired.
+        failures: visits or timer firings that raised (each is logged).
+        in_flight: runs being driven now.
+    """
+
+    visited: int = 0
+    driven: int = 0
+    timers: int = 0
+    failures: int = 0
+    in_flight: int = 0
+
+
+class Worker:
+    """Drives a store's work on its own: due timers, enqueued runs, and runs whose
+    owner stopped (an expired lease).
+
+    `run()` blocks until `stop()` or a signal; `start()` runs it on a background
+    thread of this process (one line beside an application that calls `start`
+    inline). Any number of workers, in any number of processes or machines, may
+    share a store: every run is claimed at the journal's exact head, so one drives it.
+
+    Args:
+        engine: the engine to drive with (its flows, store, worker id and lease).
+        concurrency: how many runs it drives at once.
+        idle_poll: the longest wait between two polls when there is nothing to do;
+            by default 1 s, or 30 s on a store whose reads cost requests (S3). An
+            `enqueue` on the same engine wakes it at once.
+        grace: on `stop()` (or a first SIGTERM/SIGINT), how long the runs in flight
+            may go on to park or end before they are released at their next step.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        concurrency: int = 8,
+        idle_poll: float | None = None,
+        grace: float = 30.0,
+    ) -> None:
+        if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
+            raise InvalidArgumentError(f"concurrency is an int of 1 or more, not {concurrency!r}")
+        for name, value in (("idle_poll", idle_poll), ("grace", grace)):
+            if value is not None and (not finite_number(value) or value < 0):
+                raise InvalidArgumentError(f"{name} is a number of seconds >= 0, not {value!r}")
+        self.engine = engine
+        self.concurrency = concurrency
+        default = _IDLE_POLL_CHEAP if engine.store.head_is_cheap else _IDLE_POLL_COSTLY
+        self.idle_poll = default if idle_poll is None else float(idle_poll)
+        self.grace = float(grace)
+        self.stats = WorkerStats()
+        self._stopping = threading.Event()
+        self._stopped = threading.Event()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._in_flight: dict[str, Future[Any]] = {}
+        self._known: set[str] = set()
+        self._thread: threading.Thread | None = None
+        self._signals = 0
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def start(self) -> Worker:
+        """Run the worker on a daemon thread of this process; returns self."""
+        if self._thread is not None:
+            raise InvalidArgumentError("this worker is running already")
+        self._thread = threading.Thread(
+            target=self.run, kwargs={"handle_signals": False}, name="loom-worker", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop taking work, let the runs in flight park or end for up to `grace`
+        seconds (the worker's own by default), release the rest at their next step,
+        and return once nothing is driven. A released run is taken over at once by
+        the next worker that looks (its owner's last beat drops it)."""
+        if grace is not None:
+            self.grace = float(grace)
+        self._stopping.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        elif self._thread is None:
+            self._stopped.wait()
+
+    def __enter__(self) -> Worker:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def run(self, *, handle_signals: bool = True, status: TextIO | None = None) -> None:
+        """Poll and drive until `stop()` (or, with `handle_signals` on the main thread,
+        SIGTERM or SIGINT: the first stops gracefully, a second at once).
+
+        Args:
+            handle_signals: install SIGTERM/SIGINT handlers while it runs (only on the
+                main thread).
+            status: where to print a one-line live status (a terminal), if anywhere.
+        """
+        previous = self._install_signals() if handle_signals else {}
+        self.engine._work_added.append(self._wake)
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="loom-drive")
+        logger.info(
+            "loom: worker %s started (concurrency %d)", self.engine.worker_id, self.concurrency
+        )
+        try:
+            self._poll_until_stopped(pool, status)
+            self._wind_down()
+        finally:
+            pool.shutdown(wait=True)
+            self.engine._work_added.remove(self._wake)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
+            self._release_lease()
+            if status is not None:
+                status.write("\n")
+            logger.info("loom: worker %s stopped: %s", self.engine.worker_id, self.stats)
+            self._stopped.set()
+
+    # -- polling ----------------------------------------------------------------
+
+    def _poll_until_stopped(self, pool: ThreadPoolExecutor, status: TextIO | None) -> None:
+        sweep_every = self.engine.lease / 2
+        next_sweep = 0.0
+        pause = _FASTEST_POLL
+        shown = 0.0
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            sweep = now >= next_sweep
+            if sweep:
+                next_sweep = now + sweep_every
+            busy = self._fire_timers() + self._visit_open(pool, sweep=sweep)
+            if status is not None and now - shown >= _STATUS_EVERY:
+                shown = now
+                self._show(status)
+            pause = _FASTEST_POLL if busy else min(max(pause * 2, _FASTEST_POLL), self.idle_poll)
+            self._wake.wait(min(pause, max(0.0, next_sweep - time.monotonic())) or pause)
+            self._wake.clear()
+
+    def _fire_timers(self) -> int:
+        try:
+            woken = self.engine.fire_due_timers()
+        except LoomError as exc:
+            self.stats.failures += 1
+            logger.warning("loom: firing timers: %s: %s", type(exc).__name__, exc)
+            return 1
+        self.stats.timers += len(woken)
+        return len(woken)
+
+    def _visit_open(self, pool: ThreadPoolExecutor, *, sweep: bool) -> int:
+        """Hand the open runs to visit to the pool; how many were handed over."""
+        try:
+            hints = list(self.engine.runs.open_runs())
+        except LoomError as exc:
+            self.stats.failures += 1
+            logger.warning("loom: reading the run index: %s: %s", type(exc).__name__, exc)
+            return 0
+        open_now = {hint.execution_id for hint in hints}
+        handed = 0
+        for hint in hints:
+            execution_id = hint.execution_id
+            if not sweep and execution_id in self._known:
+                continue
+            with self._lock:
+                if execution_id in self._in_flight or len(self._in_flight) >= self.concurrency:
+                    continue
+                if driving_here(self.engine.worker_id, execution_id):
+                    self._known.add(execution_id)
+                    continue  # this engine drives it inline right now
+                self._in_flight[execution_id] = pool.submit(self._visit, hint)
+                self.stats.in_flight = len(self._in_flight)
+            self._known.add(execution_id)
+            handed += 1
+        self._known &= open_now
+        return handed
+
+    def _visit(self, hint: OpenHint) -> None:
+        try:
+            if self.engine.recover_open(hint) is not None:
+                self.stats.driven += 1
+        except LoomError as exc:
+            self.stats.failures += 1
+            logger.warning("loom: %s: %s: %s", hint.execution_id, type(exc).__name__, exc)
+        except Exception:
+            self.stats.failures += 1
+            logger.exception("loom: visiting %s failed", hint.execution_id)
+        finally:
+            with self._lock:
+                self.stats.visited += 1
+                self._in_flight.pop(hint.execution_id, None)
+                self.stats.in_flight = len(self._in_flight)
+            self._wake.set()  # a slot is free
+
+    # -- stopping ---------------------------------------------------------------
+
+    def _wind_down(self) -> None:
+        """Let the runs in flight go on for the grace period, then release them."""
+        deadline = time.monotonic() + self.grace
+        while self._in_flight and time.monotonic() < deadline:
+            self._wake.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+            self._wake.clear()
+        with self._lock:
+            left = list(self._in_flight)
+        if left:
+            logger.info("loom: releasing %d run(s) at their next step: %s", len(left), left)
+            for execution_id in left:
+                self.engine._release(execution_id)
+
+    def _release_lease(self) -> None:
+        """A last beat listing nothing, so the runs this worker let go are taken over
+        at once rather than a lease later."""
+        try:
+            self.engine._heartbeat.beat()
+        except LoomError as exc:
+            logger.warning("loom: last beat of %s: %s", self.engine.worker_id, exc)
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous: dict[int, Any] = {}
+        for number in (signal.SIGTERM, signal.SIGINT):
+            previous[number] = signal.signal(number, self._on_signal)
+        return previous
+
+    def _on_signal(self, number: int, _frame: FrameType | None) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            logger.warning("loom: second %s: stopping at once", signal.Signals(number).name)
+            os._exit(128 + number)
+        logger.info(
+            "loom: %s: stopping; runs in flight have %.0f s to park or end (again to stop now)",
+            signal.Signals(number).name,
+            self.grace,
+        )
+        self._stopping.set()
+        self._wake.set()
+
+    def _show(self, out: TextIO) -> None:
+        stats = self.stats
+        line = (
+            f"loom worker {self.engine.worker_id}: driving {stats.in_flight}/{self.concurrency}"
+            f" · driven {stats.driven} · timers {stats.timers} · failures {stats.failures}"
+        )
+        out.write("\r" + line[:200].ljust(80))
+        out.flush()
+
+
+def terminal_status() -> TextIO | None:
+    """stderr when it is a terminal (for the live status line), else None."""
+    return sys.stderr if sys.stderr.isatty() else None

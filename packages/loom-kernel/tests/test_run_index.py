@@ -1,0 +1,292 @@
+"""The run index: store-wide calls cost the runs still open (and the runs that match),
+never every run the store holds, and the index stays right through crashes between
+any two of its writes."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel import Context, Engine, MemoryStore, SchemaError, Status, flow
+from loom_kernel._run_index import RunIndex, partition_of
+from loom_kernel.spi import NewRecord
+from loom_kernel.testing import FakeClock
+
+REMOTE = "other-host.1:4242:abcdef"  # a worker of another machine: only its lease tells
+
+
+class CountingStore(MemoryStore):
+    """Counts the reads and heads of execution journals."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.journal_reads: Counter[str] = Counter()
+
+    def _read(self, stream: str, after: int, limit: int | None) -> Any:
+        if stream.startswith("ex/"):
+            self.journal_reads[stream] += 1
+        return super()._read(stream, after, limit)
+
+    def _head(self, stream: str) -> int:
+        if stream.startswith("ex/"):
+            self.journal_reads[stream] += 1
+        return super()._head(stream)
+
+
+@flow(name="work", version="1")
+def work(ctx: Context, what: str) -> Any:
+    ctx.step("first", lambda: what)
+    if what == "fail":
+        raise ValueError("asked to fail")
+    if what == "park":
+        return ctx.suspend("approval")
+    return what
+
+
+@flow(name="other", version="1")
+def other(ctx: Context, what: str) -> Any:
+    return ctx.step("only", lambda: what)
+
+
+def _engine(store: MemoryStore, clock: FakeClock | None = None, **options: Any) -> Engine:
+    return Engine(store, [work, other], clock=clock or FakeClock(), listeners=[], **options)
+
+
+@pytest.mark.parametrize("finished", [10, 400])
+def test_recover_with_nothing_to_do_reads_no_finished_journal(finished: int) -> None:
+    store = CountingStore()
+    engine = _engine(store)
+    for number in range(finished):
+        engine.start("work", "fail" if number % 7 == 0 else "done")
+    parked = engine.start("work", "park", key="parked")
+    store.journal_reads.clear()
+    assert _engine(store).recover() == []
+    assert set(store.journal_reads) == {"ex/parked"}, "only the open run is looked at"
+    assert engine.get(parked.id).status is Status.SUSPENDED
+
+
+def test_executions_by_status_and_flow_read_only_the_runs_that_match() -> None:
+    store = CountingStore()
+    engine = _engine(store)
+    expected: dict[str, set[str]] = {status.value: set() for status in Status}
+    for number in range(120):
+        what = ["done", "fail", "park", "done"][number % 4]
+        run = engine.start("work" if number % 3 else "other", what, key=f"r{number:03d}")
+        expected[engine.get(run.id).status.value].add(run.id)
+    engine.cancel("r010", "not needed")
+    expected["suspended"].discard("r010")
+    expected["cancelled"].add("r010")
+    fresh = _engine(store)
+    for status, ids in expected.items():
+        store.journal_reads.clear()
+        found = [execution.id for execution in fresh.executions(status=status)]
+        assert found == sorted(ids), status
+        assert all(execution.status == status for execution in fresh.executions(status=status))
+    failed_other = [e.id for e in fresh.executions(status=Status.FAILED, flow="other")]
+    assert failed_other == sorted(i for i in expected["failed"] if not int(i[1:]) % 3)
+    store.journal_reads.clear()
+    cold = _engine(store)  # nothing cached
+    assert [e.id for e in cold.executions(status="failed")] == sorted(expected["failed"])
+    parked = len(expected["suspended"])
+    assert len(store.journal_reads) == len(expected["failed"]) + parked, "matches and open runs"
+    both = {e.id for e in fresh.executions(status=["completed", "cancelled"])}
+    assert both == expected["completed"] | expected["cancelled"]
+    assert {e.id for e in fresh.executions(flow="other")} == {
+        f"r{number:03d}" for number in range(0, 120, 3)
+    }
+
+
+def test_an_unknown_status_is_refused() -> None:
+    from loom_kernel import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match="a status is one of"):
+        list(_engine(MemoryStore()).executions(status="done"))
+
+
+def test_a_hint_whose_run_never_started_is_dropped_once_its_writer_is_gone() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock, lease=30.0)
+    engine.start("work", "done")  # the store is indexed from its first start
+    RunIndex(store, clock).opened("ghost", "work", REMOTE)  # its writer died right after
+    assert engine.recover() == []
+    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["ghost"], "may still land"
+    clock.advance(31.0)
+    assert engine.recover() == []
+    assert list(engine.runs.open_runs()) == []
+
+
+def test_a_hint_of_a_dead_process_of_this_machine_is_dropped_at_once() -> None:
+    from loom_kernel._leases import _THIS_MACHINE
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    engine.start("work", "done")
+    RunIndex(store, clock).opened("ghost", "work", f"{_THIS_MACHINE}:3999999:abcdef")
+    engine.recover()
+    assert list(engine.runs.open_runs()) == []
+
+
+def test_a_start_that_lands_after_its_hint_was_judged_is_still_found() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    engine.start("work", "done")
+    RunIndex(store, clock).opened("late", "work", REMOTE)
+    clock.advance(10.0)
+    _engine(store, clock).recover()  # its writer was seen 10 s ago: kept
+    late = _engine(store, clock, worker_id=REMOTE)
+    late.start("work", "park", key="late")
+    assert [e.id for e in engine.executions(status="suspended")] == ["late"]
+
+
+def test_a_crash_after_a_run_ended_and_before_it_was_closed_is_closed_by_recover() -> None:
+    store = MemoryStore()
+    delivered: list[str] = []
+
+    def closing_crashes(_execution: Any) -> None:
+        raise KeyboardInterrupt  # the process dies between the end and the close
+
+    engine = _engine(store)
+    engine._close = closing_crashes  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        engine.start("work", "done", key="r")
+    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["r"]
+    fresh = _engine(store)
+    fresh.add_listener(lambda _engine, execution: delivered.append(execution.id))
+    assert fresh.recover() == []
+    assert delivered == ["r"], "its listeners are called again"
+    assert list(fresh.runs.open_runs()) == []
+    assert [e.id for e in fresh.executions(status="completed")] == ["r"]
+
+
+def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it() -> None:
+    from loom_kernel import StoreUnavailableError
+
+    store = MemoryStore()
+    attempts: list[str] = []
+
+    def flaky(_engine: Engine, execution: Any) -> None:
+        attempts.append(execution.id)
+        if len(attempts) == 1:
+            raise StoreUnavailableError("the parent could not be woken")
+
+    engine = _engine(store)
+    engine.add_listener(flaky)
+    engine.start("work", "done", key="r")
+    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["r"]
+    engine.recover()
+    assert attempts == ["r", "r"]
+    assert list(engine.runs.open_runs()) == []
+
+
+def test_a_store_written_before_the_index_is_indexed_by_its_first_recover() -> None:
+    written = MemoryStore()
+    engine = _engine(written)
+    for number in range(40):
+        engine.start("work", ["done", "fail", "park"][number % 3], key=f"r{number:02d}")
+    store = CountingStore()  # the journals alone, as Loom wrote them before the index
+    for stream in written.streams("ex/"):
+        store.append(stream, 0, [_copy(r) for r in written.read(stream)])
+    old = _engine(store)
+    assert not old.runs.built()
+    failed = sorted(f"r{number:02d}" for number in range(1, 40, 3))
+    assert [e.id for e in old.executions(status="failed")] == failed, "by listing every run"
+    assert old.recover() == []
+    assert old.runs.built()
+    store.journal_reads.clear()
+    fresh = _engine(store)
+    assert [e.id for e in fresh.executions(status="failed")] == failed
+    assert fresh.recover() == []
+    parked = {f"r{number:02d}" for number in range(2, 40, 3)}
+    assert {stream.removeprefix("ex/") for stream in store.journal_reads} == parked | set(failed)
+
+
+def test_a_damaged_index_record_falls_back_to_the_journals_and_is_rewritten() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    parked = engine.start("work", "park", key="p")
+    engine.start("work", "fail", key="f")
+    stream = "runs/open/" + partition_of("p")
+    store.append(stream, store.head(stream), [NewRecord("loom.run.open", b"{not json", 0.0)])
+    with pytest.raises(SchemaError):
+        list(engine.runs.open_runs())
+    assert [e.id for e in engine.executions(status="failed")] == ["f"]
+    assert engine.recover() == []
+    assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
+    assert [e.id for e in engine.executions(status="failed")] == ["f"]
+
+
+def test_many_closed_runs_are_compacted_out_of_their_partition() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    for number in range(600):
+        engine.start("work", "done", key=f"r{number:03d}")
+    list(engine.runs.open_runs())  # a reader compacts what it reads
+    for partition in engine.runs.partitions():
+        assert (
+            len(store.read(f"runs/open/{partition}", store.head(f"runs/open/{partition}") - 1)) == 1
+        )
+    assert len(list(engine.executions(status="completed"))) == 600
+
+
+def _copy(record: Any) -> NewRecord:
+    return NewRecord(record.kind, record.payload, record.timestamp)
+
+
+# -- a model: any order of starts, ends, crashes and compactions --------------------
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(
+            ["done", "fail", "park", "resume", "cancel", "ghost", "crash-close", "delete", "read"]
+        ),
+        st.integers(0, 11),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_OPS)
+def test_the_index_answers_as_a_full_listing_would_whatever_crashed(ops: list[Any]) -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+
+    def crashing_close(_execution: Any) -> None:
+        raise KeyboardInterrupt
+
+    for op, number in ops:
+        key = f"r{number}"
+        clock.advance(1.0)
+        try:
+            if op in ("done", "fail", "park"):
+                engine.start("work", op, key=key)
+            elif op == "resume":
+                engine.resume(key, "yes")
+            elif op == "cancel":
+                engine.cancel(key)
+            elif op == "ghost":
+                RunIndex(store, clock).opened(key, "work", REMOTE)
+            elif op == "crash-close":
+                crashing = _engine(store, clock)
+                crashing._close = crashing_close  # type: ignore[method-assign]
+                crashing.start("work", "done", key=key)
+            elif op == "delete":
+                store.delete("ex/" + key)
+            else:
+                list(engine.runs.open_runs())
+        except KeyboardInterrupt:
+            pass
+        except Exception as exc:  # refusals the model expects
+            assert type(exc).__name__ in {"NotSuspendedError", "ExecutionNotFoundError"}, exc
+    clock.advance(60.0)
+    fresh = _engine(store, clock)
+    fresh.recover()
+    truth = {e.id: e.status for e in _engine(store, clock).executions()}
+    for status in Status:
+        indexed = [e.id for e in fresh.executions(status=status)]
+        assert indexed == sorted(i for i, s in truth.items() if s is status), status
+    still_open = {hint.execution_id for hint in fresh.runs.open_runs()}
+    assert still_open == {i for i, s in truth.items() if not s.finished}

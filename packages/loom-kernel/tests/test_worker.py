@@ -1,0 +1,184 @@
+"""The worker and enqueue: runs started without being driven are driven by a worker,
+timers fire on their own, and a stopping worker lets go of what it holds."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    Context,
+    Engine,
+    ExecutionEndedError,
+    InvalidArgumentError,
+    MemoryStore,
+    ResultTimeoutError,
+    RunHandle,
+    Status,
+    Worker,
+    flow,
+)
+
+effects: Counter[str] = Counter()
+effects_lock = threading.Lock()
+
+
+def _effect(name: str) -> str:
+    with effects_lock:
+        effects[name] += 1
+    return name
+
+
+@flow(name="three", version="1")
+def three(ctx: Context, tag: str) -> Any:
+    return [ctx.step(f"s{i}", lambda i=i: _effect(f"{tag}:{i}")) for i in range(3)]
+
+
+@flow(name="broken", version="1")
+def broken(ctx: Context, _input: Any) -> Any:
+    raise ValueError("no")
+
+
+@flow(name="napper", version="1")
+def napper(ctx: Context, seconds: float) -> Any:
+    ctx.sleep(seconds)
+    return "rested"
+
+
+gate = threading.Event()
+
+
+@flow(name="slow", version="1")
+def slow(ctx: Context, tag: str) -> Any:
+    ctx.step("wait", lambda: gate.wait(10) and _effect(f"{tag}:wait"))
+    return ctx.step("after", lambda: _effect(f"{tag}:after"))
+
+
+FLOWS = [three, broken, napper, slow]
+
+
+def _engine(store: MemoryStore, **options: Any) -> Engine:
+    return Engine(store, FLOWS, listeners=[], **options)
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> None:
+    effects.clear()
+    gate.clear()
+
+
+def test_enqueue_journals_a_run_no_one_drives_until_a_worker_does() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    handle = engine.enqueue("three", "a", key="a")
+    assert isinstance(handle, RunHandle)
+    view = engine.get("a")
+    assert (view.status, view.owner, view.position) == (Status.RUNNING, None, 1)
+    assert not effects, "nothing ran inline"
+    with pytest.raises(ResultTimeoutError, match="still running"):
+        handle.result(timeout=0.05)
+    with Worker(_engine(store), idle_poll=0.05):
+        assert handle.result(timeout=10) == ["a:0", "a:1", "a:2"]
+    assert effects == Counter({"a:0": 1, "a:1": 1, "a:2": 1})
+    assert engine.enqueue("three", "a", key="a") == handle, "the same key, the same run"
+    assert engine.get("a").position == view.position + 5  # claim, 3 steps, end
+
+
+def test_an_enqueue_on_the_workers_own_engine_wakes_it_at_once() -> None:
+    engine = _engine(MemoryStore())
+    with Worker(engine, idle_poll=60.0):
+        time.sleep(0.2)  # the worker is idle: its next poll is a minute away
+        started = time.monotonic()
+        assert engine.enqueue("three", "b").result(timeout=10) == ["b:0", "b:1", "b:2"]
+        assert time.monotonic() - started < 30
+
+
+def test_a_failed_or_cancelled_run_raises_from_result() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    failed = engine.enqueue("broken")
+    cancelled = engine.enqueue("three", "c")
+    engine.cancel(cancelled.id, "changed my mind")
+    with Worker(_engine(store), idle_poll=0.05):
+        with pytest.raises(ExecutionEndedError, match="failed: ValueError: no") as caught:
+            failed.result(timeout=10)
+    assert (caught.value.status, caught.value.error_type) == ("failed", "ValueError")
+    with pytest.raises(ExecutionEndedError, match="cancelled: changed my mind"):
+        cancelled.result(timeout=0)
+    assert not effects
+
+
+def test_bad_arguments_are_refused() -> None:
+    engine = _engine(MemoryStore())
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(InvalidArgumentError, match="concurrency"):
+            Worker(engine, concurrency=bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgumentError, match="idle_poll"):
+        Worker(engine, idle_poll=float("nan"))
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        engine.enqueue("three", "x").result(timeout=-1)
+
+
+def test_a_worker_fires_due_timers() -> None:
+    engine = _engine(MemoryStore())
+    run = engine.start("napper", 0.2)
+    assert run.status is Status.SUSPENDED
+    with Worker(engine, idle_poll=0.05):
+        assert engine.handle(run.id).result(timeout=10) == "rested"
+
+
+def test_two_workers_drive_two_hundred_runs_each_step_once() -> None:
+    store = MemoryStore()
+    handles = [_engine(store).enqueue("three", f"r{n}") for n in range(200)]
+    with Worker(_engine(store), concurrency=4, idle_poll=0.02), Worker(
+        _engine(store), concurrency=4, idle_poll=0.02
+    ):
+        for handle in handles:
+            handle.wait(timeout=30)
+    assert all(count == 1 for count in effects.values())
+    assert len(effects) == 600
+    owners = Counter(
+        next(e.event.by for e in _engine(store).history(h.id) if hasattr(e.event, "previous"))
+        for h in handles
+    )
+    assert len(owners) == 2, f"both workers drove runs: {owners}"
+
+
+def test_a_stopping_worker_releases_its_run_and_another_takes_it_at_once() -> None:
+    store = MemoryStore()
+    first = _engine(store, lease=3600.0)  # a lease that would keep the run an hour
+    handle = first.enqueue("slow", "s")
+    worker = Worker(first, idle_poll=0.02).start()
+    deadline = time.monotonic() + 10
+    while first.get(handle.id).owner is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stopper = threading.Thread(target=worker.stop, kwargs={"grace": 0.0})
+    stopper.start()
+    time.sleep(0.1)
+    gate.set()  # the step in flight finishes; the next one is not started
+    stopper.join(10)
+    assert not stopper.is_alive()
+    assert effects == Counter({"s:wait": 1})
+    view = first.get(handle.id)
+    assert view.status is Status.RUNNING
+    with Worker(_engine(store, lease=3600.0), idle_poll=0.02):
+        assert handle.result(timeout=10) == "s:after"
+    assert effects == Counter({"s:wait": 1, "s:after": 1})
+
+
+def test_a_worker_does_not_take_a_run_its_owner_is_driving() -> None:
+    store = MemoryStore()
+    inline = _engine(store)
+    result: list[Any] = []
+    driver = threading.Thread(target=lambda: result.append(inline.start("slow", "t", key="t")))
+    driver.start()
+    with Worker(_engine(store), idle_poll=0.02) as worker:
+        time.sleep(0.3)  # several polls and a sweep see the run open
+        gate.set()
+        driver.join(10)
+        assert worker.stats.driven == 0
+    assert result[0].status is Status.COMPLETED
+    assert effects == Counter({"t:wait": 1, "t:after": 1})
