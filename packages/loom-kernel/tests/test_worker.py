@@ -21,6 +21,7 @@ from loom_kernel import (
     Worker,
     flow,
 )
+from loom_kernel.events import ExecutionClaimed
 
 effects: Counter[str] = Counter()
 effects_lock = threading.Lock()
@@ -102,9 +103,11 @@ def test_a_failed_or_cancelled_run_raises_from_result() -> None:
     failed = engine.enqueue("broken")
     cancelled = engine.enqueue("three", "c")
     engine.cancel(cancelled.id, "changed my mind")
-    with Worker(_engine(store), idle_poll=0.05):
-        with pytest.raises(ExecutionEndedError, match="failed: ValueError: no") as caught:
-            failed.result(timeout=10)
+    with (
+        Worker(_engine(store), idle_poll=0.05),
+        pytest.raises(ExecutionEndedError, match="failed: ValueError: no") as caught,
+    ):
+        failed.result(timeout=10)
     assert (caught.value.status, caught.value.error_type) == ("failed", "ValueError")
     with pytest.raises(ExecutionEndedError, match="cancelled: changed my mind"):
         cancelled.result(timeout=0)
@@ -133,17 +136,22 @@ def test_a_worker_fires_due_timers() -> None:
 def test_two_workers_drive_two_hundred_runs_each_step_once() -> None:
     store = MemoryStore()
     handles = [_engine(store).enqueue("three", f"r{n}") for n in range(200)]
-    with Worker(_engine(store), concurrency=4, idle_poll=0.02), Worker(
-        _engine(store), concurrency=4, idle_poll=0.02
+    with (
+        Worker(_engine(store), concurrency=4, idle_poll=0.02),
+        Worker(_engine(store), concurrency=4, idle_poll=0.02),
     ):
         for handle in handles:
             handle.wait(timeout=30)
     assert all(count == 1 for count in effects.values())
     assert len(effects) == 600
-    owners = Counter(
-        next(e.event.by for e in _engine(store).history(h.id) if hasattr(e.event, "previous"))
-        for h in handles
-    )
+    claims = [
+        entry.event
+        for handle in handles
+        for entry in _engine(store).history(handle.id)
+        if isinstance(entry.event, ExecutionClaimed)
+    ]
+    assert len(claims) == len(handles), "each run claimed once"
+    owners = Counter(claim.by for claim in claims)
     assert len(owners) == 2, f"both workers drove runs: {owners}"
 
 
