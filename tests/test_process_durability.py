@@ -4,12 +4,15 @@ moments, and racing workers."""
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import os
 import random
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -213,3 +216,122 @@ def test_a_killed_owner_is_taken_over_at_once_on_its_machine(
         done = engine.get("own")
     assert (done.status, done.result) == (Status.COMPLETED, ["slow done", "after"])
     assert side.read_text() == "slow\nslow\n", "in flight at the kill: it ran again"
+
+
+SOAK_FLOWS_DIR = Path(__file__).parent
+SOAK_CONCURRENCY = 4
+
+
+def _loom_worker(target: _Target, side: Path, log: Path) -> subprocess.Popen[bytes]:
+    """`loom worker` on the soak flows, as a user would run it; it logs to `log`."""
+    return subprocess.Popen(
+        [
+            *(sys.executable, "-m", "loom_kernel._cli", "worker", "--store", target.url),
+            *("--flows", "soak_flows:FLOWS", "--concurrency", str(SOAK_CONCURRENCY)),
+            *("--lease", "4", "--idle-poll", "0.2", "--grace", "10"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=log.open("ab"),
+        env={
+            **os.environ,
+            **target.environment,
+            "PYTHONPATH": str(SOAK_FLOWS_DIR),
+            "LOOM_SOAK_SIDE": str(side),
+        },
+    )
+
+
+def _soak_engine(target: _Target) -> Engine:
+    sys.path.insert(0, str(SOAK_FLOWS_DIR))
+    try:
+        from soak_flows import FLOWS  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    with mock.patch.dict(os.environ, target.environment):
+        store = open_store(target.url)
+    return Engine(store, FLOWS)
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def _approve_gated(engine: Engine, waiting: set[str]) -> None:
+    """Resume the runs of `waiting` that are parked at their gate (and forget them)."""
+    from loom_kernel import ConflictError, NotSuspendedError
+
+    for execution_id in sorted(waiting):
+        with contextlib.suppress(ConflictError, NotSuspendedError):  # not there yet
+            engine.resume(execution_id, "approved", key="approve", on="approve")
+            waiting.discard(execution_id)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kills", [0, 5])
+def test_worker_processes_killed_at_random_end_every_run_and_journal_no_step_twice(
+    target: _Target, tmp_path: Path, kills: int
+) -> None:
+    """3 `loom worker` processes drive a few hundred runs with steps, timers, gates and
+    children while workers are SIGKILLed (and replaced) at random: every run ends, no
+    step is journaled twice, and a side effect repeats only for a step in flight at a
+    kill (at most the concurrency per kill); with no kill, none repeats."""
+    runs = 200 if target.sqlite_file else 80
+    side = tmp_path / "side-effects.txt"
+    side.touch()
+    rng = random.Random(20261202 + kills)
+    with mock.patch.dict(os.environ, {**target.environment, "LOOM_SOAK_SIDE": str(side)}):
+        engine = _soak_engine(target)
+        for number in range(runs):
+            engine.enqueue("soak_job", number, key=f"job-{number}")
+        logs = iter(tmp_path / f"worker-{number}.log" for number in range(100))
+        workers = [(_loom_worker(target, side, log), log) for log in itertools.islice(logs, 3)]
+        gated = {f"job-{number}" for number in range(0, runs, 5)}
+        killed, expected_effects = 0, runs * 4 + len(range(0, runs, 4))
+        deadline = time.monotonic() + 400
+        try:
+            while time.monotonic() < deadline:
+                lines = _side_effects(side)
+                if all(lines[f"job-{number}:last"] for number in range(runs)):
+                    break
+                if (
+                    kills
+                    and killed < kills
+                    and sum(lines.values()) >= ((killed + 1) * expected_effects // (kills + 1))
+                ):
+                    victim, _log = workers.pop(rng.randrange(len(workers)))
+                    time.sleep(rng.uniform(0, 0.05))
+                    victim.kill()
+                    victim.wait()
+                    killed += 1
+                    log = next(logs)
+                    workers.append((_loom_worker(target, side, log), log))
+                _approve_gated(engine, gated)
+                time.sleep(0.3)
+            else:
+                pytest.fail(f"not every run ended: {len(_side_effects(side))} effects")
+        finally:
+            for worker, log in workers:
+                _wait_for(lambda log=log: "started" in log.read_text(), 60)  # handlers set
+                worker.terminate()  # SIGTERM: a graceful stop
+            for worker, log in workers:
+                assert worker.wait(60) == 0, log.read_text()
+        assert killed == kills
+        for number in range(runs):
+            children = [child.id for child in engine.executions(f"job-{number}/")]
+            assert len(children) == (1 if number % 4 == 0 else 0), children
+            for execution_id in [f"job-{number}", *children]:
+                view = engine.get(execution_id)
+                assert view.status is Status.COMPLETED, (execution_id, view)
+                events = [entry.event for entry in engine.history(execution_id)]
+                indices = [e.index for e in events if isinstance(e, StepCompleted)]
+                assert len(indices) == len(set(indices)), f"{execution_id}: a step journaled twice"
+        repeats = sum(count - 1 for count in _side_effects(side).values())
+        assert repeats <= kills * SOAK_CONCURRENCY, (
+            f"{repeats} repeated side effects, {kills} kills"
+        )
+    if target.sqlite_file is not None:
+        with sqlite3.connect(target.sqlite_file) as connection:
+            assert connection.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -115,7 +115,9 @@ def _worker_command(args: argparse.Namespace) -> int:
         flows = [item for spec in args.flows for item in load_flows(spec)]
         with open_store(args.store) as store:
             engine = Engine(store, flows, worker_id=args.worker_id, lease=args.lease)
-            worker = Worker(engine, concurrency=args.concurrency, grace=args.grace)
+            worker = Worker(
+                engine, concurrency=args.concurrency, grace=args.grace, idle_poll=args.idle_poll
+            )
             print(
                 f"loom worker {engine.worker_id}: {len(flows)} flow(s), "
                 f"concurrency {args.concurrency}; SIGTERM or Ctrl-C stops it",
@@ -147,6 +149,12 @@ def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
         type=float,
         default=30.0,
         help="seconds runs in flight get to park or end on SIGTERM before they are released",
+    )
+    worker.add_argument(
+        "--idle-poll",
+        type=float,
+        default=None,
+        help="longest wait between polls when idle (default: 1 s; 30 s on S3)",
     )
     worker.add_argument("--worker-id", default=None, help="this worker's id (default: made up)")
 
