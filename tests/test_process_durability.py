@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import os
 import random
@@ -259,6 +260,10 @@ def _wait_for(condition: Callable[[], bool], seconds: float) -> None:
         time.sleep(0.05)
 
 
+def _has_started(log: Path) -> bool:
+    return "started" in log.read_text()
+
+
 def _approve_gated(engine: Engine, waiting: set[str]) -> None:
     """Resume the runs of `waiting` that are parked at their gate (and forget them)."""
     from loom_kernel import ConflictError, NotSuspendedError
@@ -314,7 +319,7 @@ def test_worker_processes_killed_at_random_end_every_run_and_journal_no_step_twi
                 pytest.fail(f"not every run ended: {len(_side_effects(side))} effects")
         finally:
             for worker, log in workers:
-                _wait_for(lambda log=log: "started" in log.read_text(), 60)  # handlers set
+                _wait_for(functools.partial(_has_started, log), 60)  # its handlers are set
                 worker.terminate()  # SIGTERM: a graceful stop
             for worker, log in workers:
                 assert worker.wait(60) == 0, log.read_text()
