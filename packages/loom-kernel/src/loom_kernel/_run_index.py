@@ -194,12 +194,17 @@ class RunIndex:
         """The runs the index holds open, partition by partition (compacting a
         partition that holds many closed runs as it goes)."""
         for partition in partitions if partitions is not None else self.partitions():
-            found = self._read_partition(partition)
-            if found is None:
-                continue
-            if len(found.closed) >= _COMPACT_AT:
-                self._compact(found)
-            yield from found.open.values()
+            yield from self.open_in(partition)[1]
+
+    def open_in(self, partition: str) -> tuple[int, list[OpenHint]]:
+        """One partition's head as read, and the runs it holds open (compacting it when
+        it holds many closed runs)."""
+        found = self._read_partition(partition)
+        if found is None:
+            return 0, []
+        if len(found.closed) >= _COMPACT_AT:
+            self._compact(found)
+        return found.head, list(found.open.values())
 
     def head(self, partition: str) -> int:
         """A partition's head: it moves whenever a run is opened or closed there."""

@@ -17,7 +17,8 @@ import signal
 import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
@@ -105,8 +106,11 @@ class Worker:
         self._stopped = threading.Event()
         self._wake = threading.Event()
         self._lock = threading.Lock()
-        self._in_flight: dict[str, Future[Any]] = {}
-        self._known: set[str] = set()
+        self._in_flight: set[str] = set()
+        self._known: dict[str, set[str]] = {}  # partition -> runs seen open in it
+        self._heads: dict[str, int] = {}  # partition -> its head when last read
+        self._backlog: deque[OpenHint] = deque()  # runs found while every slot was busy
+        self._queued: set[str] = set()  # their ids
         self._thread: threading.Thread | None = None
         self._signals = 0
 
@@ -175,7 +179,7 @@ class Worker:
 
     def _poll_until_stopped(self, pool: ThreadPoolExecutor, status: TextIO | None) -> None:
         sweep_every = self.engine.lease / 2
-        next_sweep = 0.0
+        next_sweep = next_timers = 0.0
         pause = _FASTEST_POLL
         shown = 0.0
         while not self._stopping.is_set():
@@ -183,7 +187,10 @@ class Worker:
             sweep = now >= next_sweep
             if sweep:
                 next_sweep = now + sweep_every
-            busy = self._fire_timers() + self._visit_open(pool, sweep=sweep)
+            busy = self._visit_open(pool, sweep=sweep)
+            if now >= next_timers:  # at most every _FASTEST_POLL, however busy
+                next_timers = now + _FASTEST_POLL
+                busy += self._fire_timers()
             if status is not None and now - shown >= _STATUS_EVERY:
                 shown = now
                 self._show(status)
@@ -202,33 +209,77 @@ class Worker:
         return len(woken)
 
     def _visit_open(self, pool: ThreadPoolExecutor, *, sweep: bool) -> int:
-        """Hand the open runs to visit to the pool; how many were handed over."""
+        """Hand the open runs to visit to the pool; how many were handed over.
+
+        Between sweeps only runs not seen open before are visited, and on a store whose
+        heads cost nothing a partition is read only when its head moved since it was
+        last read (or when runs of it waited for a free slot).
+        """
+        runs = self.engine.runs
+        handed = 0
         try:
-            hints = list(self.engine.runs.open_runs())
+            for partition in runs.partitions():
+                if not sweep and self._unchanged(partition):
+                    continue
+                head, hints = runs.open_in(partition)
+                known = self._known.setdefault(partition, set())
+                known &= {hint.execution_id for hint in hints}
+                handed += self._hand(pool, hints, known, sweep=sweep)
+                self._heads[partition] = head
         except LoomError as exc:
             self.stats.failures += 1
             logger.warning("loom: reading the run index: %s: %s", type(exc).__name__, exc)
-            return 0
-        open_now = {hint.execution_id for hint in hints}
-        handed = 0
-        for hint in hints:
-            execution_id = hint.execution_id
-            if not sweep and execution_id in self._known:
-                continue
-            with self._lock:
-                if execution_id in self._in_flight or len(self._in_flight) >= self.concurrency:
-                    continue
-                if driving_here(self.engine.worker_id, execution_id):
-                    self._known.add(execution_id)
-                    continue  # this engine drives it inline right now
-                self._in_flight[execution_id] = pool.submit(self._visit, hint)
-                self.stats.in_flight = len(self._in_flight)
-            self._known.add(execution_id)
-            handed += 1
-        self._known &= open_now
         return handed
 
-    def _visit(self, hint: OpenHint) -> None:
+    def _unchanged(self, partition: str) -> bool:
+        """Whether a partition surely holds nothing new since it was last read."""
+        return self.engine.store.head_is_cheap and self.engine.runs.head(
+            partition
+        ) == self._heads.get(partition)
+
+    def _hand(
+        self, pool: ThreadPoolExecutor, hints: list[OpenHint], known: set[str], *, sweep: bool
+    ) -> int:
+        """Submit the visits due among `hints`, or queue them while every slot is busy
+        (a drive that ends takes the next queued one itself); how many were due."""
+        due = 0
+        for hint in hints:
+            execution_id = hint.execution_id
+            if not sweep and execution_id in known:
+                continue
+            with self._lock:
+                known.add(execution_id)
+                if execution_id in self._in_flight or execution_id in self._queued:
+                    continue
+                if driving_here(self.engine.worker_id, execution_id):
+                    continue  # this engine drives it inline right now
+                due += 1
+                if len(self._in_flight) >= self.concurrency:
+                    self._backlog.append(hint)
+                    self._queued.add(execution_id)
+                    continue
+                self._in_flight.add(execution_id)
+                pool.submit(self._visit, hint)
+                self.stats.in_flight = len(self._in_flight)
+        return due
+
+    def _visit(self, first: OpenHint) -> None:
+        """Visit a run, then the queued ones, one after another, until none is left."""
+        hint: OpenHint | None = first
+        while hint is not None:
+            self._visit_one(hint)
+            with self._lock:
+                self._in_flight.discard(hint.execution_id)
+                self.stats.visited += 1
+                hint = None
+                if self._backlog and not self._stopping.is_set():
+                    hint = self._backlog.popleft()
+                    self._queued.discard(hint.execution_id)
+                    self._in_flight.add(hint.execution_id)
+                self.stats.in_flight = len(self._in_flight)
+        self._wake.set()  # a slot is free
+
+    def _visit_one(self, hint: OpenHint) -> None:
         try:
             if self.engine.recover_open(hint) is not None:
                 self.stats.driven += 1
@@ -238,12 +289,6 @@ class Worker:
         except Exception:
             self.stats.failures += 1
             logger.exception("loom: visiting %s failed", hint.execution_id)
-        finally:
-            with self._lock:
-                self.stats.visited += 1
-                self._in_flight.pop(hint.execution_id, None)
-                self.stats.in_flight = len(self._in_flight)
-            self._wake.set()  # a slot is free
 
     # -- stopping ---------------------------------------------------------------
 

@@ -1,0 +1,226 @@
+"""The runtime's store-wide calls against one start, the S3 requests a worker makes,
+and a worker against inline starts: ratios from one run.
+
+Run:
+
+    python3 -m uv run python bench/bench_runtime.py             # 1k, 10k and 100k runs
+    python3 -m uv run python bench/bench_runtime.py --sizes 1000 10000
+
+1. Flat store-wide calls. Stores (memory, and SQLite at synchronous=full) holding N
+   finished runs (N = 1k, 10k, 100k; a tenth of them slept on a timer that fired,
+   spread over N/100 minute buckets), plus 10 failed and 10 parked runs whatever N:
+   `recover()` with nothing to drive, `executions(status="failed")`, `loom ls --status
+   failed`, and an idle `fire_due_timers()`, each by a new engine (as another process
+   would), as a multiple of one start of a one-step flow on the same store.
+2. S3 requests (moto): per run started inline, per run enqueued and driven by a worker,
+   and per idle poll of a worker, turned into requests and dollars per idle month.
+3. A worker against inline starts: steps/s of runs of 10 steps driven by an in-process
+   `Worker(concurrency=1)` after `enqueue`, against `start` inline, on SQLite at
+   synchronous=full, in alternating rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from loom_kernel import Context, Engine, MemoryStore, Worker, flow, open_store
+from loom_kernel._cli import main as loom_main
+from loom_kernel.spi import JournalStore
+from loom_kernel.testing import FakeClock
+
+SLEEPERS = 10  # one run in SLEEPERS sleeps on a timer
+PER_BUCKET = 100  # runs per fake minute while filling
+FIXED = 10  # failed and parked runs, whatever N
+#: AWS S3 Standard, us-east-1: LIST (and PUT) per 1,000 requests, GET per 1,000.
+LIST_PRICE, GET_PRICE = 0.005, 0.0004
+
+
+@flow(name="bench.one")
+def one(ctx: Context, what: str) -> Any:
+    ctx.step("only", lambda: what)
+    if what == "sleep":
+        ctx.sleep(30)
+    if what == "fail":
+        raise ValueError("asked to fail")
+    if what == "park":
+        ctx.suspend("go")
+    return what
+
+
+@flow(name="bench.ten")
+def ten(ctx: Context, _input: Any) -> int:
+    for index in range(10):
+        ctx.step(f"s{index}", lambda index=index: index)
+    return 10
+
+
+def _timed(func: Callable[[], object], repeat: int = 5) -> float:
+    times = []
+    for _ in range(repeat):
+        began = time.perf_counter()
+        func()
+        times.append(time.perf_counter() - began)
+    return statistics.median(times)
+
+
+def _fill(store: JournalStore, finished: int) -> None:
+    clock = FakeClock(time.time() - 10 * 86_400)  # the fake minutes all lie in the past
+    engine = Engine(store, [one], clock=clock, listeners=[])
+    for number in range(finished):
+        engine.start("bench.one", "sleep" if number % SLEEPERS == 0 else "done")
+        if number % PER_BUCKET == PER_BUCKET - 1:
+            clock.advance(61)
+    for number in range(FIXED):
+        engine.start("bench.one", "fail", key=f"failed-{number}")
+        engine.start("bench.one", "park", key=f"parked-{number}")
+    clock.advance(3600)
+    engine.fire_due_timers()
+    assert engine.timers.buckets() == [], "every handled bucket is retired"
+
+
+_HEADER = (
+    "| store | one start | recover() | executions(failed) | loom ls --status failed "
+    "| idle fire_due_timers() |\n| --- | --- | --- | --- | --- | --- |"
+)
+
+
+def _row(label: str, store: JournalStore, url: str | None) -> None:
+    """One row of the flat table: each call by a new engine, as a multiple of one start."""
+
+    def fresh() -> Engine:
+        return Engine(store, [one], listeners=[])
+
+    starter = fresh()
+    start = _timed(lambda: starter.start("bench.one", "done"), 21)
+    recover = _timed(lambda: fresh().recover())
+    failed = _timed(lambda: list(fresh().executions(status="failed")))
+    assert len(list(fresh().executions(status="failed"))) == FIXED
+    idle = _timed(lambda: fresh().fire_due_timers())
+    listing = "(no URL)"
+    if url is not None:
+
+        def ls() -> None:
+            with contextlib.redirect_stdout(io.StringIO()):
+                assert loom_main(["ls", "--store", url, "--status", "failed"]) == 0
+
+        listing = f"{_timed(ls) / start:.1f}x"
+    print(
+        f"| {label} | {start * 1000:.2f} ms | {recover / start:.1f}x | {failed / start:.1f}x "
+        f"| {listing} | {idle / start:.2f}x |"
+    )
+
+
+def _flat(sizes: list[int]) -> None:
+    print("\n## store-wide calls as a multiple of one start (each by a new engine)")
+    print(_HEADER)
+    for size in sizes:
+        memory = MemoryStore()
+        _fill(memory, size)
+        _row(f"memory, {size:,} runs", memory, None)
+    with tempfile.TemporaryDirectory() as scratch:
+        for size in sizes:
+            path = Path(scratch) / f"flat-{size}.db"
+            with open_store(f"sqlite://{path}?synchronous=off") as filling:
+                _fill(filling, size)  # filled fast; measured below at synchronous=full
+            url = f"sqlite://{path}"
+            with open_store(url) as store:
+                _row(f"SQLite, {size:,} runs", store, url)
+
+
+def _s3_requests() -> None:
+    from loom_store_s3 import S3Options, S3Store
+    from loom_store_s3.testing import MotoServer, RequestCounter
+
+    with MotoServer() as server:
+        client = server.client()
+        bucket = server.new_bucket()
+        requests = RequestCounter(client)
+        store = S3Store(bucket, "bench", S3Options(endpoint_url=server.endpoint_url), client=client)
+        engine = Engine(store, [one, ten], listeners=[])
+        engine.start("bench.ten")  # warm up: the store is marked indexed
+        requests.take()
+        engine.start("bench.ten")
+        inline = requests.take()
+        handle = engine.enqueue("bench.ten")
+        enqueued = requests.take()
+        worker = Engine(store, [one, ten], listeners=[])
+        visit = next(hint for hint in worker.runs.open_runs() if hint.execution_id == handle.id)
+        requests.take()
+        worker.recover_open(visit)
+        driven = requests.take()
+        assert handle.get().status.value == "completed"
+        requests.take()
+        worker.fire_due_timers()
+        list(worker.runs.open_runs())
+        poll = requests.take()
+        store.close()
+
+    def total(counts: dict[str, int]) -> str:
+        return f"{sum(counts.values())} {dict(sorted(counts.items()))}"
+
+    idle_poll = 30.0  # the Worker's default on a store whose heads cost a request
+    per_month = sum(poll.values()) * (30 * 86_400 / idle_poll)
+    lists = poll.get("ListObjectsV2", 0) * (30 * 86_400 / idle_poll)
+    dollars = lists / 1000 * LIST_PRICE + (per_month - lists) / 1000 * GET_PRICE
+    print("\n## S3 requests (moto), a run of 10 steps")
+    print("| what | requests |")
+    print("| --- | --- |")
+    print(f"| start inline (hint, start, steps, end, close) | {total(inline)} |")
+    print(f"| enqueue | {total(enqueued)} |")
+    print(f"| the worker's drive of it (claim, steps, end, close) | {total(driven)} |")
+    print(f"| one idle poll (timers + run index) | {total(poll)} |")
+    print(
+        f"| an idle worker for 30 days, polling every {idle_poll:.0f} s | "
+        f"{per_month:,.0f} requests, ${dollars:.2f} at AWS prices |"
+    )
+
+
+def _worker_against_inline(rounds: int = 7, runs: int = 40) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        store = open_store(f"sqlite://{Path(scratch) / 'w.db'}")
+        engine = Engine(store, [ten], listeners=[])
+        engine.start("bench.ten")
+        ratios = []
+        for _ in range(rounds):
+            inline = _timed(lambda: [engine.start("bench.ten") for _ in range(runs)], 1)
+            began = time.perf_counter()
+            for _ in range(runs):
+                engine.enqueue("bench.ten")
+            worker = Worker(engine, concurrency=1, idle_poll=0.01)
+            with worker:
+                while worker.stats.visited < runs:
+                    time.sleep(0.0005)
+                worked = time.perf_counter() - began
+            ratios.append(inline / worked)
+        store.close()
+    print("\n## a worker against inline starts (SQLite, synchronous=full, runs of 10 steps)")
+    print(
+        f"worker steps/s ÷ inline steps/s: {statistics.median(ratios):.2f} "
+        f"(range {min(ratios):.2f}-{max(ratios):.2f} over {rounds} alternating rounds)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1_000, 10_000, 100_000])
+    parser.add_argument("--only", choices=("flat", "s3", "worker"), action="append")
+    args = parser.parse_args()
+    parts = set(args.only or ("flat", "s3", "worker"))
+    if "flat" in parts:
+        _flat(args.sizes)
+    if "s3" in parts:
+        _s3_requests()
+    if "worker" in parts:
+        _worker_against_inline()
+
+
+if __name__ == "__main__":
+    main()
