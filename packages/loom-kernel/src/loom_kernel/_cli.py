@@ -154,7 +154,7 @@ def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
         "--idle-poll",
         type=float,
         default=None,
-        help="longest wait between polls when idle (default: 1 s; 30 s on S3)",
+        help="longest wait between polls when idle (default: 1 s; 60 s on S3)",
     )
     worker.add_argument("--worker-id", default=None, help="this worker's id (default: made up)")
 

@@ -121,6 +121,7 @@ class RunIndex:
         self._built = False
         self._looked = False  # whether a start here has checked for a fresh store
         self._heads: dict[str, int] = {}  # stream -> its head after this index's last append
+        self._read: dict[str, _Partition] = {}  # stream -> the partition as last read
 
     # -- writing --------------------------------------------------------------
 
@@ -285,18 +286,26 @@ class RunIndex:
         return []
 
     def _read_partition(self, partition: str) -> _Partition | None:
+        """A partition as read now. What a partition holds at a given head never changes
+        (a trim drops only records a checkpoint above them replaces), so a partition
+        whose head has not moved is not read again."""
         stream = _open_stream(partition)
         after = 0
         for _ in range(_READ_ATTEMPTS):
             try:
                 head = self._store.head(stream)
+                cached = self._read.get(stream)
+                if cached is not None and cached.head == head:
+                    return cached
                 records = self._store.read(stream, after, head - after) if head > after else []
             except TrimmedError as exc:
                 after = exc.floor
                 continue
             except StreamDeletedError:
                 return None
-            return _fold_partition(stream, head, records)
+            found = _fold_partition(stream, head, records)
+            self._read[stream] = found
+            return found
         return None  # other readers kept compacting it: they hold it now
 
     def _compact(self, found: _Partition) -> None:

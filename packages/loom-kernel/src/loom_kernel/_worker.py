@@ -41,7 +41,7 @@ _FASTEST_POLL: Final = 0.05
 #: The longest idle poll by default: a store whose heads cost a request (S3) is polled
 #: less often when there is nothing to do (see docs/running.md for what it costs).
 _IDLE_POLL_CHEAP: Final = 1.0
-_IDLE_POLL_COSTLY: Final = 30.0
+_IDLE_POLL_COSTLY: Final = 60.0
 _STATUS_EVERY: Final = 1.0
 
 
@@ -77,7 +77,7 @@ class Worker:
         engine: the engine to drive with (its flows, store, worker id and lease).
         concurrency: how many runs it drives at once.
         idle_poll: the longest wait between two polls when there is nothing to do;
-            by default 1 s, or 30 s on a store whose reads cost requests (S3). An
+            by default 1 s, or 60 s on a store whose reads cost requests (S3). An
             `enqueue` on the same engine wakes it at once.
         grace: on `stop()` (or a first SIGTERM/SIGINT), how long the runs in flight
             may go on to park or end before they are released at their next step.
