@@ -6,6 +6,7 @@ one step in flight)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -13,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from loom_kernel import Context, Engine, LoomError, MemoryStore, Status, flow
 from loom_kernel.events import ExecutionClaimed, StepCompleted
-from loom_kernel.testing import Fault, FakeClock
+from loom_kernel.testing import FakeClock, Fault
 
 LEASE = 30.0
 WORKERS = 3
@@ -101,10 +102,8 @@ def test_takeovers_under_skew_and_faults_journal_every_step_once(
 ) -> None:
     world = _World(skews, actions)
     for number, starter in enumerate(starters):
-        try:
+        with contextlib.suppress(LoomError):  # a fault stopped the drive: left for a takeover
             world.engines[starter].start("modeled", key=f"r{number}")
-        except LoomError:
-            pass  # a fault stopped the start's drive: the run is left for a takeover
     world.actions.clear()
     for _round in range(6):
         for clock in world.clocks:
