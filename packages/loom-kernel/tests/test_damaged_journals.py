@@ -87,3 +87,11 @@ def test_a_journal_trimmed_past_its_latest_snapshot_is_a_schema_error_naming_the
     with pytest.raises(SchemaError, match="are lost") as caught:
         _engine(store).get(run.id)
     assert (caught.value.stream, caught.value.position) == ("ex/lost", covered + 1)
+
+
+def test_a_journal_trimmed_with_no_snapshot_at_all_is_a_schema_error() -> None:
+    store = MemoryStore()
+    run = _engine(store).start("charge", None, key="bare")
+    store.trim("ex/bare", 3)  # by other means: Loom trims only below a snapshot
+    with pytest.raises(SchemaError, match="are lost"):
+        _engine(store).get(run.id)

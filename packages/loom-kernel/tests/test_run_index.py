@@ -297,3 +297,12 @@ def test_the_index_answers_as_a_full_listing_would_whatever_crashed(ops: list[An
         assert indexed == sorted(i for i, s in truth.items() if s is status), status
     still_open = {hint.execution_id for hint in fresh.runs.open_runs()}
     assert still_open == {i for i, s in truth.items() if not s.finished}
+
+
+def test_a_bad_prefix_is_refused_with_a_status_filter_too() -> None:
+    from loom_kernel import InvalidIdError
+
+    engine = _engine(MemoryStore())
+    for bad in ("../x", 5):
+        with pytest.raises(InvalidIdError):
+            list(engine.executions(bad, status="failed"))  # type: ignore[arg-type]

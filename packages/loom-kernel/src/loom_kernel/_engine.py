@@ -24,6 +24,7 @@ from loom_kernel._errors import (
     ConflictError,
     ExecutionNotFoundError,
     InvalidArgumentError,
+    InvalidIdError,
     LoomError,
     NotSuspendedError,
     SchemaError,
@@ -39,10 +40,10 @@ from loom_kernel._events import (
     ExecutionResumed,
     ExecutionStarted,
 )
-from loom_kernel._executions import compact, execution_ids, load, stream_of
+from loom_kernel._executions import EXECUTION_PREFIX, compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
 from loom_kernel._handles import RunHandle
-from loom_kernel._ids import validate_stream_id
+from loom_kernel._ids import validate_prefix, validate_stream_id
 from loom_kernel._journal import JournalStore, check_gapless
 from loom_kernel._leases import (
     DEFAULT_LEASE,
@@ -656,7 +657,9 @@ class Engine:
     ) -> Iterable[str]:
         """The ids that may match, from the run index (every id, when it is not built
         or is damaged)."""
-        execution_ids(self.store, prefix)  # validates the prefix now, not at first use
+        if not isinstance(prefix, str):
+            raise InvalidIdError(prefix, "an execution id prefix is a str")
+        validate_prefix(EXECUTION_PREFIX + prefix)
         try:
             if not self.runs.built():
                 return execution_ids(self.store, prefix)
