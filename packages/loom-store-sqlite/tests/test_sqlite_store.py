@@ -112,3 +112,18 @@ def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
             "INSERT INTO loom_records (stream, position, kind, payload, timestamp) "
             "VALUES ('s', 1, 'k', x'00', 0.0)"
         )
+
+
+def test_a_listing_skips_deleted_streams_through_the_live_names_index(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path / 'live.db'}")
+    for number in range(50):
+        store.append(f"timers/{number:03d}", 0, _records(1))
+        store.delete(f"timers/{number:03d}")  # handled timer buckets, as the engine leaves them
+    store.append("timers/live", 0, _records(1))
+    assert store.streams("timers/") == ["timers/live"]
+    plan = store._connection.execute(
+        "EXPLAIN QUERY PLAN SELECT name FROM loom_streams WHERE deleted = 0 AND name >= ? "
+        "AND name < ? ORDER BY name LIMIT ?",
+        ("timers/", "timers0", 100),
+    ).fetchall()
+    assert "loom_live_streams" in str(plan), "a listing walks live names only"

@@ -11,7 +11,7 @@ from loom_kernel import SchemaError
 
 __all__ = ["SCHEMA_VERSION", "ensure_schema"]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
 
 
 def _create_v1(db: sqlite_utils.Database) -> None:
@@ -44,8 +44,20 @@ def _create_v1(db: sqlite_utils.Database) -> None:
     )
 
 
+def _add_live_names_v2(db: sqlite_utils.Database) -> None:
+    # Listings skip deleted streams. Without this index a listing walks every deleted
+    # name in its range, so an idle timer poll grew with the handled (deleted) timer
+    # buckets; with it, it costs what is live.
+    db.execute(
+        "CREATE INDEX IF NOT EXISTS loom_live_streams ON loom_streams (name) WHERE deleted = 0"
+    )
+
+
 # MIGRATIONS[n] takes a database at schema n to schema n + 1.
-MIGRATIONS: Final[dict[int, Callable[[sqlite_utils.Database], None]]] = {0: _create_v1}
+MIGRATIONS: Final[dict[int, Callable[[sqlite_utils.Database], None]]] = {
+    0: _create_v1,
+    1: _add_live_names_v2,
+}
 
 
 def _found_version(connection: sqlite3.Connection) -> int:
