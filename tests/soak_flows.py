@@ -7,6 +7,7 @@ effect), so the test can count how often each step really ran.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from loom_kernel import Context, flow
@@ -46,4 +47,19 @@ def soak_job(ctx: Context, number: int) -> Any:
     return done
 
 
-FLOWS = [soak_job, soak_child]
+def _wait_while_flagged() -> str:
+    flag = os.environ.get("LOOM_SOAK_FLAG", "")
+    deadline = time.monotonic() + 120
+    while flag and os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return "waited"
+
+
+@flow(name="soak_slow", version="1")
+def soak_slow(ctx: Context, _input: Any) -> Any:
+    """One step that waits while the file named by LOOM_SOAK_FLAG exists, then another."""
+    first = ctx.step("wait", lambda: _effect(ctx.execution_id, "wait") and _wait_while_flagged())
+    return [first, ctx.step("after", lambda: _effect(ctx.execution_id, "after"))]
+
+
+FLOWS = [soak_job, soak_child, soak_slow]

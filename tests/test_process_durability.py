@@ -9,6 +9,7 @@ import functools
 import itertools
 import os
 import random
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -350,3 +351,31 @@ def test_worker_processes_killed_at_random_end_every_run_and_journal_no_step_twi
     if target.sqlite_file is not None:
         with sqlite3.connect(target.sqlite_file) as connection:
             assert connection.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+
+
+def test_loom_worker_stops_gracefully_on_sigterm_and_at_once_on_a_second(
+    tmp_path: Path,
+) -> None:
+    """A first SIGTERM lets the run in flight go on (within the grace period); a
+    second one stops the worker at once, and the run is taken over as after a crash."""
+    db = tmp_path / "loom.db"
+    target = _Target(f"sqlite://{db}?timeout=30", {}, db)
+    side, flag, log = tmp_path / "side.txt", tmp_path / "flag", tmp_path / "worker.log"
+    flag.touch()
+    engine = _soak_engine(target)
+    with mock.patch.dict(os.environ, {"LOOM_SOAK_SIDE": str(side), "LOOM_SOAK_FLAG": str(flag)}):
+        handle = engine.enqueue("soak_slow", key="slow")
+        worker = _loom_worker(target, side, log)
+        _wait_for(lambda: side.exists() and "slow:wait" in side.read_text(), 60)
+        worker.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert worker.poll() is None, "the run in flight has its grace period"
+        assert "stopping" in log.read_text()
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(30) == 128 + signal.SIGTERM, log.read_text()
+        flag.unlink()
+        assert engine.recover() == ["slow"], "its process is gone: taken over at once"
+        assert handle.result(timeout=30) == ["waited", "after"]
+    assert _side_effects(side) == collections.Counter({"slow:wait": 2, "slow:after": 1}), (
+        "the step in flight at the hard stop ran again, once"
+    )

@@ -98,3 +98,37 @@ def test_loom_ls_and_show_read_any_store(capsys: pytest.CaptureFixture[str]) -> 
     assert "waiting on 'sign'" in out
     assert main(["show", "missing", "--store", url]) == 1
     assert "ExecutionNotFoundError" in capsys.readouterr().err
+
+
+def test_loom_ls_filters_by_status_and_flow(capsys: pytest.CaptureFixture[str]) -> None:
+    from loom_kernel import Engine, flow
+
+    def broken(_ctx: object, _input: object) -> None:
+        raise ValueError("no")
+
+    url = "memory://cli-filter"
+    engine = Engine(
+        open_store(url),
+        [
+            flow(lambda ctx, _i: ctx.suspend("sign"), name="contract"),
+            flow(broken, name="broken"),
+        ],
+        listeners=[],
+    )
+    engine.start("contract", key="parked-1")
+    engine.start("broken", key="failed-1")
+    assert main(["ls", "--store", url, "--status", "failed"]) == 0
+    out = capsys.readouterr().out
+    assert "failed-1" in out
+    assert "parked-1" not in out
+    assert main(["ls", "--store", url, "--flow", "contract"]) == 0
+    out = capsys.readouterr().out
+    assert "parked-1" in out
+    assert "failed-1" not in out
+    with pytest.raises(SystemExit):
+        main(["ls", "--store", url, "--status", "done"])
+
+
+def test_loom_worker_refuses_flows_it_cannot_load(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--store", "memory://w", "--flows", "no_such_module:FLOWS"]) == 1
+    assert "cannot load flows" in capsys.readouterr().err
