@@ -407,3 +407,75 @@ def test_a_flow_can_still_be_called_as_the_function_it_decorates() -> None:
         return number * 2
 
     assert plain(None, 21) == 42
+
+
+def test_ctx_position_is_the_index_the_next_step_takes_on_every_run() -> None:
+    seen: list[list[int]] = []
+
+    @flow(name="positions", version="1")
+    def positions(ctx: Context, _input: Any) -> Any:
+        at = [ctx.position]
+        ctx.step("one", lambda: 1)
+        at.append(ctx.position)
+        ctx.step("two", lambda: 2)
+        at.append(ctx.position)
+        seen.append(at)
+        ctx.suspend("go")
+        return at
+
+    box = sandbox(positions, listeners=[])
+    box.engine.start("positions", key="p")
+    assert box.engine.resume("p").result == [0, 1, 2]
+    assert seen == [[0, 1, 2], [0, 1, 2]], "the same on the replay"
+
+
+def test_a_coroutine_a_sync_step_returns_is_closed_not_left_to_warn() -> None:
+    import gc
+    import warnings
+
+    async def forgotten() -> int:
+        return 1
+
+    @flow(name="returns_coroutine", version="1")
+    def returns_coroutine(ctx: Context, _input: Any) -> Any:
+        return ctx.step("oops", forgotten)
+
+    box = sandbox(returns_coroutine, listeners=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InvalidArgumentError, match="returned an awaitable"):
+            box.engine.start("returns_coroutine")
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+@pytest.mark.parametrize("version", ["", 5, b"1"])
+def test_a_flow_version_is_a_non_empty_str(version: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="a flow version is a non-empty str"):
+        flow(name="versioned", version=version)(lambda ctx, _input: None)
+
+
+def test_a_load_that_keeps_meeting_compactions_gives_up_with_store_unavailable() -> None:
+    from loom_kernel import StoreUnavailableError
+    from loom_kernel.spi import NewRecord, TrimmedError
+
+    class EndlesslyCompacted(MemoryStore):
+        """Each read of the journal meets a trim floor a newer snapshot moved on."""
+
+        compacting = False
+
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            if self.compacting and stream == "ex/c":
+                (latest,) = super()._read("snap/c", self._head("snap/c") - 1, 1)
+                copy = NewRecord(latest.kind, latest.payload, latest.timestamp)
+                super()._append("snap/c", self._head("snap/c"), (copy,))
+                raise TrimmedError(stream, after, after + 1)
+            return super()._read(stream, after, limit)
+
+    store = EndlesslyCompacted()
+    box = sandbox(counter, store=store, listeners=[])
+    box.engine.start("counter", key="c")
+    box.engine.compact("c")
+    store.compacting = True
+    with pytest.raises(StoreUnavailableError, match="kept being compacted"):
+        sandbox(counter, store=store, listeners=[]).engine.get("c")
