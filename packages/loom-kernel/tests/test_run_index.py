@@ -306,3 +306,71 @@ def test_a_bad_prefix_is_refused_with_a_status_filter_too() -> None:
     for bad in ("../x", 5):
         with pytest.raises(InvalidIdError):
             list(engine.executions(bad, status="failed"))  # type: ignore[arg-type]
+
+
+def test_a_start_paused_between_its_hint_and_its_record_writes_the_hint_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process froze longer than a lease right after its hint; another worker
+    dropped the hint meanwhile. The start, once it lands, hints again."""
+    import time
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock, lease=30.0)
+    engine.start("work", "done")
+    real = time.monotonic
+    frozen = {"at": 0.0}
+
+    original_append = store._append
+
+    def append_after_a_freeze(stream: str, expected: int, records: Any) -> int:
+        if stream == "ex/late" and expected == 0:
+            clock.advance(31.0)  # frozen for 31 s: another worker looks meanwhile
+            assert _engine(store, clock).recover() == []  # drops the hint: not seen for a lease
+            assert "late" not in {h.execution_id for h in engine.runs.open_runs()}
+            frozen["at"] = 31.0  # thawed: this process's monotonic clock moved on too
+            engine._heartbeat.beat()  # and its overdue heartbeat beats before the start lands
+        return original_append(stream, expected, records)
+
+    monkeypatch.setattr(store, "_append", append_after_a_freeze)
+    monkeypatch.setattr(time, "monotonic", lambda: real() + frozen["at"])
+    engine.start("work", "park", key="late")
+    assert [e.id for e in _engine(store, clock).executions(status="suspended")] == ["late"]
+
+
+def test_a_full_listing_never_drops_a_hint_whose_start_is_on_its_way() -> None:
+    """A recover() that lists every journal (here: a store from before the index)
+    runs while a start has written its hint and not yet its record."""
+    written = MemoryStore()
+    _engine(written).start("work", "park", key="old")
+    store = MemoryStore()
+    for stream in written.streams("ex/"):
+        store.append(stream, 0, [_copy(r) for r in written.read(stream)])
+    clock = FakeClock(1_000.0)
+    RunIndex(store, clock).opened("coming", "work", REMOTE)  # its start is on its way
+    assert _engine(store, clock).recover() == []
+    _engine(store, clock, worker_id=REMOTE).start("work", "park", key="coming")
+    assert {e.id for e in _engine(store, clock).executions(status="suspended")} == {
+        "old",
+        "coming",
+    }
+
+
+def test_a_store_is_not_marked_indexed_when_a_run_could_not_be_looked_at() -> None:
+    from loom_kernel import CodeVersionError
+
+    @flow(name="work", version="2")
+    def work_v2(ctx: Context, what: str) -> Any:
+        return what
+
+    written = MemoryStore()
+    _engine(written).start("work", "park", key="parked")
+    store = MemoryStore()
+    for stream in written.streams("ex/"):
+        records = [_copy(r) for r in written.read(stream)]
+        store.append(stream, 0, records[:1])  # left running on version 1
+    newer = Engine(store, [work_v2], clock=FakeClock(10_000.0), listeners=[])
+    with pytest.raises(CodeVersionError):
+        newer.recover()
+    assert not newer.runs.built(), "a run it could not look at may be anything"
+    assert [h.execution_id for h in newer.runs.open_runs()] == ["parked"]

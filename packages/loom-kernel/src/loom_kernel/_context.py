@@ -7,6 +7,7 @@ import contextvars
 import inspect
 import itertools
 import random as _random
+import threading
 import uuid as _uuid
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import timedelta
@@ -88,13 +89,21 @@ class Runtime:
     timers: TimerIndex
 
 
+#: Set by a worker around the drives it makes: once the event is set (the worker is
+#: stopping and its grace is over), every drive made under it stops before its next
+#: step, nested drives (a listener resuming a parent) included.
+RELEASE: Final[contextvars.ContextVar[threading.Event | None]] = contextvars.ContextVar(
+    "loom_release", default=None
+)
+
+
 class DriveControl:
     """What an engine and a drive in progress share.
 
     Attributes:
-        stopped: set by a cancel once its record is journaled, so the run stops
-            before its next step even on a store whose head the context does not
-            look at.
+        stopped: true once a cancel's record is journaled (or the worker that made
+            the drive released it), so the run stops before its next step even on a
+            store whose head the context does not look at.
         pending: records already folded into the run's state but not yet journaled
             (a resume): they are journaled with the drive's first new work, so a
             replay that diverges before any journals nothing.
@@ -102,14 +111,24 @@ class DriveControl:
             work, having written nothing and run no new step.
     """
 
-    __slots__ = ("pending", "replay_only", "stopped")
+    __slots__ = ("_release", "_stopped", "pending", "replay_only")
 
     def __init__(
         self, pending: list[NewRecord] | None = None, *, replay_only: bool = False
     ) -> None:
-        self.stopped = False
+        self._stopped = False
+        self._release = RELEASE.get()
         self.pending: list[NewRecord] = pending or []
         self.replay_only = replay_only
+
+    @property
+    def stopped(self) -> bool:
+        release = self._release
+        return self._stopped or (release is not None and release.is_set())
+
+    @stopped.setter
+    def stopped(self, value: bool) -> None:
+        self._stopped = value
 
 
 _MISSING: Final = object()

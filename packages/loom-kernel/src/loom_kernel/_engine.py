@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -437,6 +438,7 @@ class Engine:
         try:
             if event.key is not None and self.store.head(stream) > 0:
                 return False  # a start by key of a run that exists: no second hint
+            hinted = time.monotonic()
             self.runs.opened(execution_id, event.flow, self.worker_id)
             self.store.append(stream, 0, [encode_event(event, self.clock())])
         except ConflictError:
@@ -445,7 +447,9 @@ class Engine:
             raise ExecutionNotFoundError(
                 f"execution {execution_id!r} was deleted; its key cannot start another run"
             ) from None
-        if self._heartbeat.in_doubt():  # paused past a lease: the hint may have been dropped
+        if time.monotonic() - hinted > self.lease / 2:
+            # Paused between the hint and the start (a frozen VM, say): another worker
+            # may have judged the hint abandoned and dropped it. Write it again.
             self.runs.opened(execution_id, event.flow, self.worker_id)
         return True
 
@@ -743,8 +747,9 @@ class Engine:
         return self.clock() - last > self.lease
 
     def _recover_everything(self) -> list[str]:
-        """`recover()` by listing every journal, then rewriting the run index from them."""
-        since = self.runs.heads()
+        """`recover()` by listing every journal, then bringing the run index up to what
+        the listing found (see `RunIndex.rebuild`); the store is marked indexed only
+        when every run could be looked at."""
         still_open: dict[str, OpenHint] = {}
         ended: dict[str, tuple[str, Status, str]] = {}
 
@@ -753,24 +758,22 @@ class Engine:
                 ended[execution.id] = (execution.id, execution.status, execution.flow)
 
         def visit(execution_id: str) -> str | None:
-            outcome = self._recover_one(execution_id, file_ended)
-            if isinstance(outcome, _Missing):
-                return None
             try:
-                view = self._view(execution_id, Execution.of)
-            except ExecutionNotFoundError:
-                return None
-            if execution_id not in ended:
-                still_open[execution_id] = OpenHint(execution_id, view.flow, None, self.clock())
-            return outcome
+                outcome = self._recover_one(execution_id, file_ended)
+            finally:  # indexed as open even when its visit failed: it is not ended
+                with contextlib.suppress(LoomError):
+                    flow_name = self._view(execution_id, lambda state: state.flow)
+                    still_open[execution_id] = OpenHint(execution_id, flow_name, None, 0.0)
+            return None if isinstance(outcome, _Missing) else outcome
 
         driven, failures = try_each(execution_ids(self.store), visit, "recover")
         for execution_id in ended:
             still_open.pop(execution_id, None)
         try:
             self.runs.index_ended(ended.values())
-            self.runs.rebuild(since, still_open.values())
-            self.runs.mark_built()
+            self.runs.rebuild(still_open.values(), ended)
+            if not failures:
+                self.runs.mark_built()
         except LoomError as exc:
             failures.append(exc)
         raise_first(failures)
@@ -867,14 +870,9 @@ class Engine:
         listeners run after the lock is released, as after every drive.
         """
         with self._locks.hold(entry.execution_id):
-            try:
-                due = self._view(
-                    entry.execution_id, lambda state: _timer_due(state, entry.gate, now)
-                )
-            except ExecutionNotFoundError:
-                return False
+            due = self._timer_state(entry, now)
             if due is not True:
-                return due  # type: ignore[no-any-return]
+                return due
             key = timer_resume_key(entry.gate)
             try:
                 execution = self._resume(entry.execution_id, None, key, timer=True, settle=False)
@@ -882,6 +880,17 @@ class Engine:
                 return False  # another engine woke it meanwhile
         self._settled(execution)
         return True
+
+    def _timer_state(self, entry: TimerEntry, now: float) -> bool | None:
+        """Whether a timer hint is due to wake its run now (see `_timer_due`); False
+        for a run that does not exist."""
+        try:
+            due: bool | None = self._view(
+                entry.execution_id, lambda state: _timer_due(state, entry.gate, now)
+            )
+        except ExecutionNotFoundError:
+            return False
+        return due
 
     def replay_check(self, execution_id: str, to: Flow | str | None = None) -> None:
         """Check that a run's recorded history replays on other code, touching nothing.

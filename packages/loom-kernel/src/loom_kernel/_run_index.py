@@ -241,14 +241,20 @@ class RunIndex:
         """Every partition's head now: what `rebuild` starts from."""
         return {partition: self.head(partition) for partition in self.partitions()}
 
-    def rebuild(self, since: dict[str, int], open_runs: Iterable[OpenHint]) -> None:
-        """Rewrite every partition from a full listing of the journals.
+    def rebuild(
+        self, open_runs: Iterable[OpenHint], ended: dict[str, tuple[str, Status, str]]
+    ) -> None:
+        """Bring the index up to what a full listing of the journals found.
 
-        `open_runs` are the runs the listing found unfinished; `since` the partition
-        heads taken before the listing began. What was opened or closed after those
-        heads is folded in, then a checkpoint is appended at the exact head read, so
-        no run opened meanwhile is dropped, and everything below it (damaged records
-        included) is trimmed off.
+        `open_runs` are the runs the listing found unfinished, `ended` the finished
+        ones (id -> (id, status, flow)), already filed under their status. A readable
+        partition only gains records: a hint for each open run it lacks, a `closed`
+        record for each ended run it still holds open; nothing in it is dropped (a
+        hint whose start is still on its way, or a run closed meanwhile, stays as it
+        is). A partition with a damaged record is rewritten: its readable records are
+        folded, the runs they close filed under their status, and a checkpoint of the
+        runs open in them or in the listing is appended at the exact head read, so
+        everything below it, the damaged record too, is trimmed off.
         """
         by_partition: dict[str, dict[str, OpenHint]] = {p: {} for p in self.partitions()}
         for hint in open_runs:
@@ -257,20 +263,24 @@ class RunIndex:
             stream = _open_stream(partition)
             while True:
                 head = self._store.head(stream)
-                start = since.get(partition, 0)
-                try:
-                    later = self._store.read(stream, start, head - start) if head > start else []
-                except TrimmedError:  # compacted since: what it kept is all after `since`
-                    later = self._retained(stream)
-                merged = dict(hints)
-                for record in later:
-                    _fold_record(record, stream, merged, {})
-                body = {"open": [_hint_data(hint) for hint in merged.values()]}
+                opened, closed, damaged = _fold_readable(stream, self._retained(stream))
+                if not damaged:
+                    for execution_id, hint in hints.items():
+                        if execution_id not in opened:
+                            self.opened(execution_id, hint.flow, hint.by)
+                    for execution_id in opened:
+                        if execution_id in ended:
+                            _id, status, flow = ended[execution_id]
+                            self.closed(execution_id, status, flow)
+                    break
+                self.index_ended(closed.values())
+                merged = {**opened, **hints}
+                body = {"open": [_hint_data(h) for i, h in merged.items() if i not in ended]}
                 checkpoint = NewRecord(_CHECKPOINT, _dump(body), self._clock())
                 try:
                     new_head = self._store.append(stream, head, [checkpoint])
                 except ConflictError:
-                    continue
+                    continue  # a run opened or closed meanwhile: fold it in too
                 self._store.trim(stream, new_head)
                 break
 
@@ -333,6 +343,37 @@ def _fold_partition(stream: str, head: int, records: list[Record]) -> _Partition
     for record in records:
         _fold_record(record, stream, opened, closed)
     return _Partition(stream, head, opened, list(closed.values()))
+
+
+def _fold_readable(
+    stream: str, records: list[Record]
+) -> tuple[dict[str, OpenHint], dict[str, tuple[str, Status, str]], bool]:
+    """Fold what can be read of a partition: (open runs, closed runs, whether any record
+    was damaged). With a damaged record, it is skipped, and a checkpoint never empties
+    what the records before it opened, so the open runs are a superset of the truth."""
+    try:
+        found = _fold_partition(stream, 0, records)
+    except SchemaError:
+        pass
+    else:
+        return found.open, {run[0]: run for run in found.closed}, False
+    opened: dict[str, OpenHint] = {}
+    closed: dict[str, tuple[str, Status, str]] = {}
+    damaged = False
+    for record in records:
+        if record.kind == _CHECKPOINT:
+            before = dict(opened)
+            try:
+                _fold_record(record, stream, opened, closed)
+            except SchemaError:
+                damaged = True
+            opened.update({i: h for i, h in before.items() if i not in closed})
+            continue
+        try:
+            _fold_record(record, stream, opened, closed)
+        except SchemaError:
+            damaged = True
+    return opened, closed, damaged
 
 
 def _fold_record(

@@ -18,16 +18,20 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final, TextIO
 
 import attrs
 
-from loom_kernel._errors import InvalidArgumentError, LoomError
+from loom_kernel._context import RELEASE
+from loom_kernel._errors import InvalidArgumentError, LoomError, SchemaError
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._run_index import OpenHint
+from loom_kernel._timers import TimerEntry
 
 if TYPE_CHECKING:
     from loom_kernel._engine import Engine
@@ -43,6 +47,14 @@ _FASTEST_POLL: Final = 0.05
 _IDLE_POLL_CHEAP: Final = 1.0
 _IDLE_POLL_COSTLY: Final = 60.0
 _STATUS_EVERY: Final = 1.0
+
+
+@attrs.frozen
+class _Task:
+    """Work on one run: a visit or a timer's wake."""
+
+    execution_id: str
+    run: Callable[[], None]
 
 
 @attrs.define
@@ -109,7 +121,9 @@ class Worker:
         self._in_flight: set[str] = set()
         self._known: dict[str, set[str]] = {}  # partition -> runs seen open in it
         self._heads: dict[str, int] = {}  # partition -> its head when last read
-        self._backlog: deque[OpenHint] = deque()  # runs found while every slot was busy
+        self._backlog: deque[_Task] = deque()  # work found while every slot was busy
+        self._released = threading.Event()  # set once the grace on stop is over
+        self._repair = False  # an index partition could not be read: recover() rewrites it
         self._queued: set[str] = set()  # their ids
         self._thread: threading.Thread | None = None
         self._signals = 0
@@ -179,7 +193,7 @@ class Worker:
 
     def _poll_until_stopped(self, pool: ThreadPoolExecutor, status: TextIO | None) -> None:
         sweep_every = self.engine.lease / 2
-        next_sweep = next_timers = 0.0
+        next_sweep = next_timers = next_repair = 0.0
         pause = _FASTEST_POLL
         shown = 0.0
         while not self._stopping.is_set():
@@ -187,10 +201,13 @@ class Worker:
             sweep = now >= next_sweep
             if sweep:
                 next_sweep = now + sweep_every
+            if self._repair and now >= next_repair:  # at once, then at most once a sweep
+                next_repair = now + sweep_every
+                self._repair_index()
             busy = self._visit_open(pool, sweep=sweep)
             if now >= next_timers:  # at most every _FASTEST_POLL, however busy
                 next_timers = now + _FASTEST_POLL
-                busy += self._fire_timers()
+                busy += self._fire_timers(pool)
             if status is not None and now - shown >= _STATUS_EVERY:
                 shown = now
                 self._show(status)
@@ -198,38 +215,84 @@ class Worker:
             self._wake.wait(min(pause, max(0.0, next_sweep - time.monotonic())) or pause)
             self._wake.clear()
 
-    def _fire_timers(self) -> int:
-        try:
-            woken = self.engine.fire_due_timers()
-        except LoomError as exc:
+    def _fire_timers(self, pool: ThreadPoolExecutor) -> int:
+        """Hand the due timers to the pool (the run's drive happens there, counted in
+        the concurrency and released on stop); how many were handed over.
+
+        A hint is handled (dropped) on a later poll, once the journal shows the wake.
+        """
+        engine = self.engine
+        now = engine.clock()
+        handed = 0
+
+        def wake(entry: TimerEntry) -> bool | None:
+            nonlocal handed
+            due = engine._timer_state(entry, now)
+            if due is not True:
+                return due
+            if self._submit(pool, _Task(entry.execution_id, partial(self._fire, entry, now))):
+                handed += 1
+            return None
+
+        _woken, failures = engine.timers.fire_due(now, wake)
+        for exc in failures:
             self.stats.failures += 1
             logger.warning("loom: firing timers: %s: %s", type(exc).__name__, exc)
-            return 1
-        self.stats.timers += len(woken)
-        return len(woken)
+        return handed
+
+    def _fire(self, entry: TimerEntry, now: float) -> None:
+        if self.engine._fire(entry, now):
+            self.stats.timers += 1
 
     def _visit_open(self, pool: ThreadPoolExecutor, *, sweep: bool) -> int:
         """Hand the open runs to visit to the pool; how many were handed over.
 
         Between sweeps only runs not seen open before are visited, and on a store whose
         heads cost nothing a partition is read only when its head moved since it was
-        last read (or when runs of it waited for a free slot).
+        last read. A partition that cannot be read (a damaged index record) does not
+        stop the others; the next sweep has `recover()` rewrite the index.
         """
         runs = self.engine.runs
         handed = 0
-        try:
-            for partition in runs.partitions():
+        for partition in runs.partitions():
+            try:
                 if not sweep and self._unchanged(partition):
                     continue
                 head, hints = runs.open_in(partition)
-                known = self._known.setdefault(partition, set())
-                known &= {hint.execution_id for hint in hints}
-                handed += self._hand(pool, hints, known, sweep=sweep)
-                self._heads[partition] = head
+            except SchemaError as exc:
+                self.stats.failures += 1
+                self._repair = True
+                logger.warning("loom: run index partition %s: %s", partition, exc)
+                continue
+            except LoomError as exc:
+                self.stats.failures += 1
+                logger.warning("loom: run index partition %s: %s", partition, exc)
+                continue
+            known = self._known.setdefault(partition, set())
+            known &= {hint.execution_id for hint in hints}
+            for hint in hints:
+                if not sweep and hint.execution_id in known:
+                    continue
+                known.add(hint.execution_id)
+                if driving_here(self.engine.worker_id, hint.execution_id):
+                    continue  # this engine drives it inline right now
+                if self._submit(
+                    pool, _Task(hint.execution_id, partial(self._visit, hint)), queue=True
+                ):
+                    handed += 1
+            self._heads[partition] = head
+        return handed
+
+    def _repair_index(self) -> None:
+        """Have `recover()` rewrite the run index from the journals (a store written
+        before the index, or a damaged index record)."""
+        self._repair = False
+        logger.info("loom: indexing runs from the journals (recover)")
+        try:
+            self.engine.recover()
         except LoomError as exc:
             self.stats.failures += 1
-            logger.warning("loom: reading the run index: %s: %s", type(exc).__name__, exc)
-        return handed
+            logger.warning("loom: recover: %s: %s", type(exc).__name__, exc)
 
     def _unchanged(self, partition: str) -> bool:
         """Whether a partition surely holds nothing new since it was last read."""
@@ -237,58 +300,56 @@ class Worker:
             partition
         ) == self._heads.get(partition)
 
-    def _hand(
-        self, pool: ThreadPoolExecutor, hints: list[OpenHint], known: set[str], *, sweep: bool
-    ) -> int:
-        """Submit the visits due among `hints`, or queue them while every slot is busy
-        (a drive that ends takes the next queued one itself); how many were due."""
-        due = 0
-        for hint in hints:
-            execution_id = hint.execution_id
-            if not sweep and execution_id in known:
-                continue
-            with self._lock:
-                known.add(execution_id)
-                if execution_id in self._in_flight or execution_id in self._queued:
-                    continue
-                if driving_here(self.engine.worker_id, execution_id):
-                    continue  # this engine drives it inline right now
-                due += 1
-                if len(self._in_flight) >= self.concurrency:
-                    self._backlog.append(hint)
-                    self._queued.add(execution_id)
-                    continue
-                self._in_flight.add(execution_id)
-                pool.submit(self._visit, hint)
-                self.stats.in_flight = len(self._in_flight)
-        return due
+    def _submit(self, pool: ThreadPoolExecutor, task: _Task, *, queue: bool = False) -> bool:
+        """Run `task` on the pool, or (with `queue`) keep it for the next free slot;
+        False when its run is in flight or queued already, or every slot is busy."""
+        with self._lock:
+            if task.execution_id in self._in_flight or task.execution_id in self._queued:
+                return False
+            if len(self._in_flight) >= self.concurrency:
+                if not queue:
+                    return False
+                self._backlog.append(task)
+                self._queued.add(task.execution_id)
+                return True
+            self._in_flight.add(task.execution_id)
+            self.stats.in_flight = len(self._in_flight)
+        pool.submit(self._work, task)
+        return True
 
-    def _visit(self, first: OpenHint) -> None:
-        """Visit a run, then the queued ones, one after another, until none is left."""
-        hint: OpenHint | None = first
-        while hint is not None:
-            self._visit_one(hint)
-            with self._lock:
-                self._in_flight.discard(hint.execution_id)
-                self.stats.visited += 1
-                hint = None
-                if self._backlog and not self._stopping.is_set():
-                    hint = self._backlog.popleft()
-                    self._queued.discard(hint.execution_id)
-                    self._in_flight.add(hint.execution_id)
-                self.stats.in_flight = len(self._in_flight)
+    def _work(self, first: _Task) -> None:
+        """Run a task, then the queued ones, one after another, until none is left;
+        every drive made here is released when the worker's grace is over."""
+        token = RELEASE.set(self._released)
+        try:
+            task: _Task | None = first
+            while task is not None:
+                try:
+                    task.run()
+                except LoomError as exc:
+                    self.stats.failures += 1
+                    logger.warning("loom: %s: %s: %s", task.execution_id, type(exc).__name__, exc)
+                except Exception:
+                    self.stats.failures += 1
+                    logger.exception("loom: working on %s failed", task.execution_id)
+                with self._lock:
+                    self._in_flight.discard(task.execution_id)
+                    task = None
+                    if self._backlog and not self._stopping.is_set():
+                        task = self._backlog.popleft()
+                        self._queued.discard(task.execution_id)
+                        self._in_flight.add(task.execution_id)
+                    self.stats.in_flight = len(self._in_flight)
+        finally:
+            RELEASE.reset(token)
         self._wake.set()  # a slot is free
 
-    def _visit_one(self, hint: OpenHint) -> None:
+    def _visit(self, hint: OpenHint) -> None:
         try:
             if self.engine.recover_open(hint) is not None:
                 self.stats.driven += 1
-        except LoomError as exc:
-            self.stats.failures += 1
-            logger.warning("loom: %s: %s: %s", hint.execution_id, type(exc).__name__, exc)
-        except Exception:
-            self.stats.failures += 1
-            logger.exception("loom: visiting %s failed", hint.execution_id)
+        finally:
+            self.stats.visited += 1
 
     # -- stopping ---------------------------------------------------------------
 
@@ -299,11 +360,10 @@ class Worker:
             self._wake.wait(min(0.05, max(0.0, deadline - time.monotonic())))
             self._wake.clear()
         with self._lock:
-            left = list(self._in_flight)
+            left = sorted(self._in_flight)
         if left:
             logger.info("loom: releasing %d run(s) at their next step: %s", len(left), left)
-            for execution_id in left:
-                self.engine._release(execution_id)
+        self._released.set()  # every drive made by this worker stops before its next step
 
     def _release_lease(self) -> None:
         """A last beat listing nothing, so the runs this worker let go are taken over
