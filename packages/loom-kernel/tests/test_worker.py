@@ -255,3 +255,19 @@ def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it() ->
             handle.wait(timeout=10)
     assert worker.stats.failures <= 2, "repaired at once, not met at every poll"
     assert list(engine.runs.open_runs()) == []
+
+
+def test_a_worker_on_a_store_from_before_the_index_indexes_it_and_takes_its_runs() -> None:
+    from loom_kernel.spi import NewRecord
+
+    written = MemoryStore()
+    _engine(written).enqueue("three", "old", key="old")  # left running with no owner
+    store = MemoryStore()
+    for stream in written.streams("ex/"):
+        copies = [NewRecord(r.kind, r.payload, r.timestamp) for r in written.read(stream)]
+        store.append(stream, 0, copies)
+    engine = _engine(store)
+    assert not engine.runs.built()
+    with Worker(engine, idle_poll=0.02):
+        assert engine.handle("old").result(timeout=10) == ["old:0", "old:1", "old:2"]
+    assert engine.runs.built()

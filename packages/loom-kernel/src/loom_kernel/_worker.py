@@ -199,6 +199,8 @@ class Worker:
         while not self._stopping.is_set():
             now = time.monotonic()
             sweep = now >= next_sweep
+            if sweep and not self._repair:
+                self._repair = not self._indexed()  # a store from before the run index
             if sweep:
                 next_sweep = now + sweep_every
             if self._repair and now >= next_repair:  # at once, then at most once a sweep
@@ -282,6 +284,13 @@ class Worker:
                     handed += 1
             self._heads[partition] = head
         return handed
+
+    def _indexed(self) -> bool:
+        try:
+            return self.engine.runs.built()
+        except LoomError as exc:
+            logger.warning("loom: the run index marker: %s: %s", type(exc).__name__, exc)
+            return True  # looked at again at the next sweep
 
     def _repair_index(self) -> None:
         """Have `recover()` rewrite the run index from the journals (a store written
