@@ -40,8 +40,10 @@ __all__ = ["Worker", "WorkerStats"]
 
 logger = logging.getLogger("loom")
 
-#: Seconds between polls at the busiest, on a store whose heads cost nothing.
+#: Seconds between polls at the busiest: on a store whose heads cost nothing, and on
+#: one where each costs a request (an S3 poll is some 24 LISTs).
 _FASTEST_POLL: Final = 0.05
+_FASTEST_POLL_COSTLY: Final = 1.0
 #: The longest idle poll by default: a store whose heads cost a request (S3) is polled
 #: less often when there is nothing to do (see docs/running.md for what it costs).
 _IDLE_POLL_CHEAP: Final = 1.0
@@ -194,7 +196,9 @@ class Worker:
     def _poll_until_stopped(self, pool: ThreadPoolExecutor, status: TextIO | None) -> None:
         sweep_every = self.engine.lease / 2
         next_sweep = next_timers = next_repair = 0.0
-        pause = _FASTEST_POLL
+        fastest = _FASTEST_POLL if self.engine.store.head_is_cheap else _FASTEST_POLL_COSTLY
+        fastest = min(fastest, self.idle_poll)
+        pause = fastest
         shown = 0.0
         while not self._stopping.is_set():
             now = time.monotonic()
@@ -207,15 +211,18 @@ class Worker:
                 next_repair = now + sweep_every
                 self._repair_index()
             busy = self._visit_open(pool, sweep=sweep)
-            if now >= next_timers:  # at most every _FASTEST_POLL, however busy
-                next_timers = now + _FASTEST_POLL
+            if now >= next_timers:  # at most every `fastest` seconds, however busy
+                next_timers = now + fastest
                 busy += self._fire_timers(pool)
             if status is not None and now - shown >= _STATUS_EVERY:
                 shown = now
                 self._show(status)
-            pause = _FASTEST_POLL if busy else min(max(pause * 2, _FASTEST_POLL), self.idle_poll)
+            pause = fastest if busy else min(max(pause * 2, fastest), self.idle_poll)
             self._wake.wait(min(pause, max(0.0, next_sweep - time.monotonic())) or pause)
             self._wake.clear()
+            spacing = now + fastest - time.monotonic()  # a wake-up polls no sooner than this
+            if spacing > 0:
+                self._stopping.wait(spacing)
 
     def _fire_timers(self, pool: ThreadPoolExecutor) -> int:
         """Hand the due timers to the pool (the run's drive happens there, counted in
