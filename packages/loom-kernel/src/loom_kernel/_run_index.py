@@ -296,24 +296,29 @@ class RunIndex:
         return []
 
     def _read_partition(self, partition: str) -> _Partition | None:
-        """A partition as read now. What a partition holds at a given head never changes
-        (a trim drops only records a checkpoint above them replaces), so a partition
-        whose head has not moved is not read again."""
+        """A partition as read now. A partition only grows between checkpoints, so
+        only what was appended since this index last read it is read and folded (a
+        partition whose head has not moved is not read at all); a read that meets a
+        trim (another reader's checkpoint) reads from the new floor."""
         stream = _open_stream(partition)
         after = 0
+        cached = self._read.get(stream)
         for _ in range(_READ_ATTEMPTS):
             try:
                 head = self._store.head(stream)
-                cached = self._read.get(stream)
                 if cached is not None and cached.head == head:
                     return cached
-                records = self._store.read(stream, after, head - after) if head > after else []
+                start = cached.head if cached is not None and cached.head < head else after
+                records = self._store.read(stream, start, head - start) if head > start else []
             except TrimmedError as exc:
-                after = exc.floor
+                after, cached = exc.floor, None
                 continue
             except StreamDeletedError:
                 return None
-            found = _fold_partition(stream, head, records)
+            if cached is not None and start == cached.head:
+                found = _fold_partition(stream, head, records, cached)
+            else:
+                found = _fold_partition(stream, head, records)
             self._read[stream] = found
             return found
         return None  # other readers kept compacting it: they hold it now
@@ -337,9 +342,12 @@ def _hint_data(hint: OpenHint) -> dict[str, Any]:
     return {"id": hint.execution_id, "flow": hint.flow, "by": hint.by, "at": hint.at}
 
 
-def _fold_partition(stream: str, head: int, records: list[Record]) -> _Partition:
-    opened: dict[str, OpenHint] = {}
-    closed: dict[str, tuple[str, Status, str]] = {}
+def _fold_partition(
+    stream: str, head: int, records: list[Record], before: _Partition | None = None
+) -> _Partition:
+    """Fold a partition's records (onto what `before` held, when they follow it)."""
+    opened = dict(before.open) if before is not None else {}
+    closed = {run[0]: run for run in before.closed} if before is not None else {}
     for record in records:
         _fold_record(record, stream, opened, closed)
     return _Partition(stream, head, opened, list(closed.values()))
