@@ -196,7 +196,7 @@ def _worker_against_inline(synchronous: str, rounds: int = 9, runs: int = 40) ->
             began = time.perf_counter()
             for _ in range(runs):
                 engine.enqueue("bench.ten")
-            worker = Worker(engine, concurrency=1, idle_poll=0.01)
+            worker = Worker(engine, concurrency=1)  # the defaults a user gets
             with worker:
                 while worker.stats.visited < runs:
                     time.sleep(0.005)  # coarse enough not to take the GIL from the drive
