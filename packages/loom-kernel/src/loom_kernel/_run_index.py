@@ -297,25 +297,25 @@ class RunIndex:
 
     def _read_partition(self, partition: str) -> _Partition | None:
         """A partition as read now. A partition only grows between checkpoints, so
-        only what was appended since this index last read it is read and folded (a
-        partition whose head has not moved is not read at all); a read that meets a
-        trim (another reader's checkpoint) reads from the new floor."""
+        only what was appended since this index last read it is read and folded, in
+        one read; a read that meets a trim (another reader's checkpoint) reads again
+        from the new floor."""
         stream = _open_stream(partition)
         after = 0
         cached = self._read.get(stream)
         for _ in range(_READ_ATTEMPTS):
-            try:
-                head = self._store.head(stream)
-                if cached is not None and cached.head == head:
-                    return cached
-                start = cached.head if cached is not None and cached.head < head else after
-                records = self._store.read(stream, start, head - start) if head > start else []
+            start = cached.head if cached is not None else after
+            try:  # one read, no head first: on S3 each is a request
+                records = self._store.read(stream, start)
             except TrimmedError as exc:
                 after, cached = exc.floor, None
                 continue
             except StreamDeletedError:
                 return None
-            if cached is not None and start == cached.head:
+            head = records[-1].position if records else start
+            if cached is not None and not records:
+                return cached
+            if cached is not None:
                 found = _fold_partition(stream, head, records, cached)
             else:
                 found = _fold_partition(stream, head, records)
