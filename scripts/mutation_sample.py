@@ -50,8 +50,18 @@ PACKAGES = {
 }
 GROUPS = {"kernel": ["kernel"], "stores": ["sqlite", "s3"], "orchestration": ["orchestration"]}
 #: Modules a mutant of which no test should be expected to catch: the command line's
-#: printing, the demo's narration, the benchmark-only and typing-only helpers.
-SKIPPED = {"_cli.py", "_demo.py", "_timeline.py", "__init__.py", "_deploy.py"}
+#: printing, the demo's narration, the benchmark-only and typing-only helpers, and the
+#: test support a store ships for its own tests (`testing.py`, `pytest_plugin.py`: the
+#: local S3 servers), as the kernel's `testing/` package is left out.
+SKIPPED = {
+    "_cli.py",
+    "_demo.py",
+    "_timeline.py",
+    "__init__.py",
+    "_deploy.py",
+    "testing.py",
+    "pytest_plugin.py",
+}
 FLIPS = {
     ast.Eq: ast.NotEq,
     ast.NotEq: ast.Eq,
