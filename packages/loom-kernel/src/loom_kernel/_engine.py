@@ -414,6 +414,9 @@ class Engine:
         event = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, None)
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             if self._append_start(event, execution_id):
+                state = ExecutionState(id=execution_id)
+                state.apply(event)
+                self._cache.give_back(state)  # a worker of this engine starts from it
                 for wake in list(self._work_added):
                     wake.set()
         return RunHandle(self, execution_id)
