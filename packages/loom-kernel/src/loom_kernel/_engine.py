@@ -379,12 +379,7 @@ class Engine:
             InvalidArgumentError: the input is not JSON.
             InvalidIdError: the key is not a valid id.
         """
-        definition = self._flow(flow_name)
-        data = to_json(input, "the flow input")
-        execution_id = key if key is not None else uuid.uuid4().hex
-        event = ExecutionStarted(
-            definition.name, definition.code_hash, data, key, parent, self.worker_id
-        )
+        execution_id, event = self._new_start(flow_name, input, key, parent, self.worker_id)
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             if not self._append_start(event, execution_id):
                 return self.get(execution_id)
@@ -408,10 +403,7 @@ class Engine:
         `recover()` drives it too. Arguments and errors are those of `start`; starting
         with an existing key returns a handle to the existing run (K9).
         """
-        definition = self._flow(flow_name)
-        data = to_json(input, "the flow input")
-        execution_id = key if key is not None else uuid.uuid4().hex
-        event = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, None)
+        execution_id, event = self._new_start(flow_name, input, key, parent, None)
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             if self._append_start(event, execution_id):
                 state = ExecutionState(id=execution_id)
@@ -429,6 +421,16 @@ class Engine:
         """
         self.stream_of(execution_id)
         return RunHandle(self, execution_id)
+
+    def _new_start(
+        self, flow_name: str | Flow, input: Any, key: str | None, parent: str | None, by: str | None
+    ) -> tuple[str, ExecutionStarted]:
+        """The id and the EXECUTION_STARTED of a new run (nothing journaled yet)."""
+        definition = self._flow(flow_name)
+        data = to_json(input, "the flow input")
+        execution_id = key if key is not None else uuid.uuid4().hex
+        started = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, by)
+        return execution_id, started
 
     def _append_start(self, event: ExecutionStarted, execution_id: str) -> bool:
         """Index the run (the hint first), then journal its start. False when a run
