@@ -565,14 +565,6 @@ class Engine:
             control.stopped = True
         return self._settled(execution)
 
-    def _release(self, execution_id: str) -> None:
-        """Stop this engine's drive of a run before its next step, journaling nothing:
-        the run stays running, for another worker to take over."""
-        with self._drives_lock:
-            control = self._drives.get(execution_id)
-        if control is not None:
-            control.stopped = True
-
     def get(self, execution_id: str) -> Execution:
         """The execution's current view; for a running run, who drives it and when that
         worker was last seen, so a crash (seen longer ago than a lease) and a run

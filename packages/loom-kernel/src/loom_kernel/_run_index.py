@@ -237,10 +237,6 @@ class RunIndex:
             if found is not None:
                 yield from found.closed
 
-    def heads(self) -> dict[str, int]:
-        """Every partition's head now: what `rebuild` starts from."""
-        return {partition: self.head(partition) for partition in self.partitions()}
-
     def rebuild(
         self, open_runs: Iterable[OpenHint], ended: dict[str, tuple[str, Status, str]]
     ) -> None:
