@@ -405,6 +405,9 @@ def test_the_heartbeat_thread_ends_with_the_last_drive_and_a_failed_start_leaks_
     assert thread is not None
     thread.join(5)
     assert not thread.is_alive(), "no thread waits out a third of an hour"
+    # cleared under the lock as it ends, so a drive arriving while it is still
+    # finishing starts a new one instead of counting on one about to be gone
+    assert engine._heartbeat._thread is None
 
     def cannot_start(_self: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")

@@ -22,6 +22,7 @@ from loom_kernel.spi import (
 )
 from loom_store_s3 import S3Options, S3Store
 from loom_store_s3._options import parse_s3_url
+from loom_store_s3._store import _make_client
 from loom_store_s3.testing import RequestCounter, S3Server
 
 
@@ -341,3 +342,111 @@ def test_a_transient_fault_is_retried_then_unavailable() -> None:
     with pytest.raises(StoreUnavailableError, match="SlowDown"):
         S3Store("some-bucket", "p", S3Options(attempts=3), client=client)
     assert client.calls == 3
+
+
+def test_the_documented_option_defaults() -> None:
+    options = S3Options()
+    assert (options.addressing, options.shards, options.head_ttl) == ("auto", 8, 60.0)
+    assert (options.retention, options.timeout, options.attempts, options.workers) == (
+        3600.0,
+        10.0,
+        4,
+        16,
+    )
+
+
+@pytest.mark.parametrize(
+    ("endpoint_url", "addressing", "style"),
+    [
+        ("http://127.0.0.1:1", "auto", "path"),  # a custom endpoint: path-style
+        (None, "auto", "auto"),  # AWS: botocore picks
+        ("http://127.0.0.1:1", "virtual", "virtual"),
+        (None, "path", "path"),
+    ],
+)
+def test_the_client_addresses_the_bucket_as_configured(
+    endpoint_url: str | None, addressing: str, style: str
+) -> None:
+    import boto3
+
+    options = S3Options(endpoint_url=endpoint_url, region="us-east-1", addressing=addressing)
+    session = boto3.session.Session(aws_access_key_id="k", aws_secret_access_key="s")
+    client = _make_client(options, session)
+    assert client.meta.config.s3["addressing_style"] == style
+
+
+@pytest.mark.parametrize(("workers", "pool"), [(1, 10), (5, 10), (6, 12), (16, 32)])
+def test_the_connection_pool_fits_the_parallel_reads(workers: int, pool: int) -> None:
+    import boto3
+
+    options = S3Options(region="us-east-1", workers=workers)
+    session = boto3.session.Session(aws_access_key_id="k", aws_secret_access_key="s")
+    client = _make_client(options, session)
+    assert client.meta.config.max_pool_connections == pool
+
+
+def test_an_unauthorized_request_is_permanent_and_described_with_its_message() -> None:
+    from loom_store_s3._transport import _describe, classify
+
+    unauthorized = ClientError(
+        {
+            "Error": {"Code": "Unexplained", "Message": "no"},
+            "ResponseMetadata": {"HTTPStatusCode": 401},
+        },
+        "GetObject",
+    )
+    assert classify(unauthorized) == "permanent"
+    assert _describe(unauthorized) == "Unexplained (HTTP 401): no"
+    bare = ClientError({"Error": {"Code": "X"}, "ResponseMetadata": {"HTTPStatusCode": 500}}, "Get")
+    assert _describe(bare) == "X (HTTP 500)"
+
+
+def test_a_retried_request_is_logged_on_the_loom_s3_logger(caplog: Any) -> None:
+    import logging
+
+    client = _RefusingClient("SlowDown", 503)
+    with caplog.at_level(logging.DEBUG, logger="loom.s3"), pytest.raises(StoreUnavailableError):
+        S3Store("some-bucket", "p", S3Options(attempts=2), client=client)
+    assert any("retrying" in record.getMessage() for record in caplog.records)
+    assert {record.name for record in caplog.records} == {"loom.s3"}
+
+
+def test_a_listing_follows_every_page(moto_server: S3Server) -> None:
+    store = S3Store(moto_server.new_bucket(), "p", client=moto_server.client())
+    for number in range(5):
+        store._transport.put(f"p!pages/{number}", b"")
+    pages = list(store._transport.pages("p!pages/", page_size=2))
+    assert [item["Key"] for page in pages for item in page.get("Contents", [])] == [
+        f"p!pages/{number}" for number in range(5)
+    ]
+    assert len(pages) == 3
+
+
+def test_an_idle_timer_poll_costs_the_same_however_many_minutes_were_handled(
+    moto_server: S3Server,
+) -> None:
+    from loom_kernel._timers import TimerIndex
+    from loom_kernel.testing import FakeClock
+
+    client = moto_server.client()
+    store = moto_server.store(client=client)
+    clock = FakeClock(1_700_000_040.0)
+    index = TimerIndex(store, clock)
+    counter = RequestCounter(client)
+
+    def idle_poll() -> dict[str, int]:
+        counter.take()
+        assert TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True) == ([], [])
+        return counter.take()
+
+    index.fire_due(clock.now, lambda _entry: True)  # the floor's origin
+    clock.advance(60)
+    index.fire_due(clock.now, lambda _entry: True)
+    before = idle_poll()
+    for minute in range(120):  # two hours of minutes, each with a timer, handled
+        index.add(f"run-{minute}", 0, clock.now + 1)
+        clock.advance(60)
+        index.fire_due(clock.now, lambda _entry: True)
+    assert len(TimerIndex(store, clock).buckets()) == 0
+    after = idle_poll()
+    assert after == before, "handled minutes leave tombstones the poll never lists"

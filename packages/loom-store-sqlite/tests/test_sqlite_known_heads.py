@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from loom_kernel.spi import (
     ConflictError,
     Fault,
+    LoomError,
     NewRecord,
     StoreUnavailableError,
     StreamDeletedError,
@@ -170,3 +171,44 @@ def test_an_append_that_failed_on_the_way_is_forgotten(tmp_path: Path) -> None:
     store.inject_fault(Fault.LOST_REPLY)
     assert store.append("ex/a", 1, _record()) == 2
     assert store.head("ex/a") == 2
+
+
+def test_a_head_read_again_after_another_writer_is_known_until_the_next(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/k.db")
+    store.append("ex/a", 0, _record())
+    open_sqlite_store(f"sqlite://{tmp_path}/k.db").append("ex/b", 0, _record())
+    assert store.head("ex/a") == 1  # read from the table: the version moved
+    statements: list[str] = []
+    store._connection.set_trace_callback(statements.append)
+    assert store.head("ex/a") == 1
+    assert statements == ["PRAGMA data_version"], "the head read is remembered"
+
+
+class _CommitLandsThenFails:
+    """A connection whose COMMIT lands and then reports an error (a lost reply)."""
+
+    def __init__(self, real: sqlite3.Connection) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def execute(self, sql: str, *parameters: Any) -> Any:
+        result = self._real.execute(sql, *parameters)
+        if sql == "COMMIT":
+            raise sqlite3.OperationalError("disk I/O error")
+        return result
+
+
+def test_an_append_whose_commit_landed_but_failed_is_not_remembered_at_the_old_head(
+    tmp_path: Path,
+) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/c.db")
+    store.append("ex/a", 0, _record())
+    assert store.head("ex/a") == 1
+    real = store._connection
+    store._local.connection = _CommitLandsThenFails(real)
+    with pytest.raises(LoomError):
+        store.append("ex/a", 1, _record())
+    store._local.connection = real
+    assert store.head("ex/a") == 2, "the commit landed: the head is read again"

@@ -26,6 +26,19 @@ def test_url_forms(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert (tmp_path / "sub.db").exists()
     memory = open_sqlite_store("sqlite:///:memory:")
     assert memory.head("s") == 0
+    as_sqlalchemy_spells_it = open_sqlite_store(f"sqlite:///{tmp_path}/c.db")
+    assert as_sqlalchemy_spells_it.path == f"{tmp_path}/c.db"
+
+
+def test_loom_stores_checks_sqlite_in_its_scratch_directory(tmp_path: Path) -> None:
+    from loom_store_sqlite._store import sqlite_store_factory
+
+    assert sqlite_store_factory.self_check_url is not None
+    url = sqlite_store_factory.self_check_url(str(tmp_path))
+    store = open_store(url)
+    assert isinstance(store, SqliteStore)
+    store.append("s", 0, _records(1))
+    assert (tmp_path / "check.db").exists()
 
 
 def test_url_options() -> None:
@@ -65,6 +78,24 @@ def test_an_older_database_is_upgraded(tmp_path: Path) -> None:
         connection.execute("CREATE TABLE unrelated (x INTEGER)")
     store = open_sqlite_store(f"sqlite://{path}")
     store.append("s", 0, _records(2))
+    version = store._connection.execute(
+        "SELECT value FROM loom_meta WHERE key = 'schema_version'"
+    ).fetchone()[0]
+    assert int(version) == SCHEMA_VERSION
+
+
+def test_a_schema_one_database_is_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "one.db"
+    first = open_sqlite_store(f"sqlite://{path}")
+    first.append("s", 0, _records(2))
+    first.close()
+    with sqlite3.connect(path) as connection:  # as loom-store-sqlite 1 left it
+        connection.execute("DROP INDEX loom_live_streams")
+        connection.execute("UPDATE loom_meta SET value = '1' WHERE key = 'schema_version'")
+    store = open_sqlite_store(f"sqlite://{path}")
+    assert len(store.read("s")) == 2
+    indexes = {row[1] for row in store._connection.execute("PRAGMA index_list(loom_streams)")}
+    assert "loom_live_streams" in indexes
     version = store._connection.execute(
         "SELECT value FROM loom_meta WHERE key = 'schema_version'"
     ).fetchone()[0]

@@ -42,10 +42,6 @@ class KeyedLocks:
             f"loom_locks_{id(self)}", default=frozenset()
         )
 
-    def held(self, key: str) -> bool:
-        """Whether the current context holds `key`."""
-        return key in self._held.get()
-
     @contextlib.contextmanager
     def hold(self, key: str) -> Iterator[None]:
         """Hold `key`'s lock for the block; a no-op when this context holds it already."""

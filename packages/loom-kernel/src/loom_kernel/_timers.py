@@ -40,6 +40,7 @@ from loom_kernel._errors import (
     TrimmedError,
 )
 from loom_kernel._journal import JournalStore, NewRecord, Record
+from loom_kernel._timer_floor import TimerFloor
 
 __all__ = [
     "OVERDUE",
@@ -64,6 +65,7 @@ BUCKET_SECONDS: Final = 60
 _LAST_BUCKET: Final = 10**12 - 1  # bucket names have 12 digits
 _PAGE: Final = 100
 _READ_ATTEMPTS: Final = 8
+_UNREADABLE: Final = -1  # the floor's origin, when its mark cannot be read
 
 _log = logging.getLogger("loom")
 
@@ -143,14 +145,39 @@ class TimerIndex:
     def __init__(self, store: JournalStore, clock: Callable[[], float]) -> None:
         self._store = store
         self._clock = clock
+        self._floor = TimerFloor(store, clock, self._seal_empty)
 
     # -- writing --------------------------------------------------------------
 
     def add(self, execution_id: str, gate: int, wake_at: float) -> None:
-        """Record a hint, in its minute's bucket or, if that one is retired, in OVERDUE."""
+        """Record a hint, in its minute's bucket or, if that one is retired or lies
+        below the floor's origin, in OVERDUE."""
         payload = json.dumps({"id": execution_id, "gate": gate, "wake_at": wake_at}).encode()
         record = NewRecord(TIMER_KIND, payload, self._clock())
-        stream = _stream(_bucket_of(wake_at))
+        minute = _bucket_of(wake_at)
+        origin = self._origin()
+        if origin is not None and origin != _UNREADABLE:
+            self._append_hint(OVERDUE if minute < origin else _stream(minute), record)
+            return
+        if self._append_hint(_stream(minute), record) == OVERDUE:
+            return
+        # The origin was not known when the bucket was chosen: a poll may have
+        # created it since, above this minute, and would never list below it.
+        later = self._origin()
+        if later == _UNREADABLE or (later is not None and minute < later):
+            self._append_hint(OVERDUE, record)
+
+    def _origin(self) -> int | None:
+        """The floor's origin; None while it does not exist, _UNREADABLE when it cannot
+        be read."""
+        try:
+            return self._floor.origin()
+        except LoomError as exc:
+            _log.warning("timer floor: %s: %s", type(exc).__name__, exc)
+            return _UNREADABLE
+
+    def _append_hint(self, stream: str, record: NewRecord) -> str:
+        """Append a hint to `stream`, or to OVERDUE if that one is retired; where it went."""
         while True:
             try:
                 head = self._store.head(stream)
@@ -158,7 +185,7 @@ class TimerIndex:
                     stream = OVERDUE
                     continue
                 self._store.append(stream, head, [record])
-                return
+                return stream
             except ConflictError:
                 continue  # another hint or a seal landed first: look again
             except StreamDeletedError:
@@ -189,19 +216,46 @@ class TimerIndex:
         """
         woken: list[str] = []
         failures: list[LoomError] = []
-        for bucket in self._due(now):
+        floor = self._poll_floor(now, failures)
+        listed: list[int] = []
+        live: list[int] = []
+        for bucket in self._due(now, floor):
             first_open: int | None = None
             for hint in bucket.hints:
                 if hint.entry is None and first_open is not None:
                     continue  # quarantined once it can be dropped with what is before it
                 if not self._handle(hint, bucket.stream, (now, wake), woken, failures):
                     first_open = hint.position if first_open is None else first_open
+            retired = False
             try:
-                self._settle(bucket, first_open, now)
+                retired = self._settle(bucket, first_open, now)
             except LoomError as exc:  # the hints stay; the next poll settles them
                 _log.warning("timer bucket %r: %s: %s", bucket.stream, type(exc).__name__, exc)
                 failures.append(exc)
+            number = _bucket_number(bucket.stream)
+            if number is not None:
+                listed.append(number)
+                if not retired:
+                    live.append(number)
+        try:
+            self._floor.advance(listed=listed, live=live, end=_bucket_of(now))
+        except LoomError as exc:  # the floor stays where it was; the next poll moves it
+            _log.warning("timer floor: %s: %s", type(exc).__name__, exc)
+            failures.append(exc)
         return woken, failures
+
+    def _poll_floor(self, now: float, failures: list[LoomError]) -> int | None:
+        """Where this poll lists from: the floor, or None for every bucket (no floor
+        yet, or it cannot be read: then it is reported and nothing is lost)."""
+        mark = self._floor.known()
+        if mark is None:
+            try:
+                mark = self._floor.create(_bucket_of(now))
+            except LoomError as exc:
+                _log.warning("timer floor: %s: %s", type(exc).__name__, exc)
+                failures.append(exc)
+                return None
+        return mark.floor
 
     def _handle(
         self,
@@ -262,10 +316,16 @@ class TimerIndex:
             except ConflictError:
                 continue
 
-    def _due(self, now: float) -> Iterator[_Bucket]:
-        """Every live bucket up to the present minute (and OVERDUE first), as read now."""
+    def _due(self, now: float, floor: int | None) -> Iterator[_Bucket]:
+        """Every live bucket from `floor` (every one if None) up to the present minute,
+        and OVERDUE first, as read now."""
         last = _stream(_bucket_of(now))
         after: str | None = None
+        if floor is not None:
+            overdue = self._read(OVERDUE) if self._store.head(OVERDUE) else None
+            if overdue is not None:
+                yield overdue
+            after = _stream(floor - 1) if floor > 0 else OVERDUE
         while names := self._store.streams(PREFIX, after, _PAGE):
             for name in names:
                 if name > last:
@@ -299,13 +359,18 @@ class TimerIndex:
         )
         return _Bucket(stream, head, hints, sealed)
 
-    def _settle(self, bucket: _Bucket, first_open: int | None, now: float) -> None:
-        """Drop a bucket's handled hints: trim them off, or retire a finished bucket."""
+    def _settle(self, bucket: _Bucket, first_open: int | None, now: float) -> bool:
+        """Drop a bucket's handled hints: trim them off, or retire a finished bucket.
+
+        Returns:
+            Whether the bucket is retired now.
+        """
         store, stream = self._store, bucket.stream
         try:
             if bucket.sealed:
                 store.delete(stream)  # sealed earlier, by a poll that stopped before this
-            elif first_open is not None:
+                return True
+            if first_open is not None:
                 store.trim(stream, first_open)
             elif not self._may_retire(stream, now):
                 store.trim(stream, bucket.head + 1)
@@ -316,8 +381,27 @@ class TimerIndex:
                     store.trim(stream, bucket.head + 1)  # new hints: the next poll has them
                 else:
                     store.delete(stream)
+                    return True
         except StreamDeletedError:
-            pass  # another poll retired it
+            return True  # another poll retired it
+        return False
+
+    def _seal_empty(self, minute: int) -> bool:
+        """Retire a past minute no listing found: seal it at position 0, then delete.
+
+        Returns:
+            True when it is retired; False when a writer created it first (or an
+            earlier seal still waits for its delete): the next poll lists it.
+        """
+        stream = _stream(minute)
+        try:
+            self._store.append(stream, 0, [NewRecord(SEAL_KIND, b"{}", self._clock())])
+            self._store.delete(stream)
+        except ConflictError:
+            return False
+        except StreamDeletedError:
+            pass  # retired already
+        return True
 
     @staticmethod
     def _may_retire(stream: str, now: float) -> bool:

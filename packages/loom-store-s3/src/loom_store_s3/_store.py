@@ -117,7 +117,7 @@ class S3Store(FaultInjection, JournalStore):
         self.bucket = bucket
         self.prefix = prefix
         self._transport = Transport(
-            client if client is not None else self._make_client(session),
+            client if client is not None else _make_client(self._options, session),
             bucket,
             self._options.attempts,
         )
@@ -137,27 +137,6 @@ class S3Store(FaultInjection, JournalStore):
                 self._options.retention,
                 self._options.head_ttl,
             )
-
-    def _make_client(self, session: Any) -> Any:
-        options = self._options
-        addressing = options.addressing
-        if addressing == "auto" and options.endpoint_url is not None:
-            addressing = "path"
-        config = Config(
-            retries={"total_max_attempts": 1},
-            connect_timeout=options.timeout,
-            read_timeout=options.timeout,
-            max_pool_connections=max(10, options.workers * 2),
-            s3={"addressing_style": addressing},
-            # Older S3-compatible servers (Ceph RGW among them) reject the CRC
-            # checksums boto3 adds by default; S3 needs them only where it says so.
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-        )
-        factory = session if session is not None else boto3.session.Session()
-        return factory.client(
-            "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
-        )
 
     def _open_layout(self) -> Layout:
         """Read the layout descriptor (writing it for a new store), then prove the server
@@ -460,3 +439,25 @@ class S3Store(FaultInjection, JournalStore):
                     if scan.last is not None:
                         removed += self._clean(stream, scan, scan.floor)
         return removed
+
+
+def _make_client(options: S3Options, session: Any) -> Any:
+    """A boto3 S3 client for `options`, with botocore's own retries off."""
+    addressing = options.addressing
+    if addressing == "auto" and options.endpoint_url is not None:
+        addressing = "path"
+    config = Config(
+        retries={"total_max_attempts": 1},
+        connect_timeout=options.timeout,
+        read_timeout=options.timeout,
+        max_pool_connections=max(10, options.workers * 2),
+        s3={"addressing_style": addressing},
+        # Older S3-compatible servers (Ceph RGW among them) reject the CRC
+        # checksums boto3 adds by default; S3 needs them only where it says so.
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    factory = session if session is not None else boto3.session.Session()
+    return factory.client(
+        "s3", endpoint_url=options.endpoint_url, region_name=options.region, config=config
+    )

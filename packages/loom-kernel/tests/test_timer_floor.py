@@ -1,0 +1,247 @@
+"""The timer floor: an idle poll lists from where work can still be, and no hint is
+ever left below it, whatever writers and polls do at the same moment."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from loom_kernel import Context, Engine, MemoryStore, Status, StoreUnavailableError, flow
+from loom_kernel._timer_floor import FLOOR_KIND, FLOOR_STREAM, SEALS_PER_POLL
+from loom_kernel._timers import OVERDUE, SEAL_KIND, TimerIndex
+from loom_kernel.spi import JournalStore, NewRecord, SchemaError
+from loom_kernel.testing import FakeClock, Interleaving, sandbox
+
+DAY = 86_400.0
+BASE = 1_700_000_040.0  # the start of a minute
+
+
+@flow
+def nap(ctx: Context, seconds: float) -> str:
+    ctx.sleep(seconds)
+    return "rested"
+
+
+def _engine(store: JournalStore, clock: FakeClock) -> Engine:
+    return sandbox(nap, store=store, clock=clock, listeners=[]).engine
+
+
+def _floor(store: JournalStore) -> dict[str, Any]:
+    head = store.head(FLOOR_STREAM)
+    (mark,) = store.read(FLOOR_STREAM, head - 1, 1)
+    assert mark.kind == FLOOR_KIND
+    parsed: dict[str, Any] = json.loads(mark.payload)
+    return parsed
+
+
+class ListingRecorder(MemoryStore):
+    """Records where each listing of the timer buckets starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listed_after: list[str | None] = []
+
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
+        if prefix == "timers/":
+            self.listed_after.append(after)
+        return super()._streams(prefix, after, limit)
+
+
+def test_an_idle_poll_lists_from_the_floor_not_from_the_first_minute() -> None:
+    store, clock = ListingRecorder(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    ids = [engine.start("nap", 60 * minutes + 1).id for minutes in range(300)]
+    for _ in range(310):
+        clock.advance(60)
+        engine.fire_due_timers()
+    assert all(engine.get(run).status is Status.COMPLETED for run in ids)
+    minute = int(clock.now // 60)
+    assert _floor(store)["floor"] == minute, "every past minute is retired"
+    store.listed_after.clear()
+    assert _engine(store, clock).fire_due_timers() == []  # a new engine, as a new worker
+    assert store.listed_after == [f"timers/{minute - 1:012d}"]
+
+
+def test_the_first_poll_lists_everything_then_sets_the_floor() -> None:
+    store, clock = ListingRecorder(), FakeClock(BASE)
+    old = [_engine(store, clock).start("nap", 30 + 60 * n).id for n in range(3)]
+    clock.advance(DAY)  # the store had no poll for a day
+    engine = _engine(store, clock)
+    assert sorted(engine.fire_due_timers()) == sorted(old)
+    assert store.listed_after[0] is None, "no floor yet: every bucket is listed"
+    mark = _floor(store)
+    assert mark == {"origin": int(clock.now // 60), "floor": int(clock.now // 60)}
+
+
+def test_empty_past_minutes_are_sealed_so_a_late_writer_goes_to_overdue() -> None:
+    store, clock = MemoryStore(), FakeClock(BASE)
+    poller = _engine(store, clock)
+    poller.fire_due_timers()  # the floor starts at this minute
+    clock.advance(600)
+    poller.fire_due_timers()
+    assert _floor(store)["floor"] == int(clock.now // 60)
+    late = FakeClock(BASE + 120)  # a writer whose clock runs 8 minutes behind
+    run = _engine(store, late).start("nap", 30)
+    assert run.status is Status.SUSPENDED
+    assert store.head(OVERDUE) == 1, "its minute is sealed: the hint is overdue"
+    assert poller.fire_due_timers() == [run.id]
+
+
+def test_a_store_left_without_a_poll_catches_up_over_several_polls() -> None:
+    store, clock = MemoryStore(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    engine.fire_due_timers()
+    clock.advance(3 * SEALS_PER_POLL * 60)
+    engine.fire_due_timers()
+    first = _floor(store)["floor"]
+    assert first == int(BASE // 60) + SEALS_PER_POLL
+    engine.fire_due_timers()
+    engine.fire_due_timers()
+    assert _floor(store)["floor"] == int(clock.now // 60)
+
+
+def test_the_floor_stops_at_a_minute_whose_hints_are_not_handled() -> None:
+    store, clock = MemoryStore(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    engine.fire_due_timers()
+    stuck = TimerIndex(store, clock)
+    stuck.add("ghost", 0, clock.now + 90)  # a hint the wake keeps (None: not yet)
+    clock.advance(600)
+    woken, failures = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: None)
+    assert (woken, failures) == ([], [])
+    assert _floor(store)["floor"] == int((BASE + 90) // 60), "not past the live minute"
+    woken, _ = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True)
+    assert woken == ["ghost"]
+    TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True)
+    assert _floor(store)["floor"] == int(clock.now // 60)
+
+
+class FailingOnce(MemoryStore):
+    """Raises StoreUnavailableError once from the next call of each operation named."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail: set[str] = set()
+
+    def _maybe_fail(self, operation: str) -> None:
+        if operation in self.fail:
+            self.fail.discard(operation)
+            raise StoreUnavailableError(f"{operation} failed (injected)")
+
+    def _delete(self, stream: str) -> None:
+        self._maybe_fail("delete")
+        super()._delete(stream)
+
+    def _trim(self, stream: str, before: int) -> None:
+        self._maybe_fail("trim")
+        super()._trim(stream, before)
+
+
+def test_a_bucket_sealed_by_a_poll_that_failed_to_delete_it_is_deleted_next_time() -> None:
+    store, clock = FailingOnce(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    run = engine.start("nap", 30)
+    clock.advance(120)
+    store.fail = {"delete"}
+    with pytest.raises(StoreUnavailableError, match="injected"):
+        engine.fire_due_timers()  # woken; the seal landed, the delete did not
+    assert engine.get(run.id).status is Status.COMPLETED
+    (bucket,) = TimerIndex(store, clock).buckets()
+    assert store.read(bucket)[-1].kind == SEAL_KIND
+    late = TimerIndex(store, FakeClock(BASE))
+    late.add("late", 0, BASE + 30)  # a writer aiming at the sealed minute
+    assert [json.loads(r.payload)["id"] for r in store.read(OVERDUE)] == ["late"]
+    assert store.read(bucket)[-1].kind == SEAL_KIND, "nothing lands after a seal"
+    engine.fire_due_timers()
+    assert TimerIndex(store, clock).buckets() in ([], [OVERDUE])
+    assert bucket not in TimerIndex(store, clock).buckets()
+
+
+def test_a_failed_trim_is_reported_and_the_next_poll_finishes_it() -> None:
+    store, clock = FailingOnce(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    soon, later = engine.start("nap", 5), engine.start("nap", 50)
+    clock.advance(10)
+    store.fail = {"trim"}
+    with pytest.raises(StoreUnavailableError, match="injected"):
+        engine.fire_due_timers()
+    assert engine.get(soon.id).status is Status.COMPLETED
+    clock.advance(60)
+    assert engine.fire_due_timers() == [later.id]
+    assert TimerIndex(store, clock).buckets() == []
+
+
+def test_a_damaged_floor_mark_is_reported_and_loses_no_timer() -> None:
+    store, clock = MemoryStore(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    engine.fire_due_timers()
+    head = store.head(FLOOR_STREAM)
+    store.append(FLOOR_STREAM, head, [NewRecord(FLOOR_KIND, b'{"origin": "x"}', clock.now)])
+    writer = _engine(store, clock)  # cannot read the origin: its hint goes to both
+    run = writer.start("nap", 30)
+    assert store.head(OVERDUE) == 1
+    clock.advance(120)
+    with pytest.raises(SchemaError, match="floor"):
+        _engine(store, clock).fire_due_timers()
+    assert writer.get(run.id).status is Status.COMPLETED
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    data=st.data(),
+    floor_exists=st.booleans(),
+    poll_offset=st.sampled_from([0.0, 120.0, 600.0, 2 * DAY]),
+    wake_offset=st.sampled_from([-2 * DAY, -300.0, 0.0, 150.0, 330.0, 900.0]),
+)
+def test_a_writer_racing_a_poll_that_moves_the_floor_loses_no_hint(
+    data: st.DataObject, floor_exists: bool, poll_offset: float, wake_offset: float
+) -> None:
+    """A sleep and a poll, their store calls interleaved in every order: the poll may
+    create the floor's origin (the writer did not know it) or seal the writer's
+    minute as empty; afterwards a poll wakes the sleep."""
+    store = Interleaving(MemoryStore())
+    if floor_exists:
+        _engine(store, FakeClock(BASE)).fire_due_timers()
+    poller_clock = FakeClock(BASE + poll_offset)
+    writer_clock = FakeClock(BASE + wake_offset)
+    outcome: dict[str, Any] = store.run(
+        {
+            "poll": lambda: _engine(store, poller_clock).fire_due_timers(),
+            "sleep": lambda: _engine(store, writer_clock).start("nap", 1, key="sleeper").id,
+        },
+        choose=lambda names: data.draw(st.sampled_from(sorted(names))),
+    )
+    assert not any(isinstance(value, BaseException) for value in outcome.values()), outcome
+    later = FakeClock(BASE + 10 * DAY)
+    for _ in range(3):
+        _engine(store, later).fire_due_timers()
+    assert _engine(store, later).get("sleeper").status is Status.COMPLETED
+
+
+class PollingBeforeTheBucket(MemoryStore):
+    """Runs `between` once, when a writer looks at a minute bucket's head: after the
+    writer found no floor, before its hint lands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.between: Any = None
+
+    def _head(self, stream: str) -> int:
+        if self.between is not None and stream.startswith("timers/0"):
+            between, self.between = self.between, None
+            between()
+        return super()._head(stream)
+
+
+def test_a_writer_that_found_no_floor_copies_its_hint_below_a_new_origin_to_overdue() -> None:
+    store, clock = PollingBeforeTheBucket(), FakeClock(BASE)
+    poller = _engine(store, clock)
+    store.between = poller.fire_due_timers  # creates the origin at BASE's minute
+    run = _engine(store, FakeClock(BASE - 300)).start("nap", 30)  # its minute is older
+    assert store.head(FLOOR_STREAM) == 2, "the origin, then the floor after listing"
+    assert [json.loads(r.payload)["id"] for r in store.read(OVERDUE)] == [run.id]
+    clock.advance(120)
+    assert poller.fire_due_timers() == [run.id]
