@@ -140,48 +140,77 @@ def _s3_requests() -> None:
     from loom_store_s3 import S3Options, S3Store
     from loom_store_s3.testing import MotoServer, RequestCounter
 
+    idle_poll = _IDLE_POLL_COSTLY  # the Worker's default on a store whose heads cost a request
     with MotoServer() as server:
         client = server.client()
         bucket = server.new_bucket()
         requests = RequestCounter(client)
         store = S3Store(bucket, "bench", S3Options(endpoint_url=server.endpoint_url), client=client)
-        engine = Engine(store, [one, ten], listeners=[])
+        clock = FakeClock(time.time())
+        engine = Engine(store, [one, ten], listeners=[], clock=clock)
         engine.start("bench.ten")  # warm up: the store is marked indexed
         requests.take()
         engine.start("bench.ten")
         inline = requests.take()
         handle = engine.enqueue("bench.ten")
         enqueued = requests.take()
-        worker = Engine(store, [one, ten], listeners=[])
+        worker = Engine(store, [one, ten], listeners=[], clock=clock)
         visit = next(hint for hint in worker.runs.open_runs() if hint.execution_id == handle.id)
         requests.take()
         worker.recover_open(visit)
         driven = requests.take()
         assert handle.get().status.value == "completed"
-        for _ in range(2):  # the second poll is what every idle poll after the first costs
+
+        def idle_polls(count: int) -> dict[str, int]:
+            """What `count` idle polls cost, `idle_poll` seconds apart (each seals the
+            minute that passed since the one before)."""
             requests.take()
+            for _ in range(count):
+                clock.advance(idle_poll)
+                worker.fire_due_timers()
+                list(worker.runs.open_runs())
+            return requests.take()
+
+        idle_polls(2)  # the first poll reads the floor and the partitions
+        fresh = idle_polls(10)
+        sleeper = engine.start("bench.one", "sleep")
+        slept = requests.take()
+        clock.advance(61)
+        worker.fire_due_timers()
+        woken = requests.take()
+        assert worker.get(sleeper.id).status.value == "completed"
+        for _ in range(300):  # five hours of minutes, each with a timer fired and retired
+            engine.start("bench.one", "sleep")
+            clock.advance(60)
             worker.fire_due_timers()
-            list(worker.runs.open_runs())
-        poll = requests.take()
+        idle_polls(1)  # the first poll after them reads what they added to the run index
+        aged = idle_polls(10)
         store.close()
 
-    def total(counts: dict[str, int]) -> str:
-        return f"{sum(counts.values())} {dict(sorted(counts.items()))}"
+    def total(counts: dict[str, int], per: int = 1) -> str:
+        mean = {name: round(count / per, 1) for name, count in sorted(counts.items())}
+        return f"{round(sum(counts.values()) / per, 1)} {mean}"
 
-    idle_poll = _IDLE_POLL_COSTLY  # the Worker's default on a store whose heads cost a request
-    per_month = sum(poll.values()) * (30 * 86_400 / idle_poll)
-    lists = poll.get("ListObjectsV2", 0) * (30 * 86_400 / idle_poll)
-    dollars = lists / 1000 * LIST_PRICE + (per_month - lists) / 1000 * GET_PRICE
+    def dollars(counts: dict[str, int], per: int) -> float:
+        polls_a_month = 30 * 86_400 / idle_poll
+        cheap = counts.get("GetObject", 0) + counts.get("DeleteObjects", 0)
+        costly = sum(counts.values()) - cheap  # LIST and PUT
+        return polls_a_month / per * (costly * LIST_PRICE + cheap * GET_PRICE) / 1000
+
     print("\n## S3 requests (moto), a run of 10 steps")
     print("| what | requests |")
     print("| --- | --- |")
     print(f"| start inline (hint, start, steps, end, close) | {total(inline)} |")
     print(f"| enqueue | {total(enqueued)} |")
     print(f"| the worker's drive of it (claim, steps, end, close) | {total(driven)} |")
-    print(f"| one idle poll (timers + run index) | {total(poll)} |")
+    print(f"| a run that sleeps once, inline to its park | {total(slept)} |")
+    print(f"| firing that timer (the wake, the run's end, retiring its minute) | {total(woken)} |")
+    print(f"| one idle poll, {idle_poll:.0f} s after the last (mean of 10) | {total(fresh, 10)} |")
+    print(f"| the same after 300 minutes of timers were handled | {total(aged, 10)} |")
     print(
         f"| an idle worker for 30 days, polling every {idle_poll:.0f} s | "
-        f"{per_month:,.0f} requests, ${dollars:.2f} at AWS prices |"
+        f"${dollars(fresh, 10):.2f} at AWS prices "
+        f"(${dollars(aged, 10):.2f} after the 300 minutes) |"
     )
 
 

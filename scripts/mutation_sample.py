@@ -13,7 +13,7 @@ its line (stopping at the first failure, slow tests excluded; a line no test run
 survives without a run; a line run at import time gets the package's whole suite),
 and puts the module back. A mutant is caught when a test fails (or the run times out).
 
-Mutant ids (`module:line:col:operator`) are stable for a given source, so a mutant
+Mutant ids (`package/module:line:col:operator`) are stable for a given source, so a mutant
 judged unable to change behaviour (an equivalent mutant) can be listed in the
 `--equivalent` file and left out of the score. The score is printed with the survivors.
 Not part of CI: a run of 200 mutants takes about half an hour on two cores.
@@ -26,6 +26,7 @@ import ast
 import copy
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -85,10 +86,11 @@ class Mutant:
     column: int
     operator: str
     statement_line: int  # the first line of the statement holding it (what coverage sees)
+    text: str  # the source line it is on, stripped (what an equivalent entry is anchored to)
 
     @property
     def id(self) -> str:
-        return f"{self.path.name}:{self.line}:{self.column}:{self.operator}"
+        return f"{self.path.parent.name}/{self.path.name}:{self.line}:{self.column}:{self.operator}"
 
 
 def _is_export_list(node: ast.AST) -> bool:
@@ -182,7 +184,9 @@ def _all_mutants(packages: list[str]) -> list[Mutant]:
         for path in sorted((ROOT / source_dir).rglob("*.py")):
             if path.name in SKIPPED or "testing" in path.parts:
                 continue
-            tree = ast.parse(path.read_text())
+            source = path.read_text()
+            source_lines = source.splitlines()
+            tree = ast.parse(source)
             statements = _statement_lines(tree)
             for number, (node, operator) in enumerate(_sites(tree)):
                 found.append(
@@ -194,6 +198,7 @@ def _all_mutants(packages: list[str]) -> list[Mutant]:
                         getattr(node, "col_offset", 0),
                         operator,
                         statements.get(id(node), getattr(node, "lineno", 0)),
+                        source_lines[getattr(node, "lineno", 1) - 1].strip(),
                     )
                 )
     return found
@@ -337,6 +342,43 @@ def _pytest(scratch: Path, package: str, timeout: float, only: list[str] | None 
     return done.returncode
 
 
+_EQUIVALENT_LINE = re.compile(r"^(?P<id>[^`#]+?)\s+`(?P<anchor>[^`]*)`\s*(#.*)?$")
+
+
+def _equivalents(listing: Path, mutants: list[Mutant]) -> set[str]:
+    """The ids, in today's tree, of the mutants the listing names.
+
+    Each entry is `id `anchor`  # reason`: the id as printed when it was judged, and
+    the source line it was on. Lines move, so an entry names the mutant of the same
+    module, column and operator on a line reading the anchor, nearest to the line the
+    id gives. An entry that no longer matches anything is reported, not guessed.
+    """
+    found: set[str] = set()
+    modules = {f"{mutant.path.parent.name}/{mutant.path.name}" for mutant in mutants}
+    for number, raw in enumerate(listing.read_text().splitlines(), 1):
+        if not raw.strip() or raw.lstrip().startswith("#"):
+            continue
+        match = _EQUIVALENT_LINE.match(raw.strip())
+        if match is None:
+            raise SystemExit(f"{listing}:{number}: not `id `source line`  # reason`")
+        module, line, column, operator = match["id"].split(":", 3)
+        if module not in modules:
+            continue  # a package not sampled this time
+        candidates = [
+            mutant
+            for mutant in mutants
+            if f"{mutant.path.parent.name}/{mutant.path.name}" == module
+            and mutant.column == int(column)
+            and mutant.operator == operator
+            and mutant.text == match["anchor"]
+        ]
+        if not candidates:
+            print(f"{listing}:{number}: {match['id']} matches nothing now; judge it again")
+            continue
+        found.add(min(candidates, key=lambda mutant: abs(mutant.line - int(line))).id)
+    return found
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sample", type=int, default=200)
@@ -354,14 +396,8 @@ def main() -> int:
     )
     args = parser.parse_args()
     packages = [p for group in (args.only or sorted(GROUPS)) for p in GROUPS[group]]
-    equivalent = set()
-    if args.equivalent.exists():
-        equivalent = {
-            line.split("#")[0].strip()
-            for line in args.equivalent.read_text().splitlines()
-            if line.split("#")[0].strip()
-        }
     mutants = _all_mutants(packages)
+    equivalent = _equivalents(args.equivalent, mutants) if args.equivalent.exists() else set()
     if args.mutants:
         wanted = set(args.mutants)
         chosen = [mutant for mutant in mutants if mutant.id in wanted]

@@ -38,19 +38,25 @@ def _floor(store: JournalStore) -> dict[str, Any]:
 
 
 class ListingRecorder(MemoryStore):
-    """Records where each listing of the timer buckets starts."""
+    """Records where each listing of the timer buckets starts, and the buckets read."""
 
     def __init__(self) -> None:
         super().__init__()
         self.listed_after: list[str | None] = []
+        self.reads: list[str] = []
 
     def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
         if prefix == "timers/":
             self.listed_after.append(after)
         return super()._streams(prefix, after, limit)
 
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Any]:
+        if stream.startswith("timers/"):
+            self.reads.append(stream)
+        return super()._read(stream, after, limit)
 
-def test_an_idle_poll_lists_from_the_floor_not_from_the_first_minute() -> None:
+
+def test_an_idle_poll_reads_the_minutes_since_the_floor_by_name() -> None:
     store, clock = ListingRecorder(), FakeClock(BASE)
     engine = _engine(store, clock)
     ids = [engine.start("nap", 60 * minutes + 1).id for minutes in range(300)]
@@ -61,8 +67,22 @@ def test_an_idle_poll_lists_from_the_floor_not_from_the_first_minute() -> None:
     minute = int(clock.now // 60)
     assert _floor(store)["floor"] == minute, "every past minute is retired"
     store.listed_after.clear()
+    store.reads.clear()
     assert _engine(store, clock).fire_due_timers() == []  # a new engine, as a new worker
-    assert store.listed_after == [f"timers/{minute - 1:012d}"]
+    assert store.listed_after == [], "nothing listed"
+    assert store.reads == [OVERDUE, f"timers/{minute:012d}"]
+
+
+def test_a_poll_far_past_the_floor_lists_from_the_floor() -> None:
+    store, clock = ListingRecorder(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    engine.fire_due_timers()
+    floor = _floor(store)["floor"]
+    run = engine.start("nap", 600)
+    clock.advance(40 * 60)
+    store.listed_after.clear()
+    assert engine.fire_due_timers() == [run.id]
+    assert store.listed_after[0] == f"timers/{floor - 1:012d}"
 
 
 def test_the_first_poll_lists_everything_then_sets_the_floor() -> None:

@@ -450,3 +450,36 @@ def test_an_idle_timer_poll_costs_the_same_however_many_minutes_were_handled(
     assert len(TimerIndex(store, clock).buckets()) == 0
     after = idle_poll()
     assert after == before, "handled minutes leave tombstones the poll never lists"
+
+
+def test_a_reader_polling_at_its_known_head_pays_one_get(s3_server: S3Server) -> None:
+    client = s3_server.client()
+    writer = s3_server.store()
+    reader = s3_server.twin(writer, client)
+    counter = RequestCounter(client)
+    assert reader.read("never/written") == []
+    assert counter.take() == {"GetObject": 1}, "key 0 missing: the stream never existed"
+    head = writer.append("polled", 0, _records(2))
+    assert len(reader.read("polled")) == 2  # key 0 is there: a scan, which learns the head
+    counter.take()
+    assert reader.read("polled", head) == []
+    assert counter.take() == {"GetObject": 1}
+    writer.append("polled", head, _records(1, "new"))
+    assert [r.payload for r in reader.read("polled", head)] == [b"new0"]
+    writer.delete("polled")
+    with pytest.raises(StreamDeletedError):
+        reader.read("polled", head + 1)  # the tombstone sits at the known head's key
+
+
+def test_a_reader_trusts_no_missing_key_past_the_retention_margin(moto_server: S3Server) -> None:
+    client = moto_server.client()
+    store = S3Store(
+        moto_server.new_bucket(),
+        "short",
+        S3Options(endpoint_url=moto_server.endpoint_url, retention=1, head_ttl=0.5),
+        client=client,
+    )  # removal may take a batch a reader still counts on: the one-GET read is off
+    head = store.append("s", 0, _records(2))
+    counter = RequestCounter(client)
+    assert store.read("s", head) == []
+    assert counter.take().get("ListObjectsV2") == 1

@@ -65,6 +65,7 @@ BUCKET_SECONDS: Final = 60
 _LAST_BUCKET: Final = 10**12 - 1  # bucket names have 12 digits
 _PAGE: Final = 100
 _READ_ATTEMPTS: Final = 8
+_BY_NAME: Final = 16  # a poll reads this many minutes by name rather than list them
 _UNREADABLE: Final = -1  # the floor's origin, when its mark cannot be read
 
 _log = logging.getLogger("loom")
@@ -146,6 +147,7 @@ class TimerIndex:
         self._store = store
         self._clock = clock
         self._floor = TimerFloor(store, clock, self._seal_empty)
+        self._overdue_after = 0  # OVERDUE is trimmed up to here by this index's polls
 
     # -- writing --------------------------------------------------------------
 
@@ -229,6 +231,8 @@ class TimerIndex:
             retired = False
             try:
                 retired = self._settle(bucket, first_open, now)
+                if bucket.stream == OVERDUE:
+                    self._overdue_after = bucket.head if first_open is None else first_open - 1
             except LoomError as exc:  # the hints stay; the next poll settles them
                 _log.warning("timer bucket %r: %s: %s", bucket.stream, type(exc).__name__, exc)
                 failures.append(exc)
@@ -318,14 +322,26 @@ class TimerIndex:
 
     def _due(self, now: float, floor: int | None) -> Iterator[_Bucket]:
         """Every live bucket from `floor` (every one if None) up to the present minute,
-        and OVERDUE first, as read now."""
-        last = _stream(_bucket_of(now))
+        and OVERDUE first, as read now.
+
+        With a floor a few minutes back (an idle poll's usual case), the minutes are
+        read by name instead of listed: on S3 a missing stream costs one GET, a
+        listing one LIST per shard.
+        """
+        last_minute = _bucket_of(now)
         after: str | None = None
         if floor is not None:
-            overdue = self._read(OVERDUE) if self._store.head(OVERDUE) else None
-            if overdue is not None:
+            overdue = self._read(OVERDUE, self._overdue_after)
+            if overdue is not None and overdue.hints:
                 yield overdue
+            if last_minute - floor < _BY_NAME:
+                for minute in range(floor, last_minute + 1):
+                    bucket = self._read(_stream(minute))
+                    if bucket is not None and bucket.head:
+                        yield bucket
+                return
             after = _stream(floor - 1) if floor > 0 else OVERDUE
+        last = _stream(last_minute)
         while names := self._store.streams(PREFIX, after, _PAGE):
             for name in names:
                 if name > last:
@@ -335,14 +351,13 @@ class TimerIndex:
                     yield bucket
             after = names[-1]
 
-    def _read(self, stream: str) -> _Bucket | None:
-        """A bucket's retained records up to its head now; None if it was retired, or
-        if other polls kept trimming it while it was read (they handle it)."""
-        after = 0
+    def _read(self, stream: str, after: int = 0) -> _Bucket | None:
+        """A bucket's retained records after `after`, up to its head now; None if it
+        was retired, or if other polls kept trimming it while it was read (they
+        handle it). One read, no head first (on S3 each is a request)."""
         for _ in range(_READ_ATTEMPTS):
             try:
-                head = self._store.head(stream)
-                records = self._store.read(stream, after, head - after) if head > after else []
+                records = self._store.read(stream, after)
             except TrimmedError as exc:
                 after = exc.floor  # trimmed since: read from the new floor
                 continue
@@ -351,6 +366,7 @@ class TimerIndex:
             break
         else:
             return None
+        head = records[-1].position if records else after
         sealed = bool(records) and records[-1].kind == SEAL_KIND
         hints = tuple(
             _Hint(record.position, _entry(record), record)

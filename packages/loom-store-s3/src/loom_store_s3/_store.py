@@ -35,7 +35,7 @@ from loom_kernel.spi import (
 
 from loom_store_s3._batch import Batch, decode_batch, encode_batch, encode_marker
 from loom_store_s3._layout import FORMAT, MAX_SHARDS, Layout
-from loom_store_s3._options import S3Options
+from loom_store_s3._options import SIGNATURE_WINDOW, S3Options
 from loom_store_s3._transport import Transport
 
 __all__ = ["S3Store"]
@@ -270,6 +270,8 @@ class S3Store(FaultInjection, JournalStore):
         return scan.head
 
     def _read(self, stream: str, after: int, limit: int | None) -> list[Record]:
+        if self._nothing_after(stream, after):
+            return []
         for _ in range(3):
             scan = self._scan(stream)
             if scan.last is None:
@@ -282,6 +284,29 @@ class S3Store(FaultInjection, JournalStore):
             if found is not None:
                 return found
         raise StoreUnavailableError(f"{stream!r} kept changing under a read; try again")
+
+    def _nothing_after(self, stream: str, after: int) -> bool:
+        """Whether one GET shows the stream holds nothing after `after` (a reader that
+        polls a stream it has read up to its head pays a GET, not a LIST).
+
+        An append after `after` writes the batch key `after`, if `after` is a batch
+        boundary: 0 always is, and so is a head this process learned. That key is
+        never removed within the retention period of its writing (key 0 never is),
+        so if it is missing now, and the head was `after` less than that long ago,
+        nothing was appended since: the head is still `after`, learned again now.
+        A key that is there (a batch, a stub, a tombstone) says nothing alone: the
+        caller scans.
+        """
+        if after != 0:
+            with self._known_lock:
+                known = self._known.get(stream)
+            window = self._options.retention - self._options.head_ttl - SIGNATURE_WINDOW
+            if known is None or known.head != after or time.monotonic() - known.learned >= window:
+                return False
+        if self._transport.get(self._layout.batch_key(stream, after)) is not None:
+            return False
+        self._learn(stream, after)
+        return True
 
     def _read_batches(self, scan: _Scan, after: int, limit: int | None) -> list[Record] | None:
         """The records after `after` from the scanned batches; None if one vanished."""
