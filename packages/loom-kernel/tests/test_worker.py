@@ -279,3 +279,55 @@ def test_a_worker_on_a_store_from_before_the_index_indexes_it_and_takes_its_runs
     with Worker(engine, idle_poll=0.02):
         assert engine.handle("old").result(timeout=10) == ["old:0", "old:1", "old:2"]
     assert engine.runs.built()
+
+
+def test_a_run_whose_hint_a_poll_saw_while_its_enqueue_was_writing_is_visited_next_poll() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    class PollDuringTheStart(MemoryStore):
+        during: Any = None
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == "ex/k" and expected == 0 and self.during is not None:
+                self.during()  # the hint is there, the start not yet
+            return super()._append(stream, expected, records)
+
+    store = PollDuringTheStart()
+    engine = _engine(store)
+    worker = Worker(engine)
+    with ThreadPoolExecutor(2) as pool:
+        handed: list[int] = []
+        store.during = lambda: handed.append(worker._visit_open(pool, sweep=False))
+        handle = engine.enqueue("three", "k", key="k")
+        store.during = None
+        assert handed == [0], "the enqueue is still writing it: left alone"
+        assert worker._visit_open(pool, sweep=False) == 1, "not taken for seen"
+        assert handle.result(timeout=10) == ["k:0", "k:1", "k:2"]
+
+
+def test_a_hint_visited_before_its_start_landed_is_looked_at_again_not_left_to_a_sweep() -> None:
+    class SlowStart(MemoryStore):
+        release = threading.Event()
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == "ex/slow" and expected == 0:
+                assert self.release.wait(10)  # another process, between its two writes
+            return super()._append(stream, expected, records)
+
+    store = SlowStart()
+    writer = _engine(store)
+    enqueued: list[RunHandle] = []
+    thread = threading.Thread(
+        target=lambda: enqueued.append(writer.enqueue("three", "w", key="slow"))
+    )
+    worker_engine = _engine(store, lease=600.0)
+    with Worker(worker_engine, idle_poll=0.05) as worker:  # its next sweep: in 300 s
+        thread.start()
+        deadline = time.monotonic() + 10
+        while worker.stats.visited == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.stats.visited >= 1, "the hint was visited, its start not there"
+        store.release.set()
+        thread.join(10)
+        assert enqueued[0].result(timeout=10) == ["w:0", "w:1", "w:2"]
+        assert worker.stats.driven == 1

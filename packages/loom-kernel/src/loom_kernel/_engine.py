@@ -405,12 +405,14 @@ class Engine:
         """
         execution_id, event = self._new_start(flow_name, input, key, parent, None)
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
-            if self._append_start(event, execution_id):
+            added = self._append_start(event, execution_id)
+            if added:
                 state = ExecutionState(id=execution_id)
                 state.apply(event)
                 self._cache.give_back(state)  # a worker of this engine starts from it
-                for wake in list(self._work_added):
-                    wake.set()
+        if added:  # once this engine no longer holds it, or a worker would leave it
+            for wake in list(self._work_added):
+                wake.set()
         return RunHandle(self, execution_id)
 
     def handle(self, execution_id: str) -> RunHandle:
@@ -718,13 +720,20 @@ class Engine:
         Returns:
             The run's id if it was driven.
         """
+        outcome = self._recover_hint(hint)
+        return outcome if isinstance(outcome, str) else None
+
+    def _recover_hint(self, hint: OpenHint) -> str | _NotStarted | None:
+        """As `recover_open`, telling a run whose start has not landed yet (its writer
+        may still be writing it) with NOT_STARTED."""
         execution_id = hint.execution_id
         outcome = self._recover_one(execution_id)
         if not isinstance(outcome, _Missing):
             return outcome
         if self._hint_abandoned(hint):
             self.runs.dropped(execution_id)
-        return None
+            return None
+        return NOT_STARTED
 
     def _hint_abandoned(self, hint: OpenHint) -> bool:
         """Whether a hint's run can no longer start: deleted, or its writer is gone (known
@@ -973,6 +982,13 @@ class _Missing:
 
 
 _MISSING: Final = _Missing()
+
+
+class _NotStarted:
+    """What `_recover_hint` returns for a hint whose run may still start."""
+
+
+NOT_STARTED: Final = _NotStarted()
 
 
 def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset[Status] | None:

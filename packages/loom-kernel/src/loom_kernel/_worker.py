@@ -27,10 +27,11 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
+from loom_kernel._engine import NOT_STARTED
 from loom_kernel._errors import InvalidArgumentError, LoomError, SchemaError
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
-from loom_kernel._run_index import OpenHint
+from loom_kernel._run_index import OpenHint, partition_of
 from loom_kernel._timers import TimerEntry
 
 if TYPE_CHECKING:
@@ -49,6 +50,9 @@ _FASTEST_POLL_COSTLY: Final = 1.0
 _IDLE_POLL_CHEAP: Final = 1.0
 _IDLE_POLL_COSTLY: Final = 60.0
 _STATUS_EVERY: Final = 1.0
+#: How many polls in a row look again at a run whose start had not landed; after
+#: that its writer may be gone, and the sweeps look at it (and drop its hint).
+_NOT_STARTED_LOOKS: Final = 5
 
 
 @attrs.frozen
@@ -122,6 +126,9 @@ class Worker:
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
         self._known: dict[str, set[str]] = {}  # partition -> runs seen open in it
+        # runs whose hint was visited before their start landed -> times looked at
+        self._not_started: dict[str, int] = {}
+        self._look_again_next: set[str] = set()  # of those, the next poll's
         self._heads: dict[str, int] = {}  # partition -> its head when last read
         self._backlog: deque[_Task] = deque()  # work found while every slot was busy
         self._released = threading.Event()  # set once the grace on stop is over
@@ -263,6 +270,12 @@ class Worker:
         """
         runs = self.engine.runs
         handed = 0
+        with self._lock:
+            again, self._look_again_next = self._look_again_next, set()
+        for run in again:
+            partition = partition_of(run)
+            self._known.get(partition, set()).discard(run)
+            self._heads.pop(partition, None)
         for partition in runs.partitions():
             try:
                 if not sweep and self._unchanged(partition):
@@ -279,17 +292,24 @@ class Worker:
                 continue
             known = self._known.setdefault(partition, set())
             known &= {hint.execution_id for hint in hints}
+            deferred = False
             for hint in hints:
                 if not sweep and hint.execution_id in known:
                     continue
-                known.add(hint.execution_id)
                 if driving_here(self.engine.worker_id, hint.execution_id):
-                    continue  # this engine drives it inline right now
+                    # This engine drives it inline, or is still writing its start
+                    # (an enqueue): not seen yet, and the partition is read again.
+                    deferred = True
+                    continue
+                known.add(hint.execution_id)
                 if self._submit(
                     pool, _Task(hint.execution_id, partial(self._visit, hint)), queue=True
                 ):
                     handed += 1
-            self._heads[partition] = head
+            if deferred:
+                self._heads.pop(partition, None)
+            else:
+                self._heads[partition] = head
         return handed
 
     def _indexed(self) -> bool:
@@ -362,10 +382,29 @@ class Worker:
 
     def _visit(self, hint: OpenHint) -> None:
         try:
-            if self.engine.recover_open(hint) is not None:
+            outcome = self.engine._recover_hint(hint)
+            if outcome is NOT_STARTED:
+                self._look_again(hint.execution_id)
+                return
+            with self._lock:
+                self._not_started.pop(hint.execution_id, None)
+            if outcome is not None:
                 self.stats.driven += 1
         finally:
             self.stats.visited += 1
+
+    def _look_again(self, execution_id: str) -> None:
+        """A run whose hint was read before its start landed (another process's
+        `enqueue` between its two writes): the next few polls look at it again,
+        instead of the next sweep."""
+        with self._lock:
+            looks = self._not_started.get(execution_id, 0) + 1
+            if looks > _NOT_STARTED_LOOKS:
+                self._not_started.pop(execution_id, None)
+                return  # its writer may be gone: the sweeps look at it from now on
+            self._not_started[execution_id] = looks
+            self._look_again_next.add(execution_id)
+        self._wake.set()
 
     # -- stopping ---------------------------------------------------------------
 
