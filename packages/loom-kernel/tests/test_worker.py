@@ -22,7 +22,7 @@ from loom_kernel import (
     Worker,
     flow,
 )
-from loom_kernel.events import ExecutionClaimed
+from loom_kernel.events import ExecutionClaimed, ExecutionStarted
 
 effects: Counter[str] = Counter()
 effects_lock = threading.Lock()
@@ -234,7 +234,7 @@ def test_a_visit_that_has_not_started_driving_is_released_too() -> None:
     engine = _engine(store)
     worker = Worker(engine, grace=0.0, idle_poll=0.02).start()
     store.slow = True
-    engine.enqueue("three", "late", key="late")
+    _engine(store).enqueue("three", "late", key="late")  # from another process
     time.sleep(0.15)  # the visit is loading the run
     worker.stop()
     assert not effects, "no step started once the worker was released"
@@ -331,3 +331,57 @@ def test_a_hint_visited_before_its_start_landed_is_looked_at_again_not_left_to_a
         thread.join(10)
         assert enqueued[0].result(timeout=10) == ["w:0", "w:1", "w:2"]
         assert worker.stats.driven == 1
+
+
+def test_an_enqueue_beside_a_free_slot_is_handed_to_it_and_driven_with_no_claim() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    with Worker(engine, idle_poll=60.0) as worker:
+        time.sleep(0.1)  # idle: its next poll is a minute away
+        handle = engine.enqueue("three", "h", key="h")
+        assert handle.result(timeout=10) == ["h:0", "h:1", "h:2"]
+        assert worker.stats.driven == 1
+    events = [entry.event for entry in engine.history("h")]
+    assert not any(isinstance(event, ExecutionClaimed) for event in events)
+    assert isinstance(events[0], ExecutionStarted)
+    assert events[0].by == engine.worker_id, "started as the engine's own, as start does"
+    assert effects == Counter({"h:0": 1, "h:1": 1, "h:2": 1})
+
+
+def test_an_enqueue_while_every_slot_is_busy_is_left_for_any_worker_to_claim() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    gate.clear()
+    with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
+        busy = engine.enqueue("slow", "b", key="busy")  # takes the only slot
+        assert worker.stats.in_flight == 1
+        queued = engine.enqueue("three", "q", key="queued")
+        assert engine.get("queued").owner is None, "no slot: another worker may take it"
+        with Worker(_engine(store), idle_poll=0.02):  # another process's worker
+            assert queued.result(timeout=10) == ["q:0", "q:1", "q:2"]
+        gate.set()
+        busy.result(timeout=10)
+        assert worker.stats.driven == 1
+    claims = [
+        e for e in (x.event for x in engine.history("queued")) if isinstance(e, ExecutionClaimed)
+    ]
+    assert len(claims) == 1
+
+
+def test_a_run_handed_to_a_stopping_worker_is_left_to_the_next_one() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    worker = Worker(engine, idle_poll=0.02).start()
+    time.sleep(0.05)
+    original = worker._hand
+
+    def stopping_meanwhile(execution_id: str, drive: Any) -> bool:
+        worker._stopping.set()  # stop() began between the slot and the hand-over
+        return original(execution_id, drive)
+
+    worker._hand = stopping_meanwhile  # type: ignore[method-assign]
+    handle = engine.enqueue("three", "s", key="stopped")
+    worker.stop()
+    assert engine.get("stopped").status is Status.RUNNING
+    with Worker(_engine(store), idle_poll=0.02):  # after the stopped one's last beat
+        assert handle.result(timeout=10) == ["s:0", "s:1", "s:2"]

@@ -10,8 +10,9 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from functools import partial
 from types import MappingProxyType
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
@@ -65,6 +66,10 @@ from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume
 from loom_kernel._views import Execution, HistoryEntry
 
 logger = logging.getLogger("loom")
+
+
+if TYPE_CHECKING:
+    from loom_kernel._worker import Worker
 
 __all__ = ["Engine"]
 
@@ -131,7 +136,7 @@ class Engine:
         self.retry = retry or RetryPolicy()
         self.timers = TimerIndex(store, clock)
         self.runs = RunIndex(store, clock)
-        self._work_added: list[threading.Event] = []  # set by enqueue: in-process workers
+        self._local_workers: list[Worker] = []  # running workers of this engine
         self._flows: dict[str, dict[str, Flow]] = {}  # name -> code hash -> flow
         self._newest: dict[str, Flow] = {}
         self._cache = StateCache(cache_size)
@@ -399,21 +404,50 @@ class Engine:
         """Start an execution without driving it: a worker (`Worker`, `loom worker`)
         drives it. Returns at once, with a handle to wait for its result.
 
-        The run is journaled with no owner, so the first worker to claim it drives it;
-        `recover()` drives it too. Arguments and errors are those of `start`; starting
-        with an existing key returns a handle to the existing run (K9).
+        When a `Worker` of this engine has a free slot, the run starts as this
+        engine's own (as `start` would) and that slot drives it at once, with no
+        poll and no claim. Otherwise it is journaled with no owner, and the first
+        worker to claim it drives it (`recover()` too). Arguments and errors are those
+        of `start`; starting with an existing key returns a handle to the existing
+        run (K9).
         """
         execution_id, event = self._new_start(flow_name, input, key, parent, None)
+        taker = next((w for w in list(self._local_workers) if w._reserve(execution_id)), None)
+        if taker is not None:  # a free slot here: the run starts as this engine's own
+            event = attrs.evolve(event, by=self.worker_id)
+        handoff = contextlib.ExitStack()
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             added = self._append_start(event, execution_id)
-            if added:
-                state = ExecutionState(id=execution_id)
-                state.apply(event)
+            state = ExecutionState(id=execution_id)
+            state.apply(event)
+            if added and taker is not None:
+                # Held until the worker's drive holds it: no beat in between may say
+                # this worker dropped the run, or another could take it over.
+                handoff.enter_context(self._heartbeat.holding(execution_id))
+            elif added:
                 self._cache.give_back(state)  # a worker of this engine starts from it
-        if added:  # once this engine no longer holds it, or a worker would leave it
-            for wake in list(self._work_added):
-                wake.set()
+        if taker is not None:
+            if not added:
+                taker._unreserve(execution_id)
+            elif not taker._hand(execution_id, partial(self._drive_handed, state, handoff)):
+                handoff.close()  # it is stopping: the run is left to the polls
+        if added and taker is None:  # once this engine no longer holds it
+            for worker in list(self._local_workers):
+                worker._wake.set()
         return RunHandle(self, execution_id)
+
+    def _drive_handed(self, state: ExecutionState, handoff: contextlib.ExitStack) -> str:
+        """Drive a run `enqueue` started as this engine's own and handed to a worker's
+        free slot, as `start` would have inline: no claim, no poll."""
+        execution_id = state.id
+        try:
+            with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
+                handoff.close()
+                execution = self._drive_owned(state)
+        finally:
+            handoff.close()
+        self._settled(execution)
+        return execution_id
 
     def handle(self, execution_id: str) -> RunHandle:
         """A handle to an existing run, to wait for its result.

@@ -135,6 +135,7 @@ class Worker:
         self._repair = False  # an index partition could not be read: recover() rewrites it
         self._queued: set[str] = set()  # their ids
         self._thread: threading.Thread | None = None
+        self._pool: ThreadPoolExecutor | None = None  # while it runs
         self._signals = 0
 
     # -- lifecycle --------------------------------------------------------------
@@ -179,8 +180,10 @@ class Worker:
             status: where to print a one-line live status (a terminal), if anywhere.
         """
         previous = self._install_signals() if handle_signals else {}
-        self.engine._work_added.append(self._wake)
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="loom-drive")
+        with self._lock:
+            self._pool = pool
+        self.engine._local_workers.append(self)
         logger.info(
             "loom: worker %s started (concurrency %d)", self.engine.worker_id, self.concurrency
         )
@@ -188,8 +191,10 @@ class Worker:
             self._poll_until_stopped(pool, status)
             self._wind_down()
         finally:
+            self.engine._local_workers.remove(self)
+            with self._lock:
+                self._pool = None
             pool.shutdown(wait=True)
-            self.engine._work_added.remove(self._wake)
             for number, handler in previous.items():
                 signal.signal(number, handler)
             self._release_lease()
@@ -352,6 +357,54 @@ class Worker:
             self.stats.in_flight = len(self._in_flight)
         pool.submit(self._work, task)
         return True
+
+    # -- runs handed over by enqueue on this engine --------------------------------
+
+    def _reserve(self, execution_id: str) -> bool:
+        """Take a slot for a run `enqueue` is about to start, if one is free now (and
+        nothing waits for one: found work comes first)."""
+        with self._lock:
+            if (
+                self._pool is None
+                or self._stopping.is_set()
+                or self._backlog
+                or execution_id in self._in_flight
+                or execution_id in self._queued
+                or len(self._in_flight) >= self.concurrency
+            ):
+                return False
+            self._in_flight.add(execution_id)
+            self.stats.in_flight = len(self._in_flight)
+            return True
+
+    def _unreserve(self, execution_id: str) -> None:
+        """Give back a slot taken by `_reserve` for a run that did not start."""
+        with self._lock:
+            self._in_flight.discard(execution_id)
+            self.stats.in_flight = len(self._in_flight)
+        self._wake.set()
+
+    def _hand(self, execution_id: str, drive: Callable[[], str]) -> bool:
+        """Drive in the reserved slot a run `enqueue` started as this engine's own;
+        False (the slot given back) when the worker is stopping."""
+
+        def run() -> None:
+            try:
+                drive()
+                self.stats.driven += 1
+            finally:
+                self.stats.visited += 1
+
+        with self._lock:
+            pool = None if self._stopping.is_set() else self._pool
+        if pool is not None:
+            try:
+                pool.submit(self._work, _Task(execution_id, run))
+                return True
+            except RuntimeError:  # shut down meanwhile
+                pass
+        self._unreserve(execution_id)
+        return False
 
     def _work(self, first: _Task) -> None:
         """Run a task, then the queued ones, one after another, until none is left;
