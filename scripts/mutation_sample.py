@@ -100,6 +100,17 @@ def _is_export_list(node: ast.AST) -> bool:
     )
 
 
+def _is_type_variable(node: ast.AST) -> bool:
+    """`T = TypeVar("T")`: read only by annotations, which are strings at run time
+    (every module has `from __future__ import annotations`)."""
+    return (
+        isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Name)
+        and node.value.func.id == "TypeVar"
+    )
+
+
 def _is_docstring(node: ast.AST) -> bool:
     return (
         isinstance(node, ast.Expr)
@@ -133,7 +144,7 @@ def _sites(tree: ast.Module) -> Iterator[tuple[ast.AST, str]]:
             yield node, "return None"
         elif isinstance(
             node, ast.Expr | ast.Assign | ast.AugAssign | ast.AnnAssign | ast.Raise | ast.Delete
-        ) and not (_is_docstring(node) or _is_export_list(node)):
+        ) and not (_is_docstring(node) or _is_export_list(node) or _is_type_variable(node)):
             yield node, "delete statement"
 
 

@@ -479,3 +479,63 @@ def test_a_load_that_keeps_meeting_compactions_gives_up_with_store_unavailable()
     store.compacting = True
     with pytest.raises(StoreUnavailableError, match="kept being compacted"):
         sandbox(counter, store=store, listeners=[]).engine.get("c")
+
+
+def test_ctx_input_is_the_runs_input() -> None:
+    @flow(name="echo_input", version="1")
+    def echo_input(ctx: Context, _input: Any) -> Any:
+        return ctx.input
+
+    box = sandbox(echo_input)
+    assert box.engine.start("echo_input", {"a": [1, 2]}).result == {"a": [1, 2]}
+
+
+def test_an_async_sleep_that_woke_is_not_taken_for_an_unawaited_call_at_the_next_gate() -> None:
+    from loom_kernel import AsyncContext
+
+    @flow(name="two_naps", version="1")
+    async def two_naps(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.sleep(30)
+        await ctx.sleep(30)
+        return "rested twice"
+
+    clock = FakeClock()
+    box = sandbox(two_naps, clock=clock)
+    run = box.engine.start("two_naps")
+    clock.advance(31)
+    assert box.engine.fire_due_timers() == [run.id]
+    assert box.engine.get(run.id).status is Status.SUSPENDED, "parked at the second nap"
+    clock.advance(31)
+    box.engine.fire_due_timers()
+    assert box.engine.get(run.id).result == "rested twice"
+
+
+def test_a_flow_that_swallows_a_park_and_then_raises_stays_parked_not_failed() -> None:
+    @flow(name="swallower", version="1")
+    def swallower(ctx: Context, _input: Any) -> Any:
+        import contextlib
+
+        with contextlib.suppress(BaseException):  # the misuse under test
+            ctx.suspend("wait")
+        raise ValueError("went on past the park")
+
+    box = sandbox(swallower)
+    run = box.engine.start("swallower", key="sw")
+    assert (run.status, run.waiting_on) == (Status.SUSPENDED, "wait")
+
+
+def test_a_sleep_awaited_in_a_task_of_its_own_is_refused_and_journals_nothing() -> None:
+    import asyncio
+
+    from loom_kernel import AsyncContext
+
+    @flow(name="nap_in_a_task", version="1")
+    async def nap_in_a_task(ctx: AsyncContext, _input: Any) -> Any:
+        await asyncio.ensure_future(ctx.sleep(60))
+        return "rested"
+
+    box = sandbox(nap_in_a_task)
+    with pytest.raises(InvalidArgumentError, match="another task than the flow's own"):
+        box.engine.start("nap_in_a_task", key="t")
+    assert [record.kind for record in box.store.read("ex/t")] == ["EXECUTION_STARTED"]
+    assert box.store.streams("timers/") == []

@@ -165,6 +165,9 @@ def test_patched_is_false_for_history_recorded_before_and_true_for_new_runs() ->
     engine = _engine(store, _patchable(True))
     assert engine.resume(old.id, "ok").result == ["L1", "ok"]
     assert ran == [], "the old run replays its history without the new step"
+    parked = _engine(store, _patchable(False)).start("ship", key="parked")  # at "label"
+    assert engine.resume(parked.id, "L0").waiting_on == "delivered"
+    assert ran == [], "a gate recorded after the patch point is history from before it"
     new = engine.start("ship", key="new")
     assert ran == ["insured"]
     assert [f.name for f in engine.frames(new.id).values()][:3] == [
