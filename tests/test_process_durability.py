@@ -285,7 +285,7 @@ def test_worker_processes_killed_at_random_end_every_run_and_journal_no_step_twi
     children while workers are SIGKILLed (and replaced) at random: every run ends, no
     step is journaled twice, and a side effect repeats only for a step in flight at a
     kill (at most the concurrency per kill); with no kill, none repeats."""
-    runs = 200 if target.sqlite_file else 80
+    runs = 200
     side = tmp_path / "side-effects.txt"
     side.touch()
     rng = random.Random(20261202 + kills)
