@@ -136,16 +136,29 @@ def _flat(sizes: list[int]) -> None:
                 _row(f"SQLite, {size:,} runs", store, url)
 
 
-def _s3_requests() -> None:
+def _s3_servers() -> list[Callable[[], Any]]:
+    """moto, and Ceph RGW when it is installed (scripts/install-rgw)."""
+    from loom_store_s3.testing import MotoServer, RadosGateway
+
+    servers: list[Callable[[], Any]] = [MotoServer]
+    if not RadosGateway.missing():
+        servers.append(RadosGateway)
+    else:
+        print("\n(Ceph RGW is not installed: run scripts/install-rgw to measure it too)")
+    return servers
+
+
+def _s3_requests(make_server: Callable[[], Any]) -> None:
     from loom_store_s3 import S3Options, S3Store
-    from loom_store_s3.testing import MotoServer, RequestCounter
+    from loom_store_s3.testing import RequestCounter
 
     idle_poll = _IDLE_POLL_COSTLY  # the Worker's default on a store whose heads cost a request
-    with MotoServer() as server:
+    with make_server() as server:
         client = server.client()
         bucket = server.new_bucket()
         requests = RequestCounter(client)
         store = S3Store(bucket, "bench", S3Options(endpoint_url=server.endpoint_url), client=client)
+        name = server.name
         clock = FakeClock(time.time())
         engine = Engine(store, [one, ten], listeners=[], clock=clock)
         engine.start("bench.ten")  # warm up: the store is marked indexed
@@ -197,7 +210,7 @@ def _s3_requests() -> None:
         costly = sum(counts.values()) - cheap  # LIST and PUT
         return polls_a_month / per * (costly * LIST_PRICE + cheap * GET_PRICE) / 1000
 
-    print("\n## S3 requests (moto), a run of 10 steps")
+    print(f"\n## S3 requests ({name}), a run of 10 steps")
     print("| what | requests |")
     print("| --- | --- |")
     print(f"| start inline (hint, start, steps, end, close) | {total(inline)} |")
@@ -257,7 +270,8 @@ def main() -> None:
     if "flat" in parts:
         _flat(args.sizes)
     if "s3" in parts:
-        _s3_requests()
+        for make_server in _s3_servers():
+            _s3_requests(make_server)
     if "worker" in parts:
         print(
             "\n## a worker against inline starts (SQLite, runs of 10 steps, 9 alternating rounds)"
