@@ -309,6 +309,22 @@ def test_a_forked_process_has_its_own_worker_id() -> None:
     assert in_child.split(":")[1] == str(child)
 
 
+def test_the_worker_id_follows_the_pid_in_this_process_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As the fork test, without a fork (so coverage, and the mutation sampler, see
+    the line that makes the new id)."""
+    import os
+
+    engine = Engine(MemoryStore(), listeners=[])
+    before = engine.worker_id
+    monkeypatch.setattr(os, "getpid", lambda: 3_999_998)
+    after = engine.worker_id
+    assert after != before
+    assert after.split(":")[1] == "3999998"
+    assert engine.worker_id == after, "made once per pid"
+
+
 def test_a_compacted_running_run_still_shows_its_owner_alive() -> None:
     entered, release = threading.Event(), threading.Event()
     effects: list[str] = []

@@ -374,3 +374,14 @@ def test_a_store_is_not_marked_indexed_when_a_run_could_not_be_looked_at() -> No
         newer.recover()
     assert not newer.runs.built(), "a run it could not look at may be anything"
     assert [h.execution_id for h in newer.runs.open_runs()] == ["parked"]
+
+
+def test_a_hint_of_a_run_that_has_only_its_start_is_not_abandoned() -> None:
+    from loom_kernel._run_index import OpenHint
+
+    store = MemoryStore()
+    engine = Engine(store, [], listeners=[])
+    store.append("ex/started", 0, [NewRecord("EXECUTION_STARTED", b"{}", 0.0)])
+    ancient = OpenHint("started", "f", None, 0.0)  # no writer, a lease ago and more
+    assert not engine._hint_abandoned(ancient), "it started: its hint stays"
+    assert engine._hint_abandoned(OpenHint("never", "f", None, 0.0))
