@@ -54,8 +54,10 @@ def test_rfc_number_examples(bits: str, text: str) -> None:
 
 @pytest.mark.parametrize("bits", ["7fffffffffffffff", "7ff0000000000000", "fff0000000000000"])
 def test_rfc_refuses_nan_and_infinity(bits: str) -> None:
-    with pytest.raises(CanonicalJSONError, match=r"at \$\[0\].*not a JSON number"):
+    with pytest.raises(CanonicalJSONError, match=r"at \$\[0\].*not a JSON number") as caught:
         stable_stringify([_double(bits)])
+    assert caught.value.path == "$[0]"
+    assert "not a JSON number" in caught.value.reason
 
 
 def test_rfc_sample_object() -> None:

@@ -1,0 +1,101 @@
+"""Group commit: appends from concurrent threads share one transaction and one sync.
+
+A thread that appends while no commit is under way leads: it commits its own append
+at once, in a transaction of its own, as if there were no group at all. Threads that
+append while a commit is under way queue; when the leader is done it hands the lead
+to the first of them, which commits everything queued meanwhile in one transaction
+(at most `max_batch` appends), so N threads waiting on one disk sync pay for one.
+
+Each append in a group keeps its own exact expected-head check (against the head the
+appends before it in the group left), its own ConflictError or StreamDeletedError,
+and its own error when the commit fails, which its caller resolves as it would alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+from loom_kernel.spi import StoreUnavailableError
+
+__all__ = ["GroupCommit", "PendingAppend"]
+
+
+@attrs.define(eq=False)
+class PendingAppend:
+    """One append waiting for (or being part of) a group's commit.
+
+    Attributes:
+        stream: the stream appended to.
+        expected: the head the caller expects.
+        rows: the records' rows.
+        error: set when this append did not land (or may not have).
+    """
+
+    stream: str
+    expected: int
+    rows: list[Any]
+    error: BaseException | None = None
+    _done: threading.Event = attrs.field(factory=threading.Event, init=False)
+    _lead: bool = attrs.field(default=False, init=False)
+
+
+class GroupCommit:
+    """Commits appends in groups (see the module's docstring).
+
+    Args:
+        commit: commits a group of appends in one transaction on the calling thread's
+            connection, setting `error` on each append that did not land; it raises
+            only for an interrupt (after setting `error` on every append).
+        max_batch: the most appends one transaction holds.
+    """
+
+    def __init__(self, commit: Callable[[list[PendingAppend]], None], max_batch: int = 64) -> None:
+        self._commit = commit
+        self._max_batch = max_batch
+        self._lock = threading.Lock()
+        self._queue: list[PendingAppend] = []
+        self._leading = False
+
+    def submit(self, append: PendingAppend) -> None:
+        """Commit `append`, alone or with others; raise its own error, if any."""
+        with self._lock:
+            follow = self._leading
+            if follow:
+                self._queue.append(append)
+            else:
+                self._leading = True
+        if follow:
+            append._done.wait()
+            if not append._lead:
+                _raise(append)
+                return
+        with self._lock:
+            taken = self._queue[: self._max_batch - 1]
+            del self._queue[: len(taken)]
+        batch = [append, *taken]
+        completed = False
+        try:
+            self._commit(batch)
+            completed = True
+        finally:
+            for other in taken:
+                if not completed and other.error is None:
+                    # Landed or not: the caller's confirmation (its commit id) tells.
+                    other.error = StoreUnavailableError("the group's commit was interrupted")
+                other._done.set()
+            with self._lock:
+                if self._queue:
+                    successor = self._queue.pop(0)
+                    successor._lead = True
+                    successor._done.set()
+                else:
+                    self._leading = False
+        _raise(append)
+
+
+def _raise(append: PendingAppend) -> None:
+    if append.error is not None:
+        raise append.error

@@ -1,0 +1,216 @@
+"""Group commit: appends of concurrent threads share a transaction, and each keeps
+its own head check, its own conflict and its own failure."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel.spi import ConflictError, NewRecord, StoreUnavailableError
+from loom_store_sqlite import SqliteOptions, SqliteStore
+from loom_store_sqlite._group import PendingAppend
+
+
+def _record(tag: str) -> list[NewRecord]:
+    return [NewRecord("k", tag.encode(), 1.0)]
+
+
+class GatedStore(SqliteStore):
+    """Holds the first group's commit until `gate` is set, and records each group."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(path, SqliteOptions(synchronous="normal"))
+        self.gate = threading.Event()
+        self.groups: list[list[tuple[str, int]]] = []
+        self.interrupt_first = False
+
+    def _commit_group(self, batch: list[PendingAppend]) -> None:
+        self.groups.append([(append.stream, append.expected) for append in batch])
+        if len(self.groups) == 1:
+            assert self.gate.wait(10)
+            if self.interrupt_first:
+                raise KeyboardInterrupt
+        super()._commit_group(batch)
+
+
+def _append_in_thread(store: SqliteStore, stream: str, expected: int, tag: str) -> Any:
+    outcome: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            outcome["head"] = store.append(stream, expected, _record(tag))
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome
+
+
+def _wait_leading(store: GatedStore) -> None:
+    deadline = time.monotonic() + 10
+    while not store.groups:
+        assert time.monotonic() < deadline, "no append ever committed"
+        time.sleep(0.001)
+
+
+def _wait_queued(store: SqliteStore, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(store._group._queue) < count:
+        assert time.monotonic() < deadline, "the appends never queued"
+        time.sleep(0.001)
+
+
+def test_appends_queued_behind_a_commit_go_in_one_transaction_each_with_its_own_check(
+    tmp_path: Path,
+) -> None:
+    store = GatedStore(str(tmp_path / "g.db"))
+    leader = _append_in_thread(store, "a", 0, "a1")
+    _wait_leading(store)
+    followers = [
+        _append_in_thread(store, "b", 0, "b1"),
+        _append_in_thread(store, "a", 0, "a-stale"),  # the leader's append moves a to 1
+        _append_in_thread(store, "c", 0, "c1"),
+        _append_in_thread(store, "c", 0, "c-again"),  # conflicts with the one before it
+    ]
+    _wait_queued(store, 4)
+    store.gate.set()
+    for thread, _ in [leader, *followers]:
+        thread.join(10)
+    assert leader[1] == {"head": 1}
+    outcomes = [outcome for _, outcome in followers]
+    assert len(store.groups) == 2, store.groups
+    assert len(store.groups[1]) == 4, store.groups
+    by_tag = dict(zip(["b1", "a-stale", "c1", "c-again"], outcomes, strict=True))
+    assert by_tag["b1"] == {"head": 1}
+    assert isinstance(by_tag["a-stale"]["error"], ConflictError)
+    assert by_tag["a-stale"]["error"].actual == 1
+    first_c, second_c = (by_tag["c1"], by_tag["c-again"])
+    assert sorted([("head" in first_c), ("head" in second_c)]) == [False, True], (
+        "one of the two appends at c's head 0 lands, the other conflicts"
+    )
+    assert [r.payload for r in store.read("a")] == [b"a1"]
+    assert [r.payload for r in store.read("b")] == [b"b1"]
+    assert len(store.read("c")) == 1
+
+
+def test_an_interrupted_leader_lands_nothing_and_its_followers_are_told_to_retry(
+    tmp_path: Path,
+) -> None:
+    store = GatedStore(str(tmp_path / "i.db"))
+    store.interrupt_first = True
+    leader = _append_in_thread(store, "a", 0, "a1")
+    _wait_leading(store)
+    follower = _append_in_thread(store, "b", 0, "b1")
+    _wait_queued(store, 1)
+    store.gate.set()
+    leader[0].join(10)
+    follower[0].join(10)
+    assert isinstance(leader[1]["error"], KeyboardInterrupt)
+    # The follower was handed the lead and committed its own group.
+    assert follower[1] == {"head": 1}
+    assert store.head("a") == 0
+    assert store.append("a", 0, _record("a1")) == 1, "nothing held the write lock"
+
+
+def test_a_follower_whose_group_was_interrupted_is_told_its_append_did_not_land(
+    tmp_path: Path,
+) -> None:
+    class InterruptedSecondGroup(GatedStore):
+        def _commit_group(self, batch: list[PendingAppend]) -> None:
+            if len(self.groups) == 1:
+                self.groups.append([(a.stream, a.expected) for a in batch])
+                raise KeyboardInterrupt  # the second group's leader, before it commits
+            super()._commit_group(batch)
+
+    store = InterruptedSecondGroup(str(tmp_path / "f.db"))
+    leader = _append_in_thread(store, "a", 0, "a1")
+    _wait_leading(store)
+    second = _append_in_thread(store, "b", 0, "b1")
+    _wait_queued(store, 1)
+    third = _append_in_thread(store, "c", 0, "c1")
+    _wait_queued(store, 2)
+    store.gate.set()
+    for thread, _ in (leader, second, third):
+        thread.join(10)
+    assert leader[1] == {"head": 1}
+    assert isinstance(second[1]["error"], KeyboardInterrupt)
+    error = third[1]["error"]
+    assert isinstance(error, StoreUnavailableError)
+    assert "did not land" in str(error)
+    assert store.head("c") == 0
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    rounds=st.lists(
+        st.lists(st.tuples(st.sampled_from("xy"), st.integers(-1, 1)), min_size=2, max_size=5),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_racing_appends_in_groups_keep_every_stream_gapless_and_every_answer_true(
+    tmp_path_factory: pytest.TempPathFactory, rounds: list[list[tuple[str, int]]]
+) -> None:
+    """Each round, threads append at once (some at a stale or future head); the
+    leader's commit is slowed so the others queue into groups. Every success is in
+    the journal at the positions it was told, every conflict names a real head."""
+
+    class SlowCommits(SqliteStore):
+        def _commit_group(self, batch: list[PendingAppend]) -> None:
+            time.sleep(0.002)
+            super()._commit_group(batch)
+
+    store = SlowCommits(str(tmp_path_factory.mktemp("h") / "h.db"), SqliteOptions("normal"))
+    landed: dict[str, dict[int, bytes]] = {"x": {}, "y": {}}
+    for number, appends in enumerate(rounds):
+        results = _race(store, number, appends)
+        for stream, expected, tag, outcome in results:
+            if isinstance(outcome, ConflictError):
+                assert outcome.actual != expected
+            else:
+                assert outcome == expected + 1
+                assert expected + 1 not in landed[stream], "two appends told the same head"
+                landed[stream][expected + 1] = tag
+    for stream in "xy":
+        records = store.read(stream)
+        assert [r.position for r in records] == list(range(1, len(records) + 1))
+        assert {r.position: r.payload for r in records} == landed[stream]
+    store.close()
+
+
+def _race(
+    store: SqliteStore, number: int, appends: list[tuple[str, int]]
+) -> list[tuple[str, int, bytes, Any]]:
+    """One round: each thread reads its stream's head, shifts it by its offset, and
+    all append at once; (stream, expected, payload, new head or ConflictError)."""
+    barrier = threading.Barrier(len(appends))
+    results: list[tuple[str, int, bytes, Any]] = []
+    lock = threading.Lock()
+
+    def run(stream: str, offset: int, tag: bytes) -> None:
+        expected = max(0, store.head(stream) + offset)
+        barrier.wait()
+        try:
+            outcome: Any = store.append(stream, expected, [NewRecord("k", tag, 1.0)])
+        except ConflictError as exc:
+            outcome = exc
+        with lock:
+            results.append((stream, expected, tag, outcome))
+
+    threads = [
+        threading.Thread(target=run, args=(stream, offset, f"{number}.{i}".encode()))
+        for i, (stream, offset) in enumerate(appends)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
