@@ -539,3 +539,29 @@ def test_a_sleep_awaited_in_a_task_of_its_own_is_refused_and_journals_nothing() 
         box.engine.start("nap_in_a_task", key="t")
     assert [record.kind for record in box.store.read("ex/t")] == ["EXECUTION_STARTED"]
     assert box.store.streams("timers/") == []
+
+
+def test_the_documented_retry_defaults() -> None:
+    from loom_kernel import RetryPolicy
+
+    policy = RetryPolicy()
+    assert (policy.attempts, policy.backoff, policy.factor, policy.max_backoff) == (
+        3,
+        1.0,
+        2.0,
+        60.0,
+    )
+    assert policy.retry_on == (Exception,)
+    tries: list[int] = []
+
+    def always_fails() -> None:
+        tries.append(1)
+        raise RuntimeError("no")
+
+    @flow(name="fails_thrice", version="1")
+    def fails_thrice(ctx: Context, _input: Any) -> Any:
+        return ctx.step("fail", always_fails)
+
+    box = sandbox(fails_thrice)  # the engine's default policy, with a no-op sleep
+    assert box.engine.start("fails_thrice").status is Status.FAILED
+    assert len(tries) == 3
