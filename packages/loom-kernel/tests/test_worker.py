@@ -385,3 +385,47 @@ def test_a_run_handed_to_a_stopping_worker_is_left_to_the_next_one() -> None:
     assert engine.get("stopped").status is Status.RUNNING
     with Worker(_engine(store), idle_poll=0.02):  # after the stopped one's last beat
         assert handle.result(timeout=10) == ["s:0", "s:1", "s:2"]
+
+
+def test_an_enqueue_that_fails_gives_its_slot_back() -> None:
+    from loom_kernel import ExecutionNotFoundError
+
+    store = MemoryStore()
+    engine = _engine(store)
+    store.delete("ex/gone")  # a deleted run's key can never start another
+    with Worker(engine, concurrency=1, idle_poll=0.05) as worker:
+        with pytest.raises(ExecutionNotFoundError):
+            engine.enqueue("three", "g", key="gone")
+        assert worker.stats.in_flight == 0
+        assert engine.enqueue("three", "n", key="next").result(timeout=10) == ["n:0", "n:1", "n:2"]
+
+
+def test_a_look_again_is_not_used_up_by_a_poll_while_its_visit_is_still_in_flight() -> None:
+    class SlowStart(MemoryStore):
+        release = threading.Event()
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == "ex/late" and expected == 0:
+                assert self.release.wait(10)
+            return super()._append(stream, expected, records)
+
+    class Preempted(Worker):
+        def _look_again(self, execution_id: str) -> None:
+            super()._look_again(execution_id)
+            time.sleep(0.3)  # the visiting thread descheduled before its slot is freed
+
+    store = SlowStart()
+    writer = _engine(store)
+    enqueued: list[RunHandle] = []
+    thread = threading.Thread(
+        target=lambda: enqueued.append(writer.enqueue("three", "l", key="late"))
+    )
+    with Preempted(_engine(store, lease=600.0), idle_poll=0.05) as worker:
+        thread.start()
+        deadline = time.monotonic() + 10
+        while worker.stats.visited == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.6)  # polls meanwhile, while the visit was in flight
+        store.release.set()
+        thread.join(10)
+        assert enqueued[0].result(timeout=5) == ["l:0", "l:1", "l:2"]

@@ -214,3 +214,107 @@ def _race(
     for thread in threads:
         thread.join(30)
     return results
+
+
+def _group_of(store: GatedStore, appends: list[tuple[str, bytes]]) -> list[Any]:
+    """Commit `appends` (each at head 0) as the second group, behind a held first."""
+    leader = _append_in_thread(store, "lead", 0, "lead")
+    _wait_leading(store)
+    queued = []
+    for stream, payload in appends:
+        outcome: dict[str, Any] = {}
+
+        def run(stream: str = stream, payload: bytes = payload, outcome: Any = outcome) -> None:
+            try:
+                outcome["head"] = store.append(stream, 0, [NewRecord("k", payload, 1.0)])
+            except BaseException as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        queued.append((thread, outcome))
+        _wait_queued(store, len(queued))
+    store.gate.set()
+    for thread, _ in [leader, *queued]:
+        thread.join(10)
+    return [outcome for _, outcome in queued]
+
+
+def test_an_append_sqlite_refuses_fails_alone_and_the_rest_of_its_group_lands(
+    tmp_path: Path,
+) -> None:
+    import sqlite3
+
+    class SmallRecords(GatedStore):
+        def _connect(self) -> sqlite3.Connection:
+            connection = super()._connect()
+            connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100_000)  # as a full disk would
+            return connection
+
+    store = SmallRecords(str(tmp_path / "s.db"))
+    first, second, big = _group_of(store, [("k", b"a"), ("k", b"b"), ("big", b"z" * 200_000)])
+    assert first == {"head": 1}
+    assert isinstance(second["error"], ConflictError), "the first landed: a true conflict"
+    assert isinstance(big["error"], StoreUnavailableError)
+    assert "too big" in str(big["error"])
+    assert [r.payload for r in store.read("k")] == [b"a"]
+
+
+def test_a_group_whose_commit_fails_takes_back_the_conflicts_it_judged_on_its_own_appends(
+    tmp_path: Path,
+) -> None:
+    class CommitFails(GatedStore):
+        def _commit_group(self, batch: list[PendingAppend]) -> None:
+            if len(self.groups) == 1:  # the second group: COMMIT refused, nothing lands
+                self.groups.append([(a.stream, a.expected) for a in batch])
+                real = self._connection  # this thread's, opened if need be
+                self._local.connection = _RefusingCommit(real)
+                try:
+                    super()._commit_group(batch)
+                finally:
+                    self._local.connection = real
+                return
+            super()._commit_group(batch)
+
+    store = CommitFails(str(tmp_path / "c.db"))
+    first, second = _group_of(store, [("k", b"a"), ("k", b"b")])
+    for outcome in (first, second):  # neither landed: both are told to retry
+        assert isinstance(outcome["error"], StoreUnavailableError), outcome
+        assert "did not land" in str(outcome["error"])
+    assert store.head("k") == 0
+
+
+class _RefusingCommit:
+    """A connection whose COMMIT fails before it commits (SQLITE_BUSY, say)."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def execute(self, sql: str, *parameters: Any) -> Any:
+        if sql == "COMMIT":
+            import sqlite3
+
+            raise sqlite3.OperationalError("database is locked")
+        return self._real.execute(sql, *parameters)
+
+
+def test_an_append_interrupted_while_queued_leaves_the_store_working(tmp_path: Path) -> None:
+    store = GatedStore(str(tmp_path / "q.db"))
+    leader = _append_in_thread(store, "a", 0, "a1")
+    _wait_leading(store)
+    pending = PendingAppend("b", 0, [])
+
+    def interrupted_wait(timeout: float | None = None) -> bool:
+        raise KeyboardInterrupt  # Ctrl-C while it waits behind the leader
+
+    pending._done.wait = interrupted_wait  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        store._group.submit(pending)
+    assert store._group._queue == [], "taken out of the queue: it never happens"
+    store.gate.set()
+    leader[0].join(10)
+    assert leader[1] == {"head": 1}
+    assert store.append("c", 0, _record("c1")) == 1, "the lead was not left stranded"

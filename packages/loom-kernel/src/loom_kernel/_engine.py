@@ -416,21 +416,29 @@ class Engine:
         if taker is not None:  # a free slot here: the run starts as this engine's own
             event = attrs.evolve(event, by=self.worker_id)
         handoff = contextlib.ExitStack()
-        with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
-            added = self._append_start(event, execution_id)
-            state = ExecutionState(id=execution_id)
-            state.apply(event)
-            if added and taker is not None:
-                # Held until the worker's drive holds it: no beat in between may say
-                # this worker dropped the run, or another could take it over.
-                handoff.enter_context(self._heartbeat.holding(execution_id))
-            elif added:
-                self._cache.give_back(state)  # a worker of this engine starts from it
-        if taker is not None:
-            if not added:
+        added = False
+        try:
+            with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
+                added = self._append_start(event, execution_id)
+                state = ExecutionState(id=execution_id)
+                state.apply(event)
+                if added and taker is not None:
+                    # Held until the worker's drive holds it: no beat in between may
+                    # say this worker dropped the run, or another could take it over.
+                    handoff.enter_context(self._heartbeat.holding(execution_id))
+                elif added:
+                    self._cache.give_back(state)  # a worker of this engine starts from it
+        finally:
+            if taker is not None and not added:
+                # The start failed or existed: the slot goes back. (A start that landed
+                # although its append raised is this engine's; a poll finds it.)
                 taker._unreserve(execution_id)
-            elif not taker._hand(execution_id, partial(self._drive_handed, state, handoff)):
-                handoff.close()  # it is stopping: the run is left to the polls
+        if (
+            taker is not None
+            and added
+            and not taker._hand(execution_id, partial(self._drive_handed, state, handoff))
+        ):
+            handoff.close()  # it is stopping: the run is left to the polls
         if added and taker is None:  # once this engine no longer holds it
             for worker in list(self._local_workers):
                 worker._wake.set()

@@ -129,6 +129,7 @@ class Worker:
         # runs whose hint was visited before their start landed -> times looked at
         self._not_started: dict[str, int] = {}
         self._look_again_next: set[str] = set()  # of those, the next poll's
+        self._look_again_after: set[str] = set()  # of those, once their visit ends
         self._heads: dict[str, int] = {}  # partition -> its head when last read
         self._backlog: deque[_Task] = deque()  # work found while every slot was busy
         self._released = threading.Event()  # set once the grace on stop is over
@@ -423,6 +424,10 @@ class Worker:
                     logger.exception("loom: working on %s failed", task.execution_id)
                 with self._lock:
                     self._in_flight.discard(task.execution_id)
+                    if task.execution_id in self._look_again_after:
+                        self._look_again_after.discard(task.execution_id)
+                        self._look_again_next.add(task.execution_id)
+                        self._wake.set()
                     task = None
                     if self._backlog and not self._stopping.is_set():
                         task = self._backlog.popleft()
@@ -456,8 +461,9 @@ class Worker:
                 self._not_started.pop(execution_id, None)
                 return  # its writer may be gone: the sweeps look at it from now on
             self._not_started[execution_id] = looks
-            self._look_again_next.add(execution_id)
-        self._wake.set()
+            # Queued for the next poll only once its visit is no longer in flight
+            # (in _work), or that poll could find it in flight and skip it.
+            self._look_again_after.add(execution_id)
 
     # -- stopping ---------------------------------------------------------------
 

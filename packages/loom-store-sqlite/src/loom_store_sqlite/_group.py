@@ -68,32 +68,60 @@ class GroupCommit:
             else:
                 self._leading = True
         if follow:
-            append._done.wait()
+            try:
+                append._done.wait()
+            except BaseException:  # an interrupt while queued: leave no one waiting on it
+                self._abandon(append)
+                raise
             if not append._lead:
                 _raise(append)
                 return
-        with self._lock:
-            taken = self._queue[: self._max_batch - 1]
-            del self._queue[: len(taken)]
-        batch = [append, *taken]
+        self._lead(append)
+        _raise(append)
+
+    def _lead(self, append: PendingAppend) -> None:
+        """Commit `append` with what is queued, then pass the lead on, whatever happens."""
+        taken: list[PendingAppend] = []
         completed = False
         try:
-            self._commit(batch)
+            with self._lock:
+                taken = self._queue[: self._max_batch - 1]
+                del self._queue[: len(taken)]
+            self._commit([append, *taken])
             completed = True
         finally:
+            with self._lock:
+                for other in taken:
+                    if other in self._queue:  # interrupted while taking it: not committed
+                        self._queue.remove(other)
             for other in taken:
                 if not completed and other.error is None:
                     # Landed or not: the caller's confirmation (its commit id) tells.
                     other.error = StoreUnavailableError("the group's commit was interrupted")
                 other._done.set()
-            with self._lock:
-                if self._queue:
-                    successor = self._queue.pop(0)
-                    successor._lead = True
-                    successor._done.set()
-                else:
-                    self._leading = False
-        _raise(append)
+            self._pass_lead()
+
+    def _pass_lead(self) -> None:
+        """Hand the lead to the first append queued, or end the leading."""
+        with self._lock:
+            if self._queue:
+                successor = self._queue.pop(0)
+                successor._lead = True
+                successor._done.set()
+            else:
+                self._leading = False
+
+    def _abandon(self, append: PendingAppend) -> None:
+        """An append whose caller was interrupted while it waited: take it out of the
+        queue if no group took it yet (it never happens); pass the lead on if it had
+        just been handed the lead; if a group took it, that group decides it."""
+        with self._lock:
+            if append in self._queue:
+                self._queue.remove(append)
+                return
+            handed_the_lead = append._lead
+        if handed_the_lead:
+            self._pass_lead()
 
 
 def _raise(append: PendingAppend) -> None:

@@ -299,23 +299,35 @@ class SqliteStore(FaultInjection, JournalStore):
                 connection.execute("COMMIT")
             except sqlite3.Error as exc:
                 _roll_back(connection)
-                for append in batch:
-                    if append.error is None:
-                        append.error = store_error(f"sqlite append failed on {self.path!r}", exc)
+                for append in self._undecided(batch, landed):
+                    append.error = store_error(f"sqlite append failed on {self.path!r}", exc)
                 return
             except BaseException:
                 # An interrupt (KeyboardInterrupt, a signal handler raising) between BEGIN
                 # and COMMIT: roll back, or this connection stays in a transaction that
                 # holds the write lock and refuses its own next BEGIN.
                 _roll_back(connection)
-                for append in batch:
-                    if append.error is None:
-                        append.error = StoreUnavailableError("the append was interrupted")
+                for append in self._undecided(batch, landed):
+                    append.error = StoreUnavailableError("the append was interrupted")
                 raise
         known = self._known_heads()
         if known is not None:
             for append in landed:
                 known.learn(append.stream, append.expected + len(append.rows))
+
+    @staticmethod
+    def _undecided(batch: list[PendingAppend], landed: list[PendingAppend]) -> list[PendingAppend]:
+        """After a group's transaction was rolled back: the appends whose outcome it
+        no longer decides. That is every append with no error yet, and every conflict
+        judged against the head an append of the group left (that append is gone
+        now, so alone it might have landed). Their callers confirm by commit id."""
+        moved = {append.stream for append in landed}
+        return [
+            append
+            for append in batch
+            if append.error is None
+            or (isinstance(append.error, ConflictError) and append.stream in moved)
+        ]
 
     def _stage(
         self,
@@ -349,11 +361,14 @@ class SqliteStore(FaultInjection, JournalStore):
                     (stream,),
                 )
             connection.executemany(_INSERT_RECORD, append.rows)
-        except sqlite3.IntegrityError as exc:  # the unique key, the last line of defence
+        except sqlite3.Error as exc:  # the unique key, a record too big, a full disk...
             if not isolated:
                 raise
-            connection.execute("ROLLBACK TO loom_append")
-            connection.execute("RELEASE loom_append")
+            try:  # only this append fails, if the transaction can go on without it
+                connection.execute("ROLLBACK TO loom_append")
+                connection.execute("RELEASE loom_append")
+            except sqlite3.Error:
+                raise exc from None
             append.error = store_error(f"sqlite append failed on {self.path!r}", exc)
             return False
         if isolated:
