@@ -112,10 +112,11 @@ def _is_type_variable(node: ast.AST) -> bool:
 
 
 def _is_docstring(node: ast.AST) -> bool:
+    """A docstring, or the `...` body of an abstract method or an overload."""
     return (
         isinstance(node, ast.Expr)
         and isinstance(node.value, ast.Constant)
-        and isinstance(node.value.value, str)
+        and (isinstance(node.value.value, str) or node.value.value is Ellipsis)
     )
 
 

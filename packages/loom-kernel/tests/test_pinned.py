@@ -565,3 +565,25 @@ def test_the_documented_retry_defaults() -> None:
     box = sandbox(fails_thrice)  # the engine's default policy, with a no-op sleep
     assert box.engine.start("fails_thrice").status is Status.FAILED
     assert len(tries) == 3
+
+
+@pytest.mark.parametrize("payload", ["text", bytearray(b"x"), None, 7])
+def test_a_record_payload_that_is_not_bytes_is_refused(payload: Any) -> None:
+    from loom_kernel.spi import NewRecord
+
+    with pytest.raises(InvalidArgumentError, match="payload must be bytes"):
+        NewRecord("k", payload, 1.0)
+
+
+def test_a_workers_beats_are_trimmed_as_they_go() -> None:
+    from loom_kernel.spi import TrimmedError
+
+    store = MemoryStore()
+    engine = Engine(store, [], worker_id="beating", listeners=[])
+    for _ in range(40):
+        engine._heartbeat.beat()
+    assert store.head("workers/beating") == 40
+    with pytest.raises(TrimmedError):
+        store.read("workers/beating", 0)
+    (last,) = store.read("workers/beating", 39)
+    assert last.position == 40
