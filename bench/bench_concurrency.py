@@ -1,0 +1,137 @@
+"""Many runs at once on one SQLite file: Loom's steps/s against one raw writer.
+
+Run:
+
+    python3 -m uv run python bench/bench_concurrency.py [--levels 1 4 16 64]
+
+N threads of one process each start workflows of 10 steps on one engine, on one
+database file (WAL), at synchronous=FULL and at NORMAL. Against it, in alternating
+rounds: one raw sqlite3 writer committing one row per transaction (the same bytes as
+a step's record), the most one writer that syncs per commit can do. Printed: Loom's
+steps/s as a multiple of the raw writer's commits/s (median and range over the
+rounds), and the p50 and p99 time per step (a workflow's time over its 10 steps), from
+the same run (a workflow: its start, 10 steps, its end, and its two run index
+records). Group commit is what lets Loom pass 1x: appends of threads that wait on
+one sync share the next one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from loom_kernel import Context, Engine, flow, open_store
+
+STEPS = 10
+ROUNDS = 5
+PAYLOAD = b'{"v":"1.16.0","d":{"index":1,"name":"step","result":{"n":1,"ok":true}}}'
+
+
+@flow(name="bench.ten_steps", version="1")
+def ten_steps(ctx: Context, _input: Any) -> int:
+    for index in range(STEPS):
+        ctx.step(f"step-{index}", lambda i=index: {"n": i, "ok": True})
+    return STEPS
+
+
+class RawWriter:
+    """One sqlite3 connection, one INSERT per BEGIN IMMEDIATE ... COMMIT."""
+
+    def __init__(self, path: Path, synchronous: str) -> None:
+        import sqlite3
+
+        self.connection = sqlite3.connect(path, isolation_level=None)
+        self.connection.execute("PRAGMA journal_mode=WAL")
+        self.connection.execute(f"PRAGMA synchronous={synchronous}")
+        self.connection.execute(
+            "CREATE TABLE IF NOT EXISTS events "
+            "(stream TEXT, position INTEGER, payload BLOB, PRIMARY KEY (stream, position))"
+        )
+        self.position = 0
+
+    def commits_per_second(self, seconds: float) -> float:
+        began = time.perf_counter()
+        count = 0
+        while time.perf_counter() - began < seconds:
+            self.position += 1
+            self.connection.execute("BEGIN IMMEDIATE")
+            self.connection.execute(
+                "INSERT INTO events VALUES ('s', ?, ?)", (self.position, PAYLOAD)
+            )
+            self.connection.execute("COMMIT")
+            count += 1
+        return count / (time.perf_counter() - began)
+
+
+def _loom_round(engine: Engine, threads: int, seconds: float) -> tuple[float, list[float]]:
+    """Steps/s of `threads` threads starting workflows for `seconds`, and each
+    workflow's time per step."""
+    stop = time.perf_counter() + seconds
+    per_step: list[float] = []
+    lock = threading.Lock()
+    done = [0]
+
+    def run() -> None:
+        mine: list[float] = []
+        while time.perf_counter() < stop:
+            began = time.perf_counter()
+            engine.start("bench.ten_steps")
+            mine.append((time.perf_counter() - began) / STEPS)
+        with lock:
+            per_step.extend(mine)
+            done[0] += len(mine)
+
+    began = time.perf_counter()
+    workers = [threading.Thread(target=run) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    elapsed = time.perf_counter() - began
+    return done[0] * STEPS / elapsed, per_step
+
+
+def _level(directory: Path, synchronous: str, threads: int, seconds: float) -> str:
+    store = open_store(
+        f"sqlite://{directory / f'loom-{synchronous}-{threads}.db'}?synchronous={synchronous}"
+    )
+    engine = Engine(store, [ten_steps], listeners=[])
+    raw = RawWriter(directory / f"raw-{synchronous}-{threads}.db", synchronous)
+    ratios: list[float] = []
+    latencies: list[float] = []
+    for _ in range(ROUNDS):
+        steps, per_step = _loom_round(engine, threads, seconds)
+        commits = raw.commits_per_second(seconds)
+        ratios.append(steps / commits)
+        latencies.extend(per_step)
+    store.close()
+    latencies.sort()
+    p50 = latencies[len(latencies) // 2] * 1000
+    p99 = latencies[min(len(latencies) - 1, len(latencies) * 99 // 100)] * 1000
+    return (
+        f"| {synchronous} | {threads} | {statistics.median(ratios):.2f}x "
+        f"({min(ratios):.2f}-{max(ratios):.2f}) | {p50:.2f} ms | {p99:.2f} ms |"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--seconds", type=float, default=1.0, help="per side per round")
+    args = parser.parse_args()
+    print(f"## Loom steps/s ÷ one raw writer's commits/s ({ROUNDS} alternating rounds)")
+    print("| synchronous | concurrent runs | ratio, median (range) | step p50 | step p99 |")
+    print("| --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as scratch:
+        for synchronous in ("full", "normal"):
+            for threads in args.levels:
+                print(_level(Path(scratch), synchronous, threads, args.seconds), flush=True)
+
+
+if __name__ == "__main__":
+    main()
