@@ -587,3 +587,28 @@ def test_a_workers_beats_are_trimmed_as_they_go() -> None:
         store.read("workers/beating", 0)
     (last,) = store.read("workers/beating", 39)
     assert last.position == 40
+
+
+def test_a_memory_store_confirmation_tells_another_writers_commit_from_its_own() -> None:
+    from loom_kernel.spi import ConflictError, NewRecord
+
+    store = MemoryStore()
+    store.append("s", 0, [NewRecord("k", b"theirs", 1.0)])
+    with pytest.raises(ConflictError):
+        store._confirm("s", 0, 1, "a commit id that never landed")
+    with pytest.raises(ConflictError):
+        store._confirm("never", 0, 1, "x")
+
+
+def test_start_returns_the_run_as_its_listeners_left_it() -> None:
+    def approve_at_once(engine: Engine, execution: Any) -> None:
+        if execution.status is Status.SUSPENDED and execution.waiting_on == "auto":
+            engine.resume(execution.id, "yes")
+
+    @flow(name="auto_approved", version="1")
+    def auto_approved(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("auto")
+
+    box = sandbox(auto_approved, listeners=[approve_at_once])
+    run = box.engine.start("auto_approved")
+    assert (run.status, run.result) == (Status.COMPLETED, "yes")
