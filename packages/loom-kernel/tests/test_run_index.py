@@ -385,3 +385,54 @@ def test_a_hint_of_a_run_that_has_only_its_start_is_not_abandoned() -> None:
     ancient = OpenHint("started", "f", None, 0.0)  # no writer, a lease ago and more
     assert not engine._hint_abandoned(ancient), "it started: its hint stays"
     assert engine._hint_abandoned(OpenHint("never", "f", None, 0.0))
+
+
+def test_a_rebuild_of_a_healthy_index_that_agrees_with_the_listing_writes_nothing() -> None:
+    store = MemoryStore()
+    engine = Engine(store, [work], listeners=[])
+    for number in range(20):
+        engine.start("work", "park" if number % 2 else "done", key=f"r{number}")
+    heads = {p: store.head(f"runs/open/{p}") for p in RunIndex.partitions()}
+    engine.runs.rebuild(engine.runs.open_runs(), {})
+    assert {p: store.head(f"runs/open/{p}") for p in RunIndex.partitions()} == heads
+
+
+def test_a_damaged_partition_keeps_open_what_was_opened_before_a_checkpoint() -> None:
+    from loom_kernel._run_index import _fold_readable
+
+    store, clock = MemoryStore(), FakeClock()
+    index = RunIndex(store, clock)
+    index.opened("early", "work", None)
+    stream = f"runs/open/{partition_of('early')}"
+    head = store.head(stream)
+    checkpoint = NewRecord("loom.run.checkpoint", b'{"open": []}', clock())
+    damaged = NewRecord("loom.run.opened", b"{not json", clock())
+    store.append(stream, head, [checkpoint, damaged])
+    opened, closed, was_damaged = _fold_readable(stream, store.read(stream))
+    assert was_damaged
+    assert "early" in opened, "a superset of the truth: nothing opened is dropped"
+    assert closed == {}
+
+
+def test_a_poll_reads_no_partition_whose_head_did_not_move() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loom_kernel import Worker
+
+    class PartitionReads(MemoryStore):
+        reads = 0
+
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            if stream.startswith("runs/open/"):
+                self.reads += 1
+            return super()._read(stream, after, limit)
+
+    store = PartitionReads()
+    engine = Engine(store, [work], listeners=[])
+    engine.start("work", "park", key="p")  # open: a poll visits it once
+    worker = Worker(engine)
+    with ThreadPoolExecutor(1) as pool:
+        assert worker._visit_open(pool, sweep=False) == 1
+        store.reads = 0
+        assert worker._visit_open(pool, sweep=False) == 0
+    assert store.reads == 0
