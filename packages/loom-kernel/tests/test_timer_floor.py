@@ -265,3 +265,26 @@ def test_a_writer_that_found_no_floor_copies_its_hint_below_a_new_origin_to_over
     assert [json.loads(r.payload)["id"] for r in store.read(OVERDUE)] == [run.id]
     clock.advance(120)
     assert poller.fire_due_timers() == [run.id]
+
+
+def test_a_poll_reads_the_overdue_stream_from_where_it_trimmed_it() -> None:
+    class OverdueReads(MemoryStore):
+        def __init__(self) -> None:
+            super().__init__()
+            self.afters: list[int] = []
+
+        def _read(self, stream: str, after: int, limit: int | None) -> list[Any]:
+            if stream == OVERDUE:
+                self.afters.append(after)
+            return super()._read(stream, after, limit)
+
+    store, clock = OverdueReads(), FakeClock(BASE)
+    poller = _engine(store, clock)
+    poller.fire_due_timers()
+    clock.advance(600)
+    poller.fire_due_timers()  # the last ten minutes are sealed
+    late = _engine(store, FakeClock(BASE + 60)).start("nap", 30)  # lands in overdue
+    assert poller.fire_due_timers() == [late.id]
+    store.afters.clear()
+    poller.fire_due_timers()
+    assert store.afters == [store.head(OVERDUE)], "from its trimmed head: one read, nothing"

@@ -429,3 +429,42 @@ def test_a_look_again_is_not_used_up_by_a_poll_while_its_visit_is_still_in_fligh
         store.release.set()
         thread.join(10)
         assert enqueued[0].result(timeout=5) == ["l:0", "l:1", "l:2"]
+
+
+def test_the_live_status_line_shows_what_the_worker_did() -> None:
+    import io
+
+    worker = Worker(_engine(MemoryStore(), worker_id="w1"), concurrency=3)
+    worker.stats.driven, worker.stats.timers, worker.stats.failures = 5, 2, 1
+    out = io.StringIO()
+    worker._show(out)
+    assert out.getvalue() == "\r" + (
+        "loom worker w1: driving 0/3 · driven 5 · timers 2 · failures 1"
+    ).ljust(80)
+
+
+def test_an_enqueue_that_no_slot_takes_wakes_the_engines_workers() -> None:
+    engine = _engine(MemoryStore())
+    worker = Worker(engine)  # registered, but with no pool: it takes no hand-over
+    engine._local_workers.append(worker)
+    assert not worker._wake.is_set()
+    engine.enqueue("three", "x", key="x")
+    assert worker._wake.is_set(), "its next poll comes now, not after idle_poll"
+
+
+def test_a_timer_a_worker_cannot_fire_counts_as_a_failure() -> None:
+    from loom_kernel._timers import TimerIndex
+    from loom_kernel.spi import NewRecord
+    from loom_kernel.testing import FakeClock
+
+    store, clock = MemoryStore(), FakeClock()
+    engine = _engine(store, clock=clock)
+    TimerIndex(store, clock).add("someone", 0, clock() + 1)  # its minute's bucket
+    (bucket,) = TimerIndex(store, clock).buckets()
+    store.append(bucket, store.head(bucket), [NewRecord("loom.timer", b"{damaged", clock())])
+    clock.advance(120)
+    with Worker(engine, idle_poll=0.02) as worker:
+        deadline = time.monotonic() + 10
+        while worker.stats.failures == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.stats.failures >= 1
