@@ -468,3 +468,73 @@ def test_a_timer_a_worker_cannot_fire_counts_as_a_failure() -> None:
         while worker.stats.failures == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert worker.stats.failures >= 1
+
+
+def test_run_puts_back_the_signal_handlers_it_replaced() -> None:
+    import signal
+
+    def mine(_number: int, _frame: Any) -> None:
+        pass
+
+    before = {number: signal.getsignal(number) for number in (signal.SIGTERM, signal.SIGINT)}
+    signal.signal(signal.SIGTERM, mine)
+    try:
+        worker = Worker(_engine(MemoryStore()), idle_poll=0.02)
+        threading.Timer(0.2, worker.stop).start()
+        worker.run(handle_signals=True)  # on the main thread: it installs its own
+        assert signal.getsignal(signal.SIGTERM) is mine
+        assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
+    finally:
+        for number, handler in before.items():
+            signal.signal(number, handler)
+
+
+def test_a_run_index_marker_that_cannot_be_read_is_not_taken_for_a_store_to_index() -> None:
+    from loom_kernel import StoreUnavailableError
+
+    class MarkerUnreadable(MemoryStore):
+        def _head(self, stream: str) -> int:
+            if stream == "runs/built":
+                raise StoreUnavailableError("the marker cannot be read (injected)")
+            return super()._head(stream)
+
+    engine = _engine(MarkerUnreadable())
+    recovered: list[int] = []
+    engine.recover = lambda: recovered.append(1) or []  # type: ignore[method-assign]
+    with Worker(engine, idle_poll=0.02):
+        time.sleep(0.2)
+    assert recovered == [], "looked at again at the next sweep, not recovered at once"
+
+
+def test_a_run_queued_for_a_slot_is_queued_once() -> None:
+    from loom_kernel._worker import _Task
+
+    worker = Worker(_engine(MemoryStore()), concurrency=1)
+    submitted: list[Any] = []
+
+    class Pool:
+        def submit(self, *args: Any) -> None:
+            submitted.append(args)
+
+    pool: Any = Pool()
+    assert worker._submit(pool, _Task("a", lambda: None), queue=True)
+    assert worker._submit(pool, _Task("b", lambda: None), queue=True)  # waits for the slot
+    assert not worker._submit(pool, _Task("b", lambda: None), queue=True), "queued already"
+    assert len(worker._backlog) == 1
+    assert len(submitted) == 1
+
+
+def test_a_visit_that_raises_a_bug_is_logged_and_counted(caplog: Any) -> None:
+    import logging
+
+    from loom_kernel._worker import _Task
+
+    worker = Worker(_engine(MemoryStore()))
+
+    def broken_visit() -> None:
+        raise ZeroDivisionError("a bug")
+
+    with caplog.at_level(logging.ERROR, logger="loom"):
+        worker._work(_Task("buggy", broken_visit))
+    assert worker.stats.failures == 1
+    assert any("working on buggy failed" in record.getMessage() for record in caplog.records)

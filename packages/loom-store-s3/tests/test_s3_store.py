@@ -483,3 +483,33 @@ def test_a_reader_trusts_no_missing_key_past_the_retention_margin(moto_server: S
     counter = RequestCounter(client)
     assert store.read("s", head) == []
     assert counter.take().get("ListObjectsV2") == 1
+
+
+def test_a_closed_store_refuses_reads_with_a_clear_error(moto_server: S3Server) -> None:
+    store = moto_server.store()
+    head = 0
+    for _ in range(3):
+        head = store.append("s", head, _records(1))
+    store.close()
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        store.read("s")
+
+
+def test_a_deleted_stream_trimmed_to_its_head_leaves_no_floor_marker_after_a_sweep(
+    moto_server: S3Server,
+) -> None:
+    patient = moto_server.store()
+    head = 0
+    for _ in range(4):
+        head = patient.append("s", head, _records(1))
+    patient.trim("s", head + 1)  # everything: the floor marker sits at the head
+    patient.delete("s")
+    assert [key for key in _keys(moto_server, patient) if "!F" in key]
+    hasty = S3Store(
+        patient.bucket,
+        patient.prefix,
+        S3Options(retention=0, head_ttl=0),
+        client=moto_server.client(),
+    )
+    hasty.sweep()
+    assert not [key for key in _keys(moto_server, patient) if "!F" in key]
