@@ -500,7 +500,12 @@ def test_a_run_index_marker_that_cannot_be_read_is_not_taken_for_a_store_to_inde
 
     engine = _engine(MarkerUnreadable())
     recovered: list[int] = []
-    engine.recover = lambda: recovered.append(1) or []  # type: ignore[method-assign]
+
+    def counting_recover() -> list[str]:
+        recovered.append(1)
+        return []
+
+    engine.recover = counting_recover  # type: ignore[method-assign]
     with Worker(engine, idle_poll=0.02):
         time.sleep(0.2)
     assert recovered == [], "looked at again at the next sweep, not recovered at once"
