@@ -513,3 +513,14 @@ def test_a_deleted_stream_trimmed_to_its_head_leaves_no_floor_marker_after_a_swe
     )
     hasty.sweep()
     assert not [key for key in _keys(moto_server, patient) if "!F" in key]
+
+
+@pytest.mark.parametrize("shards", [1, 256])
+def test_a_store_of_the_fewest_or_most_shards_opens_again(
+    moto_server: S3Server, shards: int
+) -> None:
+    store = moto_server.store(shards=shards)
+    store.append("s", 0, _records(1))
+    again = moto_server.twin(store)
+    assert [r.payload for r in again.read("s")] == [b"r0"]
+    assert again._layout.shards == shards
