@@ -612,3 +612,19 @@ def test_start_returns_the_run_as_its_listeners_left_it() -> None:
     box = sandbox(auto_approved, listeners=[approve_at_once])
     run = box.engine.start("auto_approved")
     assert (run.status, run.result) == (Status.COMPLETED, "yes")
+
+
+@pytest.mark.parametrize("payload", [b"[1, 2]", b'"a step"', b"7"])
+def test_a_step_record_that_is_not_a_json_object_is_a_schema_error(payload: bytes) -> None:
+    from loom_kernel.spi import NewRecord, SchemaError
+
+    @flow(name="one_step", version="1")
+    def one_step(ctx: Context, _input: Any) -> Any:
+        return ctx.step("s", lambda: 1)
+
+    box = sandbox(one_step)
+    box.engine.start("one_step", key="j")
+    stream = "ex/j"
+    box.store.append(stream, box.store.head(stream), [NewRecord("STEP_COMPLETED", payload, 1.0)])
+    with pytest.raises(SchemaError):
+        box.new_engine().get("j")

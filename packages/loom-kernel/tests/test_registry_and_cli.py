@@ -132,3 +132,8 @@ def test_loom_ls_filters_by_status_and_flow(capsys: pytest.CaptureFixture[str]) 
 def test_loom_worker_refuses_flows_it_cannot_load(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["worker", "--store", "memory://w", "--flows", "no_such_module:FLOWS"]) == 1
     assert "cannot load flows" in capsys.readouterr().err
+
+
+def test_a_store_factory_that_cannot_be_called_is_refused() -> None:
+    with pytest.raises(InvalidArgumentError, match="must be callable"):
+        register_store("notcallable", "sqlite")  # type: ignore[arg-type]

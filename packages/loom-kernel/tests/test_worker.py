@@ -480,8 +480,15 @@ def test_run_puts_back_the_signal_handlers_it_replaced() -> None:
     signal.signal(signal.SIGTERM, mine)
     try:
         worker = Worker(_engine(MemoryStore()), idle_poll=0.02)
-        threading.Timer(0.2, worker.stop).start()
+        during: list[Any] = []
+
+        def look_then_stop() -> None:
+            during.append(signal.getsignal(signal.SIGTERM))
+            worker.stop()
+
+        threading.Timer(0.2, look_then_stop).start()
         worker.run(handle_signals=True)  # on the main thread: it installs its own
+        assert during == [worker._on_signal]
         assert signal.getsignal(signal.SIGTERM) is mine
         assert signal.getsignal(signal.SIGINT) is before[signal.SIGINT]
     finally:
@@ -543,3 +550,17 @@ def test_a_visit_that_raises_a_bug_is_logged_and_counted(caplog: Any) -> None:
         worker._work(_Task("buggy", broken_visit))
     assert worker.stats.failures == 1
     assert any("working on buggy failed" in record.getMessage() for record in caplog.records)
+
+
+def test_a_second_signal_stops_the_process_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+    import signal
+
+    exits: list[int] = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    worker = Worker(_engine(MemoryStore()))
+    worker._on_signal(signal.SIGTERM, None)
+    assert worker._stopping.is_set()
+    assert exits == [], "the first is a graceful stop"
+    worker._on_signal(signal.SIGINT, None)
+    assert exits == [128 + signal.SIGINT]

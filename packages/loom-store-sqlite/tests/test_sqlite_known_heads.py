@@ -212,3 +212,10 @@ def test_an_append_whose_commit_landed_but_failed_is_not_remembered_at_the_old_h
         store.append("ex/a", 1, _record())
     store._local.connection = real
     assert store.head("ex/a") == 2, "the commit landed: the head is read again"
+
+
+def test_a_lost_reply_whose_position_another_writer_took_is_a_conflict(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/l.db")
+    store.append("ex/a", 0, _record())  # another writer's, at the position ours aimed at
+    with pytest.raises(ConflictError):
+        store._confirm("ex/a", 0, 1, "our commit id", StoreUnavailableError("lost"))
