@@ -227,7 +227,9 @@ def _s3_requests(make_server: Callable[[], Any]) -> None:
     )
 
 
-def _worker_against_inline(synchronous: str, rounds: int = 9, runs: int = 40) -> None:
+def _worker_against_inline(
+    synchronous: str, concurrency: int, rounds: int = 9, runs: int = 40
+) -> None:
     """Alternating rounds: `runs` inline starts, then `runs` enqueues that a worker
     already running in this process drives (as a deployed worker would be)."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -237,7 +239,7 @@ def _worker_against_inline(synchronous: str, rounds: int = 9, runs: int = 40) ->
         ratios = []
         first = engine.enqueue("bench.ten")
         began = time.perf_counter()
-        worker = Worker(engine, concurrency=1)  # the defaults a user gets
+        worker = Worker(engine, concurrency=concurrency)
         with worker:
             first.result(timeout=60)  # the worker's start, to its first run's end
             started = time.perf_counter() - began
@@ -255,7 +257,7 @@ def _worker_against_inline(synchronous: str, rounds: int = 9, runs: int = 40) ->
         stopped = time.perf_counter() - began
         store.close()
     print(
-        f"| synchronous={synchronous} | {statistics.median(ratios):.2f} "
+        f"| synchronous={synchronous} | {concurrency} | {statistics.median(ratios):.2f} "
         f"({min(ratios):.2f}-{max(ratios):.2f}) | {started * 1000:.0f} ms "
         f"| {stopped * 1000:.0f} ms |"
     )
@@ -277,11 +279,12 @@ def main() -> None:
             "\n## a worker against inline starts (SQLite, runs of 10 steps, 9 alternating rounds)"
         )
         print(
-            "| SQLite | worker steps/s ÷ inline steps/s, median (range) "
-            "| start to the first run's end | stop |\n| --- | --- | --- | --- |"
+            "| SQLite | worker concurrency | worker steps/s ÷ inline steps/s, median (range) "
+            "| start to the first run's end | stop |\n| --- | --- | --- | --- | --- |"
         )
         for synchronous in ("full", "normal"):
-            _worker_against_inline(synchronous)
+            for concurrency in (1, 8):  # one slot, and the default
+                _worker_against_inline(synchronous, concurrency)
 
 
 if __name__ == "__main__":
