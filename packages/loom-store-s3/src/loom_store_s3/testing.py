@@ -205,7 +205,7 @@ class RadosGateway(S3Server):
         """The Ceph programs this machine lacks (empty when RadosGateway can start)."""
         return [program for program in _RGW_PROGRAMS if shutil.which(program) is None]
 
-    def __init__(self, startup_timeout: float = 45.0, tries: int = 3) -> None:
+    def __init__(self, startup_timeout: float = 45.0, tries: int = 5) -> None:
         absent = self.missing()
         if absent:
             raise RuntimeError(
@@ -348,12 +348,17 @@ rgw dns name = 127.0.0.1
         """Until the OSD reports up; an OSD that failed to register never will, so a
         short deadline lets the caller start over instead of waiting for radosgw."""
         deadline = min(self._deadline, time.monotonic() + 20)
+        last = "no answer yet"
         while time.monotonic() < deadline:
-            dump = json.loads(self._run(*ceph, "osd", "dump", "--format", "json"))
-            if any(osd.get("up") == 1 for osd in dump.get("osds", [])):
-                return
+            try:
+                dump = json.loads(self._run(*ceph, "osd", "dump", "--format", "json"))
+            except RuntimeError as exc:  # a monitor just started can refuse a command
+                last = str(exc)
+            else:
+                if any(osd.get("up") == 1 for osd in dump.get("osds", [])):
+                    return
             time.sleep(0.3)
-        raise RuntimeError("the OSD did not come up")
+        raise RuntimeError(f"the OSD did not come up ({last})")
 
     def _wait_ready(self) -> None:
         """Until a bucket can be created and written (the OSD may still be peering)."""
