@@ -428,11 +428,15 @@ class Engine:
                     handoff.enter_context(self._heartbeat.holding(execution_id))
                 elif added:
                     self._cache.give_back(state)  # a worker of this engine starts from it
-        finally:
-            if taker is not None and not added:
-                # The start failed or existed: the slot goes back. (A start that landed
-                # although its append raised is this engine's; a poll finds it.)
+        except BaseException:
+            # The start failed (a start that landed although its append raised is this
+            # engine's: a poll finds it), or an interrupt: nothing is handed over.
+            handoff.close()
+            if taker is not None:
                 taker._unreserve(execution_id)
+            raise
+        if taker is not None and not added:
+            taker._unreserve(execution_id)  # a run with that key exists: the slot goes back
         if (
             taker is not None
             and added
