@@ -348,24 +348,104 @@ def test_an_enqueue_beside_a_free_slot_is_handed_to_it_and_driven_with_no_claim(
     assert effects == Counter({"h:0": 1, "h:1": 1, "h:2": 1})
 
 
-def test_an_enqueue_while_every_slot_is_busy_is_left_for_any_worker_to_claim() -> None:
+def _claims(engine: Engine, execution_id: str) -> int:
+    events = (entry.event for entry in engine.history(execution_id))
+    return sum(isinstance(event, ExecutionClaimed) for event in events)
+
+
+def test_enqueues_while_every_slot_is_busy_wait_as_the_engines_own_and_need_no_claim() -> None:
     store = MemoryStore()
     engine = _engine(store)
-    gate.clear()
     with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
         busy = engine.enqueue("slow", "b", key="busy")  # takes the only slot
-        assert worker.stats.in_flight == 1
-        queued = engine.enqueue("three", "q", key="queued")
-        assert engine.get("queued").owner is None, "no slot: another worker may take it"
-        with Worker(_engine(store), idle_poll=0.02):  # another process's worker
-            assert queued.result(timeout=10) == ["q:0", "q:1", "q:2"]
+        waiting = [engine.enqueue("three", f"w{i}", key=f"w{i}") for i in range(3)]
+        assert all(engine.get(f"w{i}").owner == engine.worker_id for i in range(3))
+        gate.set()
+        assert [handle.result(timeout=10) for handle in waiting] == [
+            [f"w{i}:0", f"w{i}:1", f"w{i}:2"] for i in range(3)
+        ]
+        busy.result(timeout=10)
+        assert worker.stats.driven == 4
+    assert [_claims(engine, f"w{i}") for i in range(3)] == [0, 0, 0]
+
+
+def test_an_enqueue_waiting_too_long_for_a_busy_slot_is_let_go_to_any_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.2)
+    store = MemoryStore()
+    engine = _engine(store, lease=600.0)  # taken over at once, not a lease later
+    with Worker(engine, concurrency=1, idle_poll=60.0) as worker:
+        busy = engine.enqueue("slow", "b", key="busy")  # takes the only slot
+        queued = [engine.enqueue("three", f"q{i}", key=f"q{i}") for i in range(3)]
+        assert {engine.get(f"q{i}").owner for i in range(3)} == {engine.worker_id}
+        with Worker(_engine(store, lease=600.0), idle_poll=0.02):  # another process's
+            assert [handle.result(timeout=10) for handle in queued] == [
+                [f"q{i}:0", f"q{i}:1", f"q{i}:2"] for i in range(3)
+            ]
         gate.set()
         busy.result(timeout=10)
         assert worker.stats.driven == 1
+    assert [_claims(engine, f"q{i}") for i in range(3)] == [1, 1, 1]
+    assert [effects[f"q{i}:0"] for i in range(3)] == [1, 1, 1]
+
+
+def test_a_let_go_enqueue_is_taken_back_by_its_own_worker_once_a_slot_frees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.1)
+    store = MemoryStore()
+    engine = _engine(store)
+    with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
+        busy = engine.enqueue("slow", "b", key="busy")
+        queued = engine.enqueue("three", "q", key="queued")
+        deadline = time.monotonic() + 10
+        while worker._handed and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not worker._handed, "let go after the wait"
+        gate.set()
+        assert queued.result(timeout=10) == ["q:0", "q:1", "q:2"]
+        busy.result(timeout=10)
     claims = [
         e for e in (x.event for x in engine.history("queued")) if isinstance(e, ExecutionClaimed)
     ]
-    assert len(claims) == 1
+    assert [(claim.by, claim.previous) for claim in claims] == [(engine.worker_id,) * 2]
+
+
+def test_enqueues_past_the_workers_own_queue_start_unowned_for_any_worker() -> None:
+    from loom_kernel._worker import _HANDED_PER_SLOT
+
+    store = MemoryStore()
+    engine = _engine(store)
+    with Worker(engine, concurrency=1, idle_poll=60.0):
+        busy = engine.enqueue("slow", "b", key="busy")
+        count = _HANDED_PER_SLOT + 2
+        handles = [engine.enqueue("three", f"n{i}", key=f"n{i}") for i in range(count)]
+        owners = [engine.get(f"n{i}").owner for i in range(count)]
+        assert owners == [engine.worker_id] * _HANDED_PER_SLOT + [None] * 2
+        gate.set()
+        for i, handle in enumerate(handles):
+            assert handle.result(timeout=10) == [f"n{i}:0", f"n{i}:1", f"n{i}:2"]
+        busy.result(timeout=10)
+
+
+def test_a_stopping_worker_lets_go_the_enqueues_waiting_for_its_slots_at_once() -> None:
+    store = MemoryStore()
+    engine = _engine(store, lease=600.0)  # taken over at once, not a lease later
+    worker = Worker(engine, concurrency=1, idle_poll=60.0, grace=5.0).start()
+    busy = engine.enqueue("slow", "b", key="busy")
+    queued = engine.enqueue("three", "q", key="queued")
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    time.sleep(0.1)
+    gate.set()  # the busy run ends within the grace; the waiting one is not started
+    stopper.join(10)
+    busy.result(timeout=10)
+    assert engine.get("queued").status is Status.RUNNING
+    assert effects["q:0"] == 0
+    with Worker(_engine(store, lease=600.0), idle_poll=0.02):
+        assert queued.result(timeout=10) == ["q:0", "q:1", "q:2"]
+    assert _claims(engine, "queued") == 1
 
 
 def test_a_run_handed_to_a_stopping_worker_is_left_to_the_next_one() -> None:
@@ -375,9 +455,9 @@ def test_a_run_handed_to_a_stopping_worker_is_left_to_the_next_one() -> None:
     time.sleep(0.05)
     original = worker._hand
 
-    def stopping_meanwhile(execution_id: str, drive: Any) -> bool:
+    def stopping_meanwhile(execution_id: str, drive: Any, let_go: Any, flow: str) -> bool:
         worker._stopping.set()  # stop() began between the slot and the hand-over
-        return original(execution_id, drive)
+        return original(execution_id, drive, let_go, flow)
 
     worker._hand = stopping_meanwhile  # type: ignore[method-assign]
     handle = engine.enqueue("three", "s", key="stopped")

@@ -440,7 +440,12 @@ class Engine:
         if (
             taker is not None
             and added
-            and not taker._hand(execution_id, partial(self._drive_handed, state, handoff))
+            and not taker._hand(
+                execution_id,
+                partial(self._drive_handed, state, handoff),
+                handoff.close,
+                event.flow,
+            )
         ):
             handoff.close()  # it is stopping: the run is left to the polls
         if added and taker is None:  # once this engine no longer holds it

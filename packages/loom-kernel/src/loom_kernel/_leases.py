@@ -198,6 +198,7 @@ class Heartbeat:
         self._thread: threading.Thread | None = None
         self._renewed = time.monotonic()
         self._heads: dict[str, int] = {}  # stream -> its head as this engine left it
+        self._beating = threading.Lock()  # one beat at a time: each at the head the last left
 
     @contextmanager
     def holding(self, execution_id: str) -> Iterator[None]:
@@ -235,24 +236,26 @@ class Heartbeat:
         return time.monotonic() - self._renewed > self._lease / 2
 
     def beat(self) -> None:
-        """Append one beat now, listing the runs held (trimming old beats now and then)."""
+        """Append one beat now, listing the runs held (trimming old beats now and then).
+        Safe to call from any thread (a worker letting runs go, the heartbeat's own)."""
         stream = validate_stream_id(WORKERS_PREFIX + self._worker_id())
         store = self._store
-        with self._lock:
-            runs = sorted(self._runs)
-        head = self._heads.get(stream)
-        if head is None:
-            head = store.head(stream)
-        payload = json.dumps({"runs": runs}, separators=(",", ":")).encode()
-        try:
-            head = store.append(stream, head, [NewRecord(_BEAT, payload, self._clock())])
-        except ConflictError:
-            self._heads.pop(stream, None)  # another engine with this id: re-read next time
-            raise
-        self._heads[stream] = head
-        self._renewed = time.monotonic()
-        if head % _TRIM_EVERY == 0:
-            store.trim(stream, head)
+        with self._beating:
+            with self._lock:
+                runs = sorted(self._runs)
+            head = self._heads.get(stream)
+            if head is None:
+                head = store.head(stream)
+            payload = json.dumps({"runs": runs}, separators=(",", ":")).encode()
+            try:
+                head = store.append(stream, head, [NewRecord(_BEAT, payload, self._clock())])
+            except ConflictError:
+                self._heads.pop(stream, None)  # another engine with this id: re-read next time
+                raise
+            self._heads[stream] = head
+            self._renewed = time.monotonic()
+            if head % _TRIM_EVERY == 0:
+                store.trim(stream, head)
 
     def _run(self) -> None:
         idle_since: float | None = None

@@ -53,14 +53,24 @@ _STATUS_EVERY: Final = 1.0
 #: How many polls in a row look again at a run whose start had not landed; after
 #: that its writer may be gone, and the sweeps look at it (and drop its hint).
 _NOT_STARTED_LOOKS: Final = 5
+#: Runs `enqueue` hands to a worker whose slots are all busy wait in its own queue,
+#: held as this engine's, at most this many per slot and for at most this long; then
+#: they are let go for any worker to take.
+_HANDED_PER_SLOT: Final = 16
+_HANDED_WAIT: Final = 1.0
 
 
 @attrs.frozen
 class _Task:
-    """Work on one run: a visit or a timer's wake."""
+    """Work on one run: a visit, a timer's wake, or the drive of a run `enqueue`
+    handed over (with `let_go`, which gives up the hold on it if it is not driven,
+    and its flow, to hint it afresh)."""
 
     execution_id: str
     run: Callable[[], None]
+    let_go: Callable[[], None] | None = None
+    flow: str = ""
+    since: float = 0.0
 
 
 @attrs.define
@@ -125,7 +135,8 @@ class Worker:
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
-        self._known: dict[str, set[str]] = {}  # partition -> runs seen open in it
+        # partition -> the open hints seen in it (a run let go is hinted afresh)
+        self._known: dict[str, set[OpenHint]] = {}
         # runs whose hint was visited before their start landed -> times looked at
         self._not_started: dict[str, int] = {}
         self._look_again_next: set[str] = set()  # of those, the next poll's
@@ -135,6 +146,7 @@ class Worker:
         self._released = threading.Event()  # set once the grace on stop is over
         self._repair = False  # an index partition could not be read: recover() rewrites it
         self._queued: set[str] = set()  # their ids
+        self._handed: set[str] = set()  # of those, runs enqueue handed over (or will)
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None  # while it runs
         self._signals = 0
@@ -196,6 +208,7 @@ class Worker:
             with self._lock:
                 self._pool = None
             pool.shutdown(wait=True)
+            self._let_go_handed(everything=True)
             for number, handler in previous.items():
                 signal.signal(number, handler)
             self._release_lease()
@@ -223,6 +236,7 @@ class Worker:
             if self._repair and now >= next_repair:  # at once, then at most once a sweep
                 next_repair = now + sweep_every
                 self._repair_index()
+            self._let_go_handed()
             busy = self._visit_open(pool, sweep=sweep)
             if now >= next_timers:  # at most every `fastest` seconds, however busy
                 next_timers = now + fastest
@@ -231,7 +245,8 @@ class Worker:
                 shown = now
                 self._show(status)
             pause = fastest if busy else min(max(pause * 2, fastest), self.idle_poll)
-            self._wake.wait(min(pause, max(0.0, next_sweep - time.monotonic())) or pause)
+            wait = min(pause, max(0.0, next_sweep - time.monotonic()) or pause)
+            self._wake.wait(min(wait, max(self._until_let_go(), fastest)))
             self._wake.clear()
             spacing = now + fastest - time.monotonic()  # a wake-up polls no sooner than this
             if spacing > 0:
@@ -280,7 +295,8 @@ class Worker:
             again, self._look_again_next = self._look_again_next, set()
         for run in again:
             partition = partition_of(run)
-            self._known.get(partition, set()).discard(run)
+            known = self._known.get(partition, set())
+            known -= {hint for hint in known if hint.execution_id == run}
             self._heads.pop(partition, None)
         for partition in runs.partitions():
             try:
@@ -297,17 +313,17 @@ class Worker:
                 logger.warning("loom: run index partition %s: %s", partition, exc)
                 continue
             known = self._known.setdefault(partition, set())
-            known &= {hint.execution_id for hint in hints}
+            known &= set(hints)
             deferred = False
             for hint in hints:
-                if not sweep and hint.execution_id in known:
+                if not sweep and hint in known:
                     continue
                 if driving_here(self.engine.worker_id, hint.execution_id):
                     # This engine drives it inline, or is still writing its start
                     # (an enqueue): not seen yet, and the partition is read again.
                     deferred = True
                     continue
-                known.add(hint.execution_id)
+                known.add(hint)
                 if self._submit(
                     pool, _Task(hint.execution_id, partial(self._visit, hint)), queue=True
                 ):
@@ -363,31 +379,42 @@ class Worker:
 
     def _reserve(self, execution_id: str) -> bool:
         """Take a slot for a run `enqueue` is about to start, if one is free now (and
-        nothing waits for one: found work comes first)."""
+        nothing waits for one: found work comes first), or else a place in this
+        worker's queue, if it holds fewer than `_HANDED_PER_SLOT` handed runs a slot."""
         with self._lock:
             if (
                 self._pool is None
                 or self._stopping.is_set()
-                or self._backlog
                 or execution_id in self._in_flight
                 or execution_id in self._queued
-                or len(self._in_flight) >= self.concurrency
             ):
                 return False
-            self._in_flight.add(execution_id)
-            self.stats.in_flight = len(self._in_flight)
-            return True
+            if len(self._in_flight) < self.concurrency and not self._backlog:
+                self._in_flight.add(execution_id)
+                self.stats.in_flight = len(self._in_flight)
+                return True
+            if len(self._handed) < self.concurrency * _HANDED_PER_SLOT:
+                self._queued.add(execution_id)
+                self._handed.add(execution_id)
+                return True
+            return False
 
     def _unreserve(self, execution_id: str) -> None:
-        """Give back a slot taken by `_reserve` for a run that did not start."""
+        """Give back a slot or a place taken by `_reserve` for a run that did not start."""
         with self._lock:
             self._in_flight.discard(execution_id)
+            self._queued.discard(execution_id)
+            self._handed.discard(execution_id)
             self.stats.in_flight = len(self._in_flight)
         self._wake.set()
 
-    def _hand(self, execution_id: str, drive: Callable[[], str]) -> bool:
-        """Drive in the reserved slot a run `enqueue` started as this engine's own;
-        False (the slot given back) when the worker is stopping."""
+    def _hand(
+        self, execution_id: str, drive: Callable[[], str], let_go: Callable[[], None], flow: str
+    ) -> bool:
+        """Drive in the reserved slot (or queue for the next free one) a run `enqueue`
+        started as this engine's own; False (the reservation given back) when the
+        worker is stopping. A queued run not driven within `_HANDED_WAIT` seconds, or
+        left at a stop, is let go (`let_go`) for any worker to take."""
 
         def run() -> None:
             try:
@@ -398,6 +425,17 @@ class Worker:
 
         with self._lock:
             pool = None if self._stopping.is_set() else self._pool
+            if pool is not None and execution_id in self._handed:
+                if len(self._in_flight) >= self.concurrency:
+                    first = not any(task.let_go for task in self._backlog)
+                    self._backlog.append(_Task(execution_id, run, let_go, flow, time.monotonic()))
+                    if first:  # the poll loop's wait now ends when this one is let go
+                        self._wake.set()
+                    return True
+                self._queued.discard(execution_id)  # a slot was freed meanwhile
+                self._handed.discard(execution_id)
+                self._in_flight.add(execution_id)
+                self.stats.in_flight = len(self._in_flight)
         if pool is not None:
             try:
                 pool.submit(self._work, _Task(execution_id, run))
@@ -432,6 +470,7 @@ class Worker:
                     if self._backlog and not self._stopping.is_set():
                         task = self._backlog.popleft()
                         self._queued.discard(task.execution_id)
+                        self._handed.discard(task.execution_id)
                         self._in_flight.add(task.execution_id)
                     self.stats.in_flight = len(self._in_flight)
         finally:
@@ -464,6 +503,43 @@ class Worker:
             # Queued for the next poll only once its visit is no longer in flight
             # (in _work), or that poll could find it in flight and skip it.
             self._look_again_after.add(execution_id)
+
+    def _until_let_go(self) -> float:
+        """Seconds until the oldest handed run waiting for a slot is let go."""
+        with self._lock:
+            oldest = next((task.since for task in self._backlog if task.let_go), None)
+        if oldest is None:
+            return float("inf")
+        return max(0.0, oldest + _HANDED_WAIT - time.monotonic())
+
+    def _let_go_handed(self, *, everything: bool = False) -> None:
+        """Let go the handed runs that waited `_HANDED_WAIT` for a slot (or all, at a
+        stop): this engine no longer holds them, a beat says so, and a fresh hint has
+        any worker look at them now (this one too: it drives them with no claim)."""
+        cutoff = time.monotonic() - _HANDED_WAIT
+        with self._lock:
+            stale = [
+                task
+                for task in self._backlog
+                if task.let_go is not None and (everything or task.since <= cutoff)
+            ]
+            for task in stale:
+                self._backlog.remove(task)
+                self._queued.discard(task.execution_id)
+                self._handed.discard(task.execution_id)
+        if not stale:
+            return
+        for task in stale:
+            assert task.let_go is not None
+            task.let_go()
+        logger.info("loom: let go %d enqueued run(s) a slot did not take in time", len(stale))
+        try:
+            self.engine._heartbeat.beat()
+            for task in stale:
+                self.engine.runs.opened(task.execution_id, task.flow, None)
+        except LoomError as exc:  # held by no one now: found at the next sweeps
+            self.stats.failures += 1
+            logger.warning("loom: letting runs go: %s: %s", type(exc).__name__, exc)
 
     # -- stopping ---------------------------------------------------------------
 

@@ -102,6 +102,14 @@ _INSERT_RECORD: Final = (
 _as_record: Final = cast(Callable[[tuple[Any, ...]], Record], partial(tuple.__new__, Record))
 
 
+class _InsertRefusedError(Exception):
+    """SQLite refused an insert of a group tried without savepoints."""
+
+    def __init__(self, cause: sqlite3.Error) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 def _roll_back(connection: sqlite3.Connection) -> None:
     """End the connection's transaction, if one is open, without raising."""
     if connection.in_transaction:
@@ -277,6 +285,10 @@ class SqliteStore(FaultInjection, JournalStore):
         """One transaction for a group of appends (see `GroupCommit`): each append's
         head check, then its insert; an append that fails its check is left out.
 
+        A group is first tried with no savepoints (an insert fails only on a record
+        SQLite refuses: too big, a full disk); if an insert fails, the group is tried
+        again with each append on a savepoint of its own, so only that append fails.
+
         The hot path, in raw sqlite3: the head check reads one index, and the commit
         writes only the records b-tree (and the streams row, once, on creation).
         (Measured with bench/bench_sqlite.py: sqlite-utils' insert_all, or a head
@@ -284,36 +296,54 @@ class SqliteStore(FaultInjection, JournalStore):
         """
         with self._serialised():
             connection = self._connection
-            try:
-                connection.execute("BEGIN IMMEDIATE")
-            except sqlite3.Error as exc:
+            landed = self._transact(connection, batch, isolated=False)
+            if landed is None:
                 for append in batch:
-                    append.error = store_error(f"sqlite BEGIN failed on {self.path!r}", exc)
-                return
-            heads: dict[str, int] = {}
-            landed: list[PendingAppend] = []
-            try:
-                for append in batch:
-                    if self._stage(connection, append, heads, isolated=len(batch) > 1):
-                        landed.append(append)
-                connection.execute("COMMIT")
-            except sqlite3.Error as exc:
-                _roll_back(connection)
-                for append in self._undecided(batch, landed):
-                    append.error = store_error(f"sqlite append failed on {self.path!r}", exc)
-                return
-            except BaseException:
-                # An interrupt (KeyboardInterrupt, a signal handler raising) between BEGIN
-                # and COMMIT: roll back, or this connection stays in a transaction that
-                # holds the write lock and refuses its own next BEGIN.
-                _roll_back(connection)
-                for append in self._undecided(batch, landed):
-                    append.error = StoreUnavailableError("the append was interrupted")
-                raise
+                    append.error = None
+                landed = self._transact(connection, batch, isolated=True)
         known = self._known_heads()
-        if known is not None:
+        if known is not None and landed:
             for append in landed:
                 known.learn(append.stream, append.expected + len(append.rows))
+
+    def _transact(
+        self, connection: sqlite3.Connection, batch: list[PendingAppend], *, isolated: bool
+    ) -> list[PendingAppend] | None:
+        """Commit `batch` in one transaction; the appends that landed, or None when an
+        insert of a group tried without savepoints failed (nothing landed)."""
+        try:
+            connection.execute("BEGIN IMMEDIATE")
+        except sqlite3.Error as exc:
+            for append in batch:
+                append.error = store_error(f"sqlite BEGIN failed on {self.path!r}", exc)
+            return []
+        heads: dict[str, int] = {}
+        landed: list[PendingAppend] = []
+        try:
+            for append in batch:
+                if self._stage(connection, append, heads, isolated=isolated):
+                    landed.append(append)
+            connection.execute("COMMIT")
+        except _InsertRefusedError as refused:
+            _roll_back(connection)
+            if len(batch) > 1:
+                return None
+            batch[0].error = store_error(f"sqlite append failed on {self.path!r}", refused.cause)
+            return []
+        except sqlite3.Error as exc:
+            _roll_back(connection)
+            for append in self._undecided(batch, landed):
+                append.error = store_error(f"sqlite append failed on {self.path!r}", exc)
+            return []
+        except BaseException:
+            # An interrupt (KeyboardInterrupt, a signal handler raising) between BEGIN
+            # and COMMIT: roll back, or this connection stays in a transaction that
+            # holds the write lock and refuses its own next BEGIN.
+            _roll_back(connection)
+            for append in self._undecided(batch, landed):
+                append.error = StoreUnavailableError("the append was interrupted")
+            raise
+        return landed
 
     @staticmethod
     def _undecided(batch: list[PendingAppend], landed: list[PendingAppend]) -> list[PendingAppend]:
@@ -363,7 +393,7 @@ class SqliteStore(FaultInjection, JournalStore):
             connection.executemany(_INSERT_RECORD, append.rows)
         except sqlite3.Error as exc:  # the unique key, a record too big, a full disk...
             if not isolated:
-                raise
+                raise _InsertRefusedError(exc) from exc
             try:  # only this append fails, if the transaction can go on without it
                 connection.execute("ROLLBACK TO loom_append")
                 connection.execute("RELEASE loom_append")
