@@ -16,6 +16,7 @@ from loom_kernel._errors import (
     ConflictError,
     ExecutionEndedError,
     ExecutionNotFoundError,
+    GateTimeoutError,
     InvalidArgumentError,
     InvalidIdError,
     LoomError,
@@ -23,6 +24,7 @@ from loom_kernel._errors import (
     NotFoundError,
     NotSuspendedError,
     ResultTimeoutError,
+    RunFinishedError,
     SchemaError,
     StepFailedError,
     StoreMisconfiguredError,
@@ -40,6 +42,7 @@ from loom_kernel._reachability import reachable
 from loom_kernel._registry import installed_stores, open_store
 from loom_kernel._state import ExecutionState, Gate, Status, StepFrame
 from loom_kernel._views import Execution, HistoryEntry
+from loom_kernel._waits import Woken
 from loom_kernel._worker import Worker, WorkerStats
 
 __all__ = [
@@ -55,6 +58,7 @@ __all__ = [
     "ExecutionState",
     "Flow",
     "Gate",
+    "GateTimeoutError",
     "HistoryEntry",
     "InvalidArgumentError",
     "InvalidIdError",
@@ -66,6 +70,7 @@ __all__ = [
     "NotSuspendedError",
     "ResultTimeoutError",
     "RetryPolicy",
+    "RunFinishedError",
     "RunHandle",
     "SchemaError",
     "Status",
@@ -76,6 +81,7 @@ __all__ = [
     "StreamDeletedError",
     "TrimmedError",
     "UnknownFlowError",
+    "Woken",
     "Worker",
     "WorkerStats",
     "code_hash",

@@ -22,13 +22,16 @@ from loom_kernel._codec import (
     encode_event,
     encode_step_completed,
     load_json,
+    to_json,
     to_json_text,
 )
 from loom_kernel._errors import (
     ConflictError,
+    GateTimeoutError,
     InvalidArgumentError,
     LoomError,
     NonDeterminismError,
+    SchemaError,
     StepFailedError,
 )
 from loom_kernel._events import (
@@ -40,10 +43,23 @@ from loom_kernel._events import (
 )
 from loom_kernel._executions import stream_of
 from loom_kernel._flows import RetryPolicy
+from loom_kernel._ids import MAX_ID_LENGTH
+from loom_kernel._inbox import Inbox, Message
 from loom_kernel._journal import JournalStore, NewRecord
 from loom_kernel._numbers import finite_number
+from loom_kernel._published import Published
 from loom_kernel._state import ExecutionState, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerIndex, timer_resume_key
+from loom_kernel._waits import (
+    Wait,
+    Woken,
+    consumed_positions,
+    first_gate,
+    message_key,
+    message_payload,
+    receive_gate,
+    validate_topic,
+)
 
 if TYPE_CHECKING:
     from loom_kernel._engine import Engine
@@ -57,6 +73,8 @@ _RESERVED_PREFIX: Final = "loom."
 PATCH_PREFIX: Final = "loom.patched:"
 #: The longest sleep, in seconds: 100 years (longer is a mistake, not a plan).
 MAX_SLEEP: Final = 100 * 365.25 * 86_400
+#: The name prefix of the recorded step of `ctx.set_event(key, ...)`.
+EVENT_STEP_PREFIX: Final = "loom.event:"
 
 #: In async flows: the context whose step function is running in this task, and the
 #: step's name (a task gathered beside it is not inside it). A sync context keeps the
@@ -78,6 +96,8 @@ class Runtime:
         async_sleep: waits between an async step's retries, without blocking the loop.
         retry: the default retry policy.
         timers: the due-timer index a sleep writes its hint to.
+        inbox: the run inboxes a receive reads.
+        published: where `set_event` publishes.
     """
 
     engine: Engine
@@ -87,6 +107,8 @@ class Runtime:
     async_sleep: Callable[[float], Awaitable[None]]
     retry: RetryPolicy
     timers: TimerIndex
+    inbox: Inbox
+    published: Published
 
 
 #: Set by a worker around the drives it makes: once the event is set (the worker is
@@ -146,18 +168,18 @@ class Unwind(BaseException):
         self.error = error
 
 
-def _seconds(duration: object) -> float:
+def _seconds(duration: object, what: str = "a sleep") -> float:
     if isinstance(duration, timedelta):
         seconds = duration.total_seconds()
     elif finite_number(duration):
         seconds = float(duration)  # type: ignore[arg-type]
     else:
         raise InvalidArgumentError(
-            f"a sleep takes a finite number of seconds or a timedelta, not {duration!r}"
+            f"{what} takes a finite number of seconds or a timedelta, not {duration!r}"
         )
     if seconds > MAX_SLEEP:
         raise InvalidArgumentError(
-            f"a sleep is at most {MAX_SLEEP:.0f} seconds (100 years), not {duration!r}"
+            f"{what} is at most {MAX_SLEEP:.0f} seconds (100 years), not {duration!r}"
         )
     return float(seconds)
 
@@ -378,8 +400,14 @@ class _Replay:
         self._check_owner()
         return self._journal_success(index, name, produce(), 1, None)
 
-    def _gate(self, on: str, wake_after: float | None) -> tuple[bool, Any]:
-        """Pass a gate: (True, payload) when recorded resumes cover it; else park."""
+    def _gate(self, on: str, wake_after: float | None, wait: Wait | None = None) -> tuple[int, Any]:
+        """Pass a gate: (its index, payload) when recorded resumes cover it; else park.
+
+        `wake_after` is a sleep's length, or the deadline of any other gate. A gate that
+        `wait`s for messages passes at once on one already in the inbox, and looks
+        again once it has parked: a message sent meanwhile found the run running, so
+        its sender left it to this run to read.
+        """
         if self._halted is not None:
             raise self._halted
         self._refuse_inside_step("ctx.sleep" if on == TIMER_GATE else f"ctx.suspend({on!r})")
@@ -391,7 +419,7 @@ class _Replay:
             if recorded != on:
                 raise self._halt(NonDeterminismError(state.id, "gate", gate, recorded, on))
             if gate < len(state.resume_payloads):
-                return True, state.resume_payloads[gate]
+                return gate, state.resume_payloads[gate]
             raise self._halt()  # parked here already: wait for the resume
         later = [index for index in state.steps if index >= self._step_index]
         if later:
@@ -401,25 +429,137 @@ class _Replay:
             )
         self._before_new_gate()
         self._check_owner()
+        topics = wait.topics if wait is not None else ()
+        if topics and (message := self._next_message(topics)) is not None:
+            self._append([ExecutionSuspended(gate, on), self._delivery(message)])
+            return gate, state.resume_payloads[gate]
         if wake_after is None:
             self._append([ExecutionSuspended(gate, on)])
-            raise self._halt()
-        now = self._runtime.clock()
-        wake_at = now + wake_after
-        if wake_after <= 0:
-            self._append(
-                [
-                    ExecutionSuspended(gate, on, wake_at),
-                    ExecutionResumed(None, timer_resume_key(gate), self._runtime.engine.worker_id),
-                ]
-            )
-            return True, None
-        try:
-            self._runtime.timers.add(state.id, gate, wake_at)  # the hint first, then the truth
-        except LoomError as exc:  # a store fault stops the run; it is not the flow's failure
-            raise self._halt(exc) from None
-        self._append([ExecutionSuspended(gate, on, wake_at)])
+        else:
+            wake_at = self._runtime.clock() + wake_after
+            if wake_after <= 0:
+                self._append(
+                    [
+                        ExecutionSuspended(gate, on, wake_at),
+                        ExecutionResumed(
+                            None, timer_resume_key(gate), self._runtime.engine.worker_id
+                        ),
+                    ]
+                )
+                return gate, None
+            try:
+                self._runtime.timers.add(state.id, gate, wake_at)  # the hint, then the truth
+            except LoomError as exc:  # a store fault stops the run; not the flow's failure
+                raise self._halt(exc) from None
+            self._append([ExecutionSuspended(gate, on, wake_at)])
+        if topics and (message := self._next_message(topics)) is not None:
+            self._append([self._delivery(message)])  # a sender that delivered first wins
+            return gate, state.resume_payloads[gate]
         raise self._halt()
+
+    def _next_message(self, topics: tuple[str | None, ...]) -> Message | None:
+        """The first message in the run's inbox on one of `topics` it has not consumed."""
+        state = self._state
+        try:
+            return self._runtime.inbox.next_for(
+                state.id, topics, consumed_positions(state.resume_keys)
+            )
+        except LoomError as exc:
+            raise self._halt(exc) from None
+
+    def _delivery(self, message: Message) -> ExecutionResumed:
+        """The resume that hands `message` to the gate the run parks at."""
+        return ExecutionResumed(
+            message_payload(message.topic, message.position, message.message),
+            message_key(message.position),
+            self._runtime.engine.worker_id,
+        )
+
+    def _timed_out(self, gate: int) -> bool:
+        """Whether gate number `gate` (passed) was woken by its deadline."""
+        return timer_resume_key(gate) in self._state.resume_keys
+
+    def _woken(self, gate: int, payload: Any) -> Woken:
+        """What woke a passed gate of a receive or a `wait_first`."""
+        if self._timed_out(gate):
+            return Woken("timeout")
+        try:
+            if "gate" in payload:
+                return Woken("gate", str(payload["gate"]), payload["value"])
+            return Woken("message", payload["topic"], payload["message"])
+        except (TypeError, KeyError) as exc:
+            raise self._halt(
+                SchemaError(f"gate #{gate} of {self._state.id!r} was resumed with {payload!r}")
+            ) from exc
+
+    def _deadline(self, timeout: object) -> float | None:
+        if timeout is None:
+            return None
+        try:
+            return _seconds(timeout, "a timeout")
+        except InvalidArgumentError as exc:
+            raise self._halt(exc) from None
+
+    def _topic(self, topic: object) -> str | None:
+        try:
+            return validate_topic(topic)
+        except InvalidArgumentError as exc:
+            raise self._halt(exc) from None
+
+    def _suspend_gate(self, on: object, timeout: object) -> Any:
+        name = self._gate_name(on)
+        deadline = self._deadline(timeout)
+        gate, payload = self._gate(name, deadline, Wait((name,)))
+        if deadline is not None and self._timed_out(gate):
+            raise GateTimeoutError(self._state.id, name, deadline)
+        return payload
+
+    def _receive_gate(self, topic: object, timeout: object) -> Any:
+        name = self._topic(topic)
+        gate, payload = self._gate(receive_gate(name), self._deadline(timeout), Wait((), (name,)))
+        woken = self._woken(gate, payload)
+        return woken.value
+
+    def _first_gate(self, gates: object, topics: object, timeout: object) -> Woken:
+        for what, value in (("gates", gates), ("topics", topics)):
+            if isinstance(value, str | bytes) or not isinstance(value, list | tuple):
+                raise self._halt(InvalidArgumentError(f"{what} is a list or tuple, not {value!r}"))
+        assert isinstance(gates, list | tuple)
+        assert isinstance(topics, list | tuple)
+        names = tuple(self._gate_name(gate) for gate in gates)
+        wanted = tuple(self._topic(topic) for topic in topics)
+        deadline = self._deadline(timeout)
+        if len(set(names)) < len(names) or len(set(wanted)) < len(wanted):
+            raise self._halt(InvalidArgumentError("a gate or a topic is named twice"))
+        if not names and not wanted and deadline is None:
+            raise self._halt(
+                InvalidArgumentError("wait_first needs a gate, a topic or a timeout to end")
+            )
+        gate, payload = self._gate(
+            first_gate(names, wanted), deadline, Wait(names, wanted, named=True)
+        )
+        return self._woken(gate, payload)
+
+    def _publish(self, key: object, value: Any) -> None:
+        if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
+            raise self._halt(
+                InvalidArgumentError(
+                    f"an event key is a non-empty str of at most {MAX_ID_LENGTH} "
+                    f"characters, not {key!r}"
+                )
+            )
+        try:
+            data = to_json(value, f"the value of event {key!r}")
+        except InvalidArgumentError as exc:
+            raise self._halt(exc) from None
+
+        def publish() -> None:
+            try:
+                self._runtime.published.set(self._state.id, key, data)
+            except LoomError as exc:
+                raise self._halt(exc) from None
+
+        self._recorded(EVENT_STEP_PREFIX + key, publish)
 
     def _unconsumed(self, what: str, index: int, found: str, next_up: str) -> NonDeterminismError:
         """A call with no record while the journal still records more: the code gained
@@ -571,13 +711,55 @@ class Context(_Replay):
             return self._journal_success(index, name, value, attempt, returns)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def suspend(self, on: str) -> Any:
+    def suspend(self, on: str, timeout: float | timedelta | None = None) -> Any:
         """A gate: park the run until `engine.resume` delivers a payload, and return it.
 
         The i-th suspend of a re-run passes through with the i-th recorded payload.
+
+        Args:
+            on: the gate's name (not starting with "loom.").
+            timeout: seconds (or a timedelta) after which the gate gives up: it is
+                then woken by the timers (a worker, or `fire_due_timers`), not by a
+                thread that sleeps.
+
+        Raises:
+            GateTimeoutError: the timeout passed first (the flow may catch it).
         """
-        _passed, payload = self._gate(self._gate_name(on), None)
-        return payload
+        return self._suspend_gate(on, timeout)
+
+    def receive(self, topic: str | None = None, timeout: float | timedelta | None = None) -> Any:
+        """The next message sent to this run on `topic` (`engine.send`), in send order;
+        parks the run until one arrives. A message is received once: a replay reads
+        the same ones.
+
+        Args:
+            topic: the topic (None: the default topic).
+            timeout: seconds (or a timedelta) to wait at most.
+
+        Returns:
+            The message, or None when the timeout passed first.
+        """
+        return self._receive_gate(topic, timeout)
+
+    def wait_first(
+        self,
+        gates: list[str] | tuple[str, ...] = (),
+        topics: list[str | None] | tuple[str | None, ...] = (),
+        timeout: float | timedelta | None = None,
+    ) -> Woken:
+        """Park until the first of: a resume of one of `gates` (`engine.resume(id,
+        payload, on=gate)`), a message on one of `topics`, or the timeout; replays
+        exactly (what came first is journaled).
+
+        Returns:
+            What came first: `Woken(kind="gate" | "message" | "timeout", name, value)`.
+        """
+        return self._first_gate(gates, topics, timeout)
+
+    def set_event(self, key: str, value: Any) -> None:
+        """Publish `value` under `key` for `engine.get_event(id, key)` to read, without
+        the run's journal (progress, a status for a web page). Journaled as a step."""
+        self._publish(key, value)
 
     def sleep(self, duration: float | timedelta) -> None:
         """A timer gate: park the run until `engine.fire_due_timers` finds it due."""
@@ -858,15 +1040,46 @@ class AsyncContext(_Replay):
             return self._journal_success(index, name, value, attempt, returns)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def suspend(self, on: str) -> Coroutine[Any, Any, Any]:
+    def suspend(
+        self, on: str, timeout: float | timedelta | None = None
+    ) -> Coroutine[Any, Any, Any]:
         """As `Context.suspend`, awaitable; awaited by the flow's own task."""
-        return self._track(f"ctx.suspend({on!r})", lambda token: self._suspend(token, on))
+        call = f"ctx.suspend({on!r})"
+        return self._track(
+            call, lambda token: self._own(token, call, self._suspend_gate, on, timeout)
+        )
 
-    async def _suspend(self, token: object, on: str) -> Any:
+    def receive(
+        self, topic: str | None = None, timeout: float | timedelta | None = None
+    ) -> Coroutine[Any, Any, Any]:
+        """As `Context.receive`, awaitable; awaited by the flow's own task."""
+        call = f"ctx.receive({topic!r})"
+        return self._track(
+            call, lambda token: self._own(token, call, self._receive_gate, topic, timeout)
+        )
+
+    def wait_first(
+        self,
+        gates: list[str] | tuple[str, ...] = (),
+        topics: list[str | None] | tuple[str | None, ...] = (),
+        timeout: float | timedelta | None = None,
+    ) -> Coroutine[Any, Any, Woken]:
+        """As `Context.wait_first`, awaitable; awaited by the flow's own task."""
+        call = "ctx.wait_first(...)"
+        return self._track(
+            call, lambda token: self._own(token, call, self._first_gate, gates, topics, timeout)
+        )
+
+    def set_event(self, key: str, value: Any) -> Coroutine[Any, Any, None]:
+        """As `Context.set_event`, awaitable; awaited by the flow's own task."""
+        call = f"ctx.set_event({key!r})"
+        return self._track(call, lambda token: self._own(token, call, self._publish, key, value))
+
+    async def _own(self, token: object, call: str, gate: Callable[..., T], *args: Any) -> T:
+        """Make a gate's call in the flow's own task (as a suspend is)."""
         self._unstarted.pop(token, None)
-        self._gate_in_own_task(f"ctx.suspend({on!r})")
-        _passed, payload = self._gate(self._gate_name(on), None)
-        return payload
+        self._gate_in_own_task(call)
+        return gate(*args)
 
     def sleep(self, duration: float | timedelta) -> Coroutine[Any, Any, None]:
         """As `Context.sleep`, awaitable; awaited by the flow's own task."""

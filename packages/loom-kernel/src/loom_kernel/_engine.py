@@ -29,6 +29,7 @@ from loom_kernel._errors import (
     InvalidIdError,
     LoomError,
     NotSuspendedError,
+    RunFinishedError,
     SchemaError,
     StreamDeletedError,
     TrimmedError,
@@ -45,7 +46,8 @@ from loom_kernel._events import (
 from loom_kernel._executions import EXECUTION_PREFIX, compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
 from loom_kernel._handles import RunHandle
-from loom_kernel._ids import validate_prefix, validate_stream_id
+from loom_kernel._ids import MAX_ID_LENGTH, validate_prefix, validate_stream_id
+from loom_kernel._inbox import Inbox
 from loom_kernel._journal import JournalStore, check_gapless
 from loom_kernel._leases import (
     DEFAULT_LEASE,
@@ -60,10 +62,19 @@ from loom_kernel._leases import (
 from loom_kernel._listeners import Listener, Listeners, installed_listeners
 from loom_kernel._locks import KeyedLocks
 from loom_kernel._numbers import finite_number
+from loom_kernel._published import Published
 from loom_kernel._run_index import ENDED, OpenHint, RunIndex
 from loom_kernel._state import ExecutionState, Status, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
 from loom_kernel._views import Execution, HistoryEntry
+from loom_kernel._waits import (
+    consumed_positions,
+    gate_payload,
+    message_key,
+    message_payload,
+    validate_topic,
+    wait_of,
+)
 
 logger = logging.getLogger("loom")
 
@@ -136,6 +147,8 @@ class Engine:
         self.retry = retry or RetryPolicy()
         self.timers = TimerIndex(store, clock)
         self.runs = RunIndex(store, clock)
+        self._inbox = Inbox(store, clock)
+        self._published = Published(store, clock)
         self._local_workers: list[Worker] = []  # running workers of this engine
         self._flows: dict[str, dict[str, Flow]] = {}  # name -> code hash -> flow
         self._newest: dict[str, Flow] = {}
@@ -308,7 +321,15 @@ class Engine:
     def _runtime(self) -> Runtime:
         """What a context needs from this engine, as it is configured now."""
         return Runtime(
-            self, self.store, self.clock, self.sleep, self.async_sleep, self.retry, self.timers
+            self,
+            self.store,
+            self.clock,
+            self.sleep,
+            self.async_sleep,
+            self.retry,
+            self.timers,
+            self._inbox,
+            self._published,
         )
 
     def _drive(self, state: ExecutionState, control: DriveControl | None = None) -> None:
@@ -527,12 +548,15 @@ class Engine:
             key: dedupe key: a resume whose key was already delivered does nothing and
                 returns the execution, so a re-delivered notice never feeds a later gate.
             on: the gate the caller means; when the run is parked at another gate,
-                the resume is refused instead of feeding that one.
+                the resume is refused instead of feeding that one. A run parked at
+                `ctx.wait_first(gates=...)` takes a resume on one of those gates
+                (`on` may be left out when it waits on one gate only).
 
         Raises:
             ExecutionNotFoundError: no such execution.
-            NotSuspendedError: the run is not parked at a gate (running, finished, or
-                asleep on a timer); nothing is buffered.
+            NotSuspendedError: the run is not parked at a gate (running, finished,
+                asleep on a timer, or waiting for a message only: `send` delivers
+                those); nothing is buffered (`send` is the call that buffers).
             ConflictError: another writer resumed or moved the run first.
             InvalidArgumentError: the payload is not JSON, or the key is not a str.
         """
@@ -554,7 +578,7 @@ class Engine:
         with self._locks.hold(execution_id):
             state = self._checkout(execution_id)
             try:
-                self._check_parked(state, key, timer=timer, on=on)
+                data = self._check_parked(state, data, key, timer=timer, on=on)
             except _AlreadyDeliveredError:
                 execution = Execution.of(state)
                 self._cache.give_back(state)
@@ -575,22 +599,164 @@ class Engine:
 
     @staticmethod
     def _check_parked(
-        state: ExecutionState, key: str | None, *, timer: bool, on: str | None
-    ) -> None:
+        state: ExecutionState, data: Any, key: str | None, *, timer: bool, on: str | None
+    ) -> Any:
+        """Whether the run's pending gate takes this resume; the payload to record."""
         if key is not None and key in state.resume_keys:
             raise _AlreadyDeliveredError
         gate = state.pending_gate
         if gate is None:
             raise NotSuspendedError(state.id, state.status)
-        if (gate.on == TIMER_GATE) != timer:
-            detail = (
-                f"it sleeps until {gate.wake_at}; fire_due_timers wakes it"
-                if gate.on == TIMER_GATE
-                else f"it waits on {gate.on!r}, not on a timer"
-            )
+        if timer:
+            if gate.wake_at is None:
+                raise NotSuspendedError(state.id, "suspended", f"it waits on {gate.on!r}")
+            return None  # a deadline: what the gate records is the timer's key
+        if gate.on == TIMER_GATE:
+            detail = f"it sleeps until {gate.wake_at}; fire_due_timers wakes it"
             raise NotSuspendedError(state.id, "suspended", detail)
-        if on is not None and gate.on != on:
-            raise NotSuspendedError(state.id, "suspended", f"it waits on {gate.on!r}, not {on!r}")
+        try:
+            wait = wait_of(gate.on)
+        except InvalidArgumentError as exc:
+            raise NotSuspendedError(state.id, "suspended", str(exc)) from None
+        assert wait is not None
+        if not wait.gates:
+            topics = ", ".join(repr(topic) for topic in wait.topics)
+            detail = f"it waits for a message on {topics}; engine.send delivers it"
+            raise NotSuspendedError(state.id, "suspended", detail)
+        if on is None and len(wait.gates) > 1:
+            detail = f"it waits on any of {list(wait.gates)}: say which with on="
+            raise NotSuspendedError(state.id, "suspended", detail)
+        name = wait.gates[0] if on is None else on
+        if name not in wait.gates:
+            shown = gate.on if not wait.named else f"any of {list(wait.gates)}"
+            raise NotSuspendedError(state.id, "suspended", f"it waits on {shown!r}, not {on!r}")
+        return gate_payload(name, data) if wait.named else data
+
+    def send(
+        self,
+        execution_id: str,
+        message: Any = None,
+        *,
+        topic: str | None = None,
+        key: str | None = None,
+    ) -> int:
+        """Send a message to a run: journaled in its inbox whether it waits for one,
+        is busy, or has not reached its `ctx.receive` yet; it waits there, in send
+        order, until the run reads it. A run parked at a receive (or a `wait_first`)
+        on that topic is woken and driven on here, as `resume` would.
+
+        Args:
+            execution_id: the execution.
+            message: the message; must have a JSON form.
+            topic: its topic (None: the default topic).
+            key: dedupe key: a message sent again with the same key (from any process)
+                is never delivered twice; a resend is a no-op that returns the first
+                one's position, even once the run has finished.
+
+        Returns:
+            The message's position in the run's inbox.
+
+        Raises:
+            ExecutionNotFoundError: no such execution.
+            RunFinishedError: the run has finished (nothing sent), or finished while
+                the message was being sent, without reading it.
+            InvalidArgumentError: the message is not JSON, or the topic or key is not
+                a non-empty str.
+            InvalidIdError: the id is not a valid execution id.
+        """
+        self.stream_of(execution_id)
+        topic = validate_topic(topic)
+        if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH):
+            raise InvalidArgumentError(
+                f"a message key is a non-empty str of at most {MAX_ID_LENGTH} characters, "
+                f"not {key!r}"
+            )
+        data = to_json(message, "the message")
+        status = self._view(execution_id, lambda state: state.status)
+        first = None if key is None else self._inbox.sent(execution_id, key)
+        if first is not None:
+            return first  # a resend: a no-op, whatever the run has done since
+        if status.finished:
+            raise RunFinishedError(execution_id, status.value)
+        position = self._inbox.append(execution_id, topic, key, data)
+        self._deliver(execution_id)
+        state = self._checkout(execution_id)
+        try:
+            if state.status.finished and position not in consumed_positions(state.resume_keys):
+                raise RunFinishedError(execution_id, state.status.value, position)
+        finally:
+            self._cache.give_back(state)
+        return position
+
+    def _deliver(self, execution_id: str) -> Execution | None:
+        """Hand the first waiting message to the gate a run is parked at, if that gate
+        takes it, and drive the run on; None when there was nothing to deliver or
+        another writer moved the run first (it reads the inbox itself from there)."""
+        with self._locks.hold(execution_id):
+            state = self._checkout(execution_id)
+            gate = state.pending_gate
+            try:
+                wait = None if gate is None else wait_of(gate.on)
+                message = (
+                    None
+                    if wait is None or not wait.topics
+                    else self._inbox.next_for(
+                        execution_id, wait.topics, consumed_positions(state.resume_keys)
+                    )
+                )
+            except LoomError:
+                self._cache.give_back(state)
+                raise
+            if message is None:
+                self._cache.give_back(state)
+                return None
+            payload = message_payload(message.topic, message.position, message.message)
+            resumed = ExecutionResumed(payload, message_key(message.position), self.worker_id)
+            control = DriveControl([encode_event(resumed, self.clock())])
+            state.apply(resumed)
+            try:
+                execution = self._drive_owned(state, control)
+            except ConflictError:
+                return None  # a sender, a timer or the run itself moved first
+        return self._settled(execution)
+
+    def get_event(self, execution_id: str, key: str, timeout: float | None = None) -> Any:
+        """The latest value a run published under `key` (`ctx.set_event`), read without
+        its journal; None if it has published none.
+
+        Args:
+            execution_id: the execution.
+            key: the event's key.
+            timeout: seconds to wait at most for a first value (None: do not wait); the
+                wait ends early once the run has finished.
+
+        Raises:
+            InvalidArgumentError: the timeout is not a number of seconds >= 0.
+            InvalidIdError: the id is not a valid execution id.
+        """
+        self.stream_of(execution_id)
+        if timeout is not None and (not finite_number(timeout) or timeout < 0):
+            raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = 0.005
+        while True:
+            values = self._published.values(execution_id)
+            if key in values:
+                return values[key]
+            left = 0.0 if deadline is None else deadline - time.monotonic()
+            if left <= 0:
+                return None
+            with contextlib.suppress(ExecutionNotFoundError):
+                if self._view(execution_id, lambda state: state.status.finished):
+                    values = self._published.values(execution_id)
+                    return values.get(key)
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.25)
+
+    def get_events(self, execution_id: str) -> dict[str, Any]:
+        """Every key a run has published, with its latest value (`ctx.set_event`)."""
+        self.stream_of(execution_id)
+        return self._published.values(execution_id)
 
     def cancel(self, execution_id: str, reason: str | None = None) -> Execution:
         """End a run: it never starts another step. Cancelling a finished run changes nothing.
@@ -858,6 +1024,12 @@ class Engine:
                 execution = Execution.of(state)
                 self._cache.give_back(state)
         self._settled(execution, delivered)
+        if execution.status is Status.SUSPENDED and _waits_for_messages(execution.waiting_on):
+            # A sender that appended its message and stopped before waking the run.
+            woken = self._deliver(execution_id)
+            if woken is not None:
+                self._settled(woken, delivered)
+                driven = execution_id
         return driven
 
     @property
@@ -1065,7 +1237,15 @@ def _timer_due(state: ExecutionState, gate: int, now: float) -> bool | None:
         return False  # already woken
     recorded = state.gates[gate]
     # A hint from an earlier attempt is obsolete; the recorded wake has its own.
-    return recorded.on == TIMER_GATE and recorded.wake_at is not None and recorded.wake_at <= now
+    return recorded.wake_at is not None and recorded.wake_at <= now
+
+
+def _waits_for_messages(on: str | None) -> bool:
+    try:
+        wait = None if on is None else wait_of(on)
+    except InvalidArgumentError:
+        return False
+    return wait is not None and bool(wait.topics)
 
 
 class _AlreadyDeliveredError(Exception):

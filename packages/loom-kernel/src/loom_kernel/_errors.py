@@ -10,6 +10,7 @@ __all__ = [
     "ConflictError",
     "ExecutionEndedError",
     "ExecutionNotFoundError",
+    "GateTimeoutError",
     "InvalidArgumentError",
     "InvalidIdError",
     "LoomError",
@@ -17,6 +18,7 @@ __all__ = [
     "NotFoundError",
     "NotSuspendedError",
     "ResultTimeoutError",
+    "RunFinishedError",
     "SchemaError",
     "StepFailedError",
     "StoreMisconfiguredError",
@@ -340,3 +342,44 @@ class ResultTimeoutError(LoomError, TimeoutError):
         super().__init__(
             f"execution {execution_id!r} is still {status} after {timeout:g} s; it goes on"
         )
+
+
+class GateTimeoutError(LoomError, TimeoutError):
+    """A gate's timeout passed before a resume came (`ctx.suspend(on, timeout=...)`).
+    Raised inside the flow, which may catch it; a replay raises it at the same gate.
+
+    Attributes:
+        execution_id: the execution.
+        gate: the gate's name.
+        timeout: the seconds it waited.
+    """
+
+    def __init__(self, execution_id: str, gate: str, timeout: float) -> None:
+        self.execution_id = execution_id
+        self.gate = gate
+        self.timeout = timeout
+        super().__init__(
+            f"execution {execution_id!r}: gate {gate!r} was not resumed within {timeout:g} s"
+        )
+
+
+class RunFinishedError(LoomError):
+    """A message was sent to a run that has finished: nothing will ever read it.
+
+    Attributes:
+        execution_id: the execution.
+        status: "completed", "failed" or "cancelled".
+        position: the message's place in the run's inbox when it was appended there
+            before the run finished (a send racing the run's end), else None.
+    """
+
+    def __init__(self, execution_id: str, status: str, position: int | None = None) -> None:
+        self.execution_id = execution_id
+        self.status = status
+        self.position = position
+        race = (
+            f"; the message (inbox position {position}) landed as it finished, unread"
+            if position is not None
+            else "; nothing was sent"
+        )
+        super().__init__(f"execution {execution_id!r} is {status}: it reads no more messages{race}")

@@ -6,8 +6,10 @@ from typing import Any
 
 import attrs
 
+from loom_kernel._errors import InvalidArgumentError
 from loom_kernel._events import ErrorInfo, Event
 from loom_kernel._state import ExecutionState, Status
+from loom_kernel._waits import wait_of
 
 __all__ = ["Execution", "HistoryEntry"]
 
@@ -23,8 +25,10 @@ class Execution:
         input: the flow's input.
         result: the flow's return value, once completed.
         error: the uncaught error (type and message), once failed.
-        waiting_on: the gate a suspended run is parked at ("loom.timer" for a sleep).
-        wake_at: for a sleeping run, when its timer is due.
+        waiting_on: the recorded name of the gate a suspended run is parked at
+            ("loom.timer" for a sleep; see `gates` and `topics` for what wakes it).
+        wake_at: for a sleeping run, when its timer is due; for a gate with a
+            timeout, its deadline.
         key: the idempotency key, if any.
         parent: the execution that started it, if any.
         code_hash: the pinned hash of the flow's code.
@@ -50,6 +54,25 @@ class Execution:
     cancel_reason: str | None = None
     owner: str | None = None
     owner_seen_at: float | None = None
+
+    @property
+    def gates(self) -> tuple[str, ...]:
+        """The gate names `Engine.resume(..., on=...)` may deliver to now: the parked
+        gate's, or those of its `ctx.wait_first`; empty when it is not parked at one."""
+        return () if (wait := self._wait()) is None else wait.gates
+
+    @property
+    def topics(self) -> tuple[str | None, ...]:
+        """The topics a message sent now (`Engine.send`) wakes it on; empty when none."""
+        return () if (wait := self._wait()) is None else wait.topics
+
+    def _wait(self) -> Any:
+        if self.waiting_on is None:
+            return None
+        try:
+            return wait_of(self.waiting_on)
+        except InvalidArgumentError:
+            return None
 
     @classmethod
     def of(cls, state: ExecutionState) -> Execution:

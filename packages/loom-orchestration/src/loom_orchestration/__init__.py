@@ -15,6 +15,7 @@ from loom_orchestration._children import (
     await_any,
     await_child,
     await_children,
+    child_gate,
     install,
     start_child,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "await_any",
     "await_child",
     "await_children",
+    "child_gate",
     "format_supervision",
     "install",
     "start_child",

@@ -39,6 +39,7 @@ __all__ = [
     "await_any",
     "await_child",
     "await_children",
+    "child_gate",
     "install",
     "start_child",
 ]
@@ -103,14 +104,23 @@ def _outcome(child: Execution) -> dict[str, Any]:
     }
 
 
-def _children_of_gate(gate: str | None) -> list[str]:
+def child_gate(child_id: str) -> str:
+    """The gate a child's end resumes: name it in `ctx.wait_first(gates=[...])` to
+    wait for the child beside messages and a timeout (the gate's value is the
+    child's outcome record: id, status, result, error, reason)."""
+    return _ONE + child_id
+
+
+def _children_of_gate(parked: Execution) -> list[tuple[str, str]]:
+    """(child id, the gate a delivery names) of each child the run is parked for."""
+    gate = parked.waiting_on
     if gate is None:
         return []
     if gate.startswith(_ONE):
-        return [gate.removeprefix(_ONE)]
+        return [(gate.removeprefix(_ONE), gate)]
     if gate.startswith(_ANY):
-        return gate.removeprefix(_ANY).split("|")
-    return []
+        return [(child, gate) for child in gate.removeprefix(_ANY).split("|")]
+    return [(name.removeprefix(_ONE), name) for name in parked.gates if name.startswith(_ONE)]
 
 
 def _deliver(engine: Engine, parent_id: str, gate: str, child: Execution) -> None:
@@ -122,14 +132,12 @@ def _deliver(engine: Engine, parent_id: str, gate: str, child: Execution) -> Non
 def settle(engine: Engine, execution: Execution) -> None:
     """The listener: the checks each side makes after writing its own fact."""
     if execution.status is Status.SUSPENDED:
-        gate = execution.waiting_on
-        for child_id in _children_of_gate(gate):
+        for child_id, gate in _children_of_gate(execution):
             try:
                 child = engine.get(child_id)
             except ExecutionNotFoundError:
                 continue
             if child.status.finished:
-                assert gate is not None
                 _deliver(engine, execution.id, gate, child)
                 return
         return
@@ -140,9 +148,9 @@ def settle(engine: Engine, execution: Execution) -> None:
             parent = engine.get(execution.parent)
         except ExecutionNotFoundError:
             parent = None
-        if parent is not None and execution.id in _children_of_gate(parent.waiting_on):
-            assert parent.waiting_on is not None
-            _deliver(engine, parent.id, parent.waiting_on, execution)
+        gates = {} if parent is None else dict(_children_of_gate(parent))
+        if parent is not None and execution.id in gates:
+            _deliver(engine, parent.id, gates[execution.id], execution)
     _close_children(engine, execution)
 
 
