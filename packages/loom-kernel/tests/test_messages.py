@@ -1,0 +1,523 @@
+"""Messages and deadlines: a run's inbox (send, receive), gates with a timeout, the
+first of several things, and published progress (set_event, get_event)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel import (
+    AsyncContext,
+    Context,
+    Engine,
+    ExecutionNotFoundError,
+    GateTimeoutError,
+    InvalidArgumentError,
+    MemoryStore,
+    NotSuspendedError,
+    RunFinishedError,
+    Status,
+    Woken,
+    flow,
+)
+from loom_kernel.events import ExecutionSuspended
+from loom_kernel.testing import FakeClock
+
+
+@flow(name="inbox.two")
+def two(ctx: Context, topic: str | None) -> Any:
+    return [ctx.receive(topic), ctx.receive(topic)]
+
+
+@flow(name="inbox.gated")
+def gated(ctx: Context, _input: Any) -> Any:
+    ctx.suspend("go")
+    return [ctx.receive(), ctx.receive(timeout=0)]
+
+
+@flow(name="inbox.patient")
+def patient(ctx: Context, timeout: float) -> Any:
+    first = ctx.receive("t", timeout=timeout)
+    second = ctx.receive("t", timeout=timeout)
+    return [first, second]
+
+
+@flow(name="inbox.deadline")
+def deadline(ctx: Context, timeout: float) -> Any:
+    try:
+        return ctx.suspend("approve", timeout=timeout)
+    except GateTimeoutError as exc:
+        return f"timed out after {exc.timeout:g}"
+
+
+@flow(name="inbox.first")
+def first(ctx: Context, gates: list[str]) -> Any:
+    woken = ctx.wait_first(gates=gates, topics=["cancel"], timeout=60)
+    return [woken.kind, woken.name, woken.value]
+
+
+@flow(name="inbox.progress")
+def progress(ctx: Context, steps: int) -> Any:
+    for index in range(steps):
+        ctx.step(f"s{index}", lambda: None)
+        ctx.set_event("done", index + 1)
+    ctx.suspend("finish")
+    return "finished"
+
+
+FLOWS = [two, gated, patient, deadline, first, progress]
+
+
+def _engine(store: MemoryStore, clock: FakeClock | None = None, **options: Any) -> Engine:
+    return Engine(store, FLOWS, clock=clock or FakeClock(), listeners=[], **options)
+
+
+# -- send and receive ------------------------------------------------------------------
+
+
+def test_a_message_sent_to_a_parked_receive_wakes_it_and_drives_it_on() -> None:
+    engine = _engine(MemoryStore())
+    assert engine.start("inbox.two", None, key="r").topics == (None,)
+    assert engine.send("r", "one") == 1
+    assert engine.get("r").status is Status.SUSPENDED, "parked at its second receive"
+    engine.send("r", {"n": 2})
+    assert engine.get("r").result == ["one", {"n": 2}]
+
+
+def test_a_message_sent_before_the_receive_waits_in_the_inbox() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.gated", None, key="g")
+    engine.send("g", "early")  # parked at a gate, not at a receive: kept, not refused
+    assert engine.get("g").waiting_on == "go"
+    engine.resume("g", None)
+    assert engine.get("g").result == ["early", None]
+
+
+def test_messages_are_received_in_send_order_per_topic() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.two", "a", key="t")
+    engine.send("t", "b1", topic="b")
+    engine.send("t", "a1", topic="a")
+    engine.send("t", "b2", topic="b")
+    engine.send("t", "a2", topic="a")
+    assert engine.get("t").result == ["a1", "a2"]
+
+
+def test_a_resend_with_the_same_key_is_a_no_op_even_after_the_run_finished() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.two", None, key="k")
+    assert engine.send("k", "once", key="m1") == 1
+    assert engine.send("k", "twice", key="m1") == 1
+    assert engine.get("k").status is Status.SUSPENDED
+    engine.send("k", "other", key="m2")
+    assert engine.get("k").result == ["once", "other"]
+    assert engine.send("k", "again", key="m2") == 2, "finished: still a no-op, not an error"
+
+
+def test_resends_that_both_landed_are_delivered_once() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.two", None, key="d")
+    # Two senders that both looked before either appended: both records land.
+    engine._inbox.append("d", None, "same", "first")
+    engine._inbox.append("d", None, "same", "second")
+    engine._inbox.append("d", None, None, "third")
+    engine.recover()
+    assert engine.get("d").result == ["first", "third"]
+
+
+def test_sending_to_a_finished_run_is_refused_and_journals_nothing() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.deadline", 0, key="done")
+    assert engine.get("done").status is Status.COMPLETED
+    with pytest.raises(RunFinishedError, match="nothing was sent"):
+        engine.send("done", "late")
+    assert store.head("inbox/done") == 0
+
+
+def test_a_send_that_races_the_runs_end_is_reported_not_lost() -> None:
+    class EndsMeanwhile(MemoryStore):
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == "inbox/race" and engine.get("race").status is Status.SUSPENDED:
+                engine.resume("race", "now")  # the run ends while the message is sent
+            return super()._append(stream, expected, records)
+
+    store = EndsMeanwhile()
+    engine = _engine(store)
+    engine.start("inbox.deadline", 600, key="race")
+    with pytest.raises(RunFinishedError, match="inbox position 1") as caught:
+        engine.send("race", "too late")
+    assert caught.value.position == 1
+
+
+def test_bad_sends_are_refused_with_clear_errors() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.two", None, key="b")
+    with pytest.raises(ExecutionNotFoundError):
+        engine.send("nobody", "x")
+    for options in ({"topic": ""}, {"topic": 3}, {"key": ""}, {"key": b"k"}, {"topic": "t" * 201}):
+        with pytest.raises(InvalidArgumentError):
+            engine.send("b", "x", **options)
+    with pytest.raises(InvalidArgumentError):
+        engine.send("b", object())
+    assert engine.get("b").status is Status.SUSPENDED
+
+
+def test_a_resume_cannot_feed_a_receive() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.two", None, key="n")
+    with pytest.raises(NotSuspendedError, match=r"engine\.send delivers it"):
+        engine.resume("n", "sneaky")
+
+
+# -- deadlines ------------------------------------------------------------------------
+
+
+def test_a_receive_that_times_out_returns_none_and_a_later_message_waits_for_the_next() -> None:
+    clock = FakeClock()
+    engine = _engine(MemoryStore(), clock)
+    engine.start("inbox.patient", 30, key="p")
+    assert engine.get("p").wake_at == clock() + 30
+    clock.advance(31)
+    assert engine.fire_due_timers() == ["p"]
+    engine.send("p", "after", topic="t")
+    assert engine.get("p").result == [None, "after"]
+    assert engine.fire_due_timers() == [], "the second receive's deadline is obsolete"
+
+
+def test_a_message_before_the_deadline_wins_and_the_timer_does_nothing() -> None:
+    clock = FakeClock()
+    engine = _engine(MemoryStore(), clock)
+    engine.start("inbox.patient", 30, key="p")
+    engine.send("p", "in time", topic="t")
+    clock.advance(31)
+    engine.fire_due_timers()  # the second receive times out
+    assert engine.get("p").result == ["in time", None]
+
+
+def test_a_gate_with_a_timeout_returns_its_payload_or_raises_in_the_flow() -> None:
+    clock = FakeClock()
+    engine = _engine(MemoryStore(), clock)
+    engine.start("inbox.deadline", 10, key="yes")
+    assert engine.resume("yes", "approved").result == "approved"
+    engine.start("inbox.deadline", 10, key="no")
+    clock.advance(10)
+    engine.fire_due_timers()
+    assert engine.get("no").result == "timed out after 10"
+    clock.advance(100)
+    assert engine.fire_due_timers() == []
+    for execution_id in ("yes", "no"):
+        _engine(engine.store, clock).replay_check(execution_id)
+
+
+def test_a_timer_cannot_wake_a_gate_with_no_deadline() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.two", None, key="nt")
+    with pytest.raises(NotSuspendedError, match="it waits on"):
+        engine._resume("nt", None, "timer:0", timer=True)
+
+
+# -- the first of several things ----------------------------------------------------------
+
+
+def test_wait_first_returns_what_came_first_and_replays_it() -> None:
+    clock = FakeClock()
+    engine = _engine(MemoryStore(), clock)
+    engine.start("inbox.first", ["approve", "reject"], key="gate")
+    assert engine.get("gate").gates == ("approve", "reject")
+    assert engine.get("gate").topics == ("cancel",)
+    engine.resume("gate", {"by": "ann"}, on="reject")
+    engine.start("inbox.first", ["approve"], key="message")
+    engine.send("message", "stop", topic="cancel")
+    engine.start("inbox.first", ["approve"], key="timeout")
+    clock.advance(60)
+    engine.fire_due_timers()
+    engine.start("inbox.first", ["approve"], key="alone")
+    engine.resume("alone", 1)  # one gate: `on` may be left out
+    results = {i: engine.get(i).result for i in ("gate", "message", "timeout", "alone")}
+    assert results == {
+        "gate": ["gate", "reject", {"by": "ann"}],
+        "message": ["message", "cancel", "stop"],
+        "timeout": ["timeout", None, None],
+        "alone": ["gate", "approve", 1],
+    }
+    for execution_id in results:
+        _engine(engine.store, clock).replay_check(execution_id)
+
+
+def test_wait_first_refuses_a_resume_it_cannot_place() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.first", ["approve", "reject"], key="w")
+    with pytest.raises(NotSuspendedError, match="say which with on="):
+        engine.resume("w", "?")
+    with pytest.raises(NotSuspendedError, match="not 'other'"):
+        engine.resume("w", "?", on="other")
+    assert engine.get("w").status is Status.SUSPENDED
+
+
+@pytest.mark.parametrize(
+    ("gates", "topics", "timeout"),
+    [
+        ("approve", (), None),
+        ((), "t", None),
+        ((), (), None),
+        (("a", "a"), (), 1),
+        (("loom.x",), (), 1),
+    ],
+)
+def test_wait_first_refuses_a_wait_that_cannot_be_recorded_clearly(
+    gates: Any, topics: Any, timeout: Any
+) -> None:
+    @flow(name="inbox.misused")
+    def misused(ctx: Context, _input: Any) -> Any:
+        return ctx.wait_first(gates=gates, topics=topics, timeout=timeout)
+
+    engine = Engine(MemoryStore(), [misused], listeners=[])
+    with pytest.raises(InvalidArgumentError):
+        engine.start("inbox.misused", None)
+
+
+# -- races and crashes --------------------------------------------------------------------
+
+
+def test_a_message_sent_while_the_receive_was_parking_is_read_by_the_run_itself() -> None:
+    """The sender looks at the run before its park lands (it is running: the sender
+    leaves the message to it); the run looks at the inbox after its park lands."""
+
+    class SendWhileParking(MemoryStore):
+        sent = False
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            parking = any(r.kind == ExecutionSuspended.KIND for r in records)
+            if stream == "ex/race" and parking and not self.sent:
+                self.sent = True
+                other.send("race", "meanwhile")  # another process: the run is running
+            return super()._append(stream, expected, records)
+
+    store = SendWhileParking()
+    engine = _engine(store)
+    other = _engine(store)
+    engine.start("inbox.two", None, key="race")
+    payloads = engine.state("race").resume_payloads
+    assert [p["message"] for p in payloads] == ["meanwhile"], "the first receive took it"
+    engine.send("race", "next")
+    assert engine.get("race").result == ["meanwhile", "next"]
+
+
+def test_a_sender_that_stopped_after_appending_is_covered_by_recover() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.two", None, key="c")
+    engine._inbox.append("c", None, None, "orphan")  # the sender died before the wake
+    assert engine.get("c").status is Status.SUSPENDED
+    assert engine.recover() == ["c"]
+    assert engine.get("c").status is Status.SUSPENDED, "at its second receive"
+    assert engine.state("c").resume_payloads[0]["message"] == "orphan"
+
+
+def test_two_senders_at_once_deliver_every_message_once_in_each_senders_order() -> None:
+    @flow(name="inbox.collect")
+    def collect(ctx: Context, count: int) -> Any:
+        return [ctx.receive() for _ in range(count)]
+
+    store = MemoryStore()
+    engines = [Engine(store, [collect], listeners=[]) for _ in range(3)]
+    engines[0].start("inbox.collect", 40, key="many")
+    barrier = threading.Barrier(2)
+
+    def send(sender: int) -> None:
+        barrier.wait()
+        for index in range(20):
+            engines[sender + 1].send("many", [sender, index], key=f"{sender}-{index}")
+
+    threads = [threading.Thread(target=send, args=(sender,)) for sender in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    received = engines[0].get("many").result
+    assert received is not None
+    assert sorted(map(tuple, received)) == [(s, i) for s in (0, 1) for i in range(20)]
+    for sender in (0, 1):
+        assert [i for s, i in received if s == sender] == list(range(20))
+
+
+class Crash(BaseException):
+    """The process dies here: nothing in the engine catches it."""
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("send"), st.sampled_from(["a", "b"]), st.integers(0, 6)),
+            st.tuples(st.just("resend"), st.integers(0, 30)),
+            st.tuples(st.just("tick"), st.integers(1, 40)),
+            st.tuples(st.just("crash_on_step"), st.integers(0, 3)),
+            st.tuples(
+                st.just("recover"),
+            ),
+        ),
+        max_size=30,
+    )
+)
+def test_every_message_is_received_once_in_order_per_topic_and_replays_the_same(
+    operations: list[Any],
+) -> None:
+    @flow(name="inbox.loop")
+    def loop(ctx: Context, _input: Any) -> Any:
+        got = []
+        for index in range(12):
+            topic = "a" if index % 3 else "b"
+            value = ctx.receive(topic, timeout=25)
+            got.append(ctx.step(f"got{index}", lambda v=value, t=topic: [t, v]))
+        return got
+
+    class Crashing(MemoryStore):
+        crash_at: int | None = None
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if self.crash_at is not None and stream == "ex/loop" and expected >= self.crash_at:
+                self.crash_at = None
+                raise Crash
+            return super()._append(stream, expected, records)
+
+    clock = FakeClock()
+    store = Crashing()
+    engine = Engine(store, [loop], clock=clock, listeners=[])
+    engine.start("inbox.loop", None, key="loop")
+    sent: list[tuple[str, int]] = []
+    keys: list[str] = []
+    for operation in operations:
+        try:
+            if operation[0] == "send":
+                _, topic, number = operation
+                key = f"m{len(keys)}"
+                keys.append(key)
+                if engine.get("loop").status.finished:
+                    continue
+                sent.append((topic, number))  # sent once in the inbox, even if a crash follows
+                engine.send("loop", number, topic=topic, key=key)
+            elif operation[0] == "resend" and keys:
+                engine.send("loop", "dup", key=keys[operation[1] % len(keys)])
+            elif operation[0] == "tick":
+                clock.advance(operation[1])
+                engine.fire_due_timers()
+            elif operation[0] == "crash_on_step":
+                store.crash_at = engine.get("loop").position + operation[1]
+            else:
+                engine = Engine(store, [loop], clock=clock, listeners=[])  # a new process
+                engine.recover()
+        except Crash:
+            engine = Engine(store, [loop], clock=clock, listeners=[])
+        except RunFinishedError:
+            pass
+    store.crash_at = None
+    engine = Engine(store, [loop], clock=clock, listeners=[])
+    engine.recover()
+    state = engine.state("loop")
+    received = [frame.result for _, frame in sorted(state.steps.items())]
+    messages = [(topic, value) for topic, value in received if value is not None]
+    for topic in ("a", "b"):
+        got = [value for t, value in messages if t == topic]
+        wanted = [value for t, value in sent if t == topic]
+        assert got == wanted[: len(got)], "in send order, none twice, none skipped"
+    positions = [p["position"] for p in state.resume_payloads if isinstance(p, dict)]
+    assert len(positions) == len(set(positions)), "no inbox message consumed twice"
+    engine.replay_check("loop")
+
+
+# -- published progress -----------------------------------------------------------------
+
+
+def test_set_event_publishes_the_latest_value_and_a_replay_publishes_nothing() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    assert engine.get_event("nothing-yet", "done") is None
+    engine.start("inbox.progress", 3, key="pr")
+    assert engine.get_event("pr", "done") == 3
+    assert engine.get_events("pr") == {"done": 3}
+    assert store.head("events/pr") == 3
+    _engine(store).resume("pr", None)  # a replay in a new engine
+    assert store.head("events/pr") == 3
+    assert engine.get("pr").result == "finished"
+
+
+def test_get_event_waits_for_a_value_or_gives_up() -> None:
+    engine = Engine(MemoryStore(), FLOWS, listeners=[])
+    engine.start("inbox.two", None, key="slow")
+    assert engine.get_event("slow", "done", timeout=0.05) is None
+    timer = threading.Timer(0.05, lambda: engine._published.set("slow", "done", 7))
+    timer.start()
+    assert engine.get_event("slow", "done", timeout=10) == 7
+    timer.join()
+    with pytest.raises(InvalidArgumentError):
+        engine.get_event("slow", "done", timeout=-1)
+
+
+def test_an_event_value_that_is_not_json_stops_the_run() -> None:
+    @flow(name="inbox.bad_event")
+    def bad_event(ctx: Context, _input: Any) -> Any:
+        ctx.set_event("k", object())
+
+    engine = Engine(MemoryStore(), [bad_event], listeners=[])
+    with pytest.raises(InvalidArgumentError):
+        engine.start("inbox.bad_event", None)
+
+
+# -- async flows ------------------------------------------------------------------------
+
+
+def test_async_flows_receive_wait_and_publish() -> None:
+    @flow(name="inbox.async")
+    async def async_flow(ctx: AsyncContext, _input: Any) -> Any:
+        message = await ctx.receive("t", timeout=5)
+        await ctx.set_event("got", message)
+        woken: Woken = await ctx.wait_first(gates=["go"], timeout=5)
+        try:
+            await ctx.suspend("never", timeout=5)
+        except GateTimeoutError:
+            late = "late"
+        return [message, woken.kind, late]
+
+    clock = FakeClock()
+    engine = Engine(MemoryStore(), [async_flow], clock=clock, listeners=[])
+    engine.start("inbox.async", None, key="as")
+    engine.send("as", "hello", topic="t")
+    assert engine.get_event("as", "got") == "hello"
+    engine.resume("as", None, on="go")
+    clock.advance(5)
+    engine.fire_due_timers()
+    assert engine.get("as").result == ["hello", "gate", "late"]
+    Engine(engine.store, [async_flow], clock=clock, listeners=[]).replay_check("as")
+
+
+# -- the docs' example ---------------------------------------------------------------------
+
+
+def test_the_approval_with_escalation_example() -> None:
+    paged: list[str] = []
+
+    @flow(name="approval")
+    def approval(ctx: Context, order: str) -> Any:
+        decision = ctx.receive("decision", timeout=3600)  # an hour for the approver
+        if decision is None:
+            ctx.step("escalate", lambda: paged.append(order))
+            decision = ctx.receive("decision", timeout=86400)  # a day for the manager
+        return decision or "expired"
+
+    clock = FakeClock()
+    engine = Engine(MemoryStore(), [approval], clock=clock, listeners=[])
+    engine.start("approval", "order-7", key="order-7")
+    engine.start("approval", "order-8", key="order-8")
+    engine.send("order-7", "approved", topic="decision", key="ann-1")
+    clock.advance(3600)
+    engine.fire_due_timers()
+    assert paged == ["order-8"]
+    engine.send("order-8", "rejected", topic="decision", key="bob-1")
+    assert engine.get("order-7").result == "approved"
+    assert engine.get("order-8").result == "rejected"
