@@ -24,6 +24,7 @@ from loom_kernel import (
     flow,
 )
 from loom_kernel.events import ExecutionSuspended
+from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
 
 
@@ -71,7 +72,7 @@ def progress(ctx: Context, steps: int) -> Any:
 FLOWS = [two, gated, patient, deadline, first, progress]
 
 
-def _engine(store: MemoryStore, clock: FakeClock | None = None, **options: Any) -> Engine:
+def _engine(store: JournalStore, clock: FakeClock | None = None, **options: Any) -> Engine:
     return Engine(store, FLOWS, clock=clock or FakeClock(), listeners=[], **options)
 
 

@@ -436,3 +436,19 @@ def test_a_poll_reads_no_partition_whose_head_did_not_move() -> None:
         store.reads = 0
         assert worker._visit_open(pool, sweep=False) == 0
     assert store.reads == 0
+
+
+def test_a_nudge_refreshes_an_open_hint_and_never_reopens_a_closed_run() -> None:
+    clock = FakeClock()
+    index = RunIndex(MemoryStore(), clock)
+    index.opened("open-run", "f", "w1")
+    index.opened("closed-run", "f", "w1")
+    index.closed("closed-run", Status.COMPLETED, "f")
+    clock.advance(5)
+    index.nudged("open-run", "f")
+    index.nudged("closed-run", "f")
+    index.nudged("never-opened", "f")
+    hints = {hint.execution_id: hint for hint in index.open_runs()}
+    assert set(hints) == {"open-run"}
+    assert (hints["open-run"].by, hints["open-run"].at) == (None, clock())
+    assert partition_of("open-run") in index.partitions()

@@ -644,3 +644,68 @@ def test_a_second_signal_stops_the_process_at_once(monkeypatch: pytest.MonkeyPat
     assert exits == [], "the first is a graceful stop"
     worker._on_signal(signal.SIGINT, None)
     assert exits == [128 + signal.SIGINT]
+
+
+def test_a_stopping_worker_lets_its_queue_go_before_its_grace_not_after() -> None:
+    store = MemoryStore()
+    engine = _engine(store, lease=600.0)
+    worker = Worker(engine, concurrency=1, idle_poll=60.0, grace=30.0).start()
+    busy = engine.enqueue("slow", "b", key="busy")
+    queued = engine.enqueue("three", "q", key="queued")
+    with Worker(_engine(store, lease=600.0), idle_poll=0.02):
+        stopper = threading.Thread(target=worker.stop)
+        stopper.start()  # the busy run holds its slot through the grace
+        assert queued.result(timeout=10) == ["q:0", "q:1", "q:2"]
+        assert stopper.is_alive(), "taken over during the grace"
+        gate.set()
+        stopper.join(10)
+    busy.result(timeout=10)
+
+
+def test_an_enqueue_goes_to_a_free_slot_of_a_second_worker_before_a_queue() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    with Worker(engine, concurrency=1, idle_poll=60.0) as first:
+        busy = engine.enqueue("slow", "b", key="busy")  # the first worker's only slot
+        assert first.stats.in_flight == 1
+        with Worker(engine, concurrency=1, idle_poll=60.0) as second:
+            handle = engine.enqueue("three", "f", key="free")
+            assert handle.result(timeout=10) == ["f:0", "f:1", "f:2"]
+            assert second.stats.driven == 1
+            assert not first._handed
+        gate.set()
+        busy.result(timeout=10)
+
+
+def test_an_interrupt_as_a_run_is_handed_over_leaves_the_worker_whole() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
+        original = worker._hand
+
+        def interrupted(*args: Any) -> bool:
+            raise KeyboardInterrupt  # Ctrl-C as the hand-over begins
+
+        worker._hand = interrupted  # type: ignore[method-assign,assignment]
+        with pytest.raises(KeyboardInterrupt):
+            engine.enqueue("three", "x", key="x")
+        worker._hand = original  # type: ignore[method-assign]
+        assert worker.stats.in_flight == 0
+        assert engine.enqueue("three", "y", key="y").result(timeout=10) == ["y:0", "y:1", "y:2"]
+        assert engine.handle("x").result(timeout=10) == ["x:0", "x:1", "x:2"], "found by a poll"
+
+
+def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:
+    from loom_kernel._worker import _Task
+
+    store = MemoryStore()
+    engine = _engine(store)
+    ran = threading.Event()
+    with Worker(engine, concurrency=1, idle_poll=60.0) as worker:
+        time.sleep(0.05)
+        assert worker._reserve("reserved", queue=False)  # an enqueue about to start
+        assert worker._pool is not None
+        assert worker._submit(worker._pool, _Task("found", ran.set), queue=True)
+        assert not ran.is_set(), "queued: the only slot is reserved"
+        worker._unreserve("reserved")  # the key existed: nothing started
+        assert ran.wait(5), "the freed slot took the queued work"

@@ -3,6 +3,7 @@ its own head check, its own conflict and its own failure."""
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -240,17 +241,18 @@ def _group_of(store: GatedStore, appends: list[tuple[str, bytes]]) -> list[Any]:
     return [outcome for _, outcome in queued]
 
 
+class SmallRecords(GatedStore):
+    """Refuses records over 100 KB, as a full disk would refuse a write."""
+
+    def _connect(self) -> sqlite3.Connection:
+        connection = super()._connect()
+        connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100_000)
+        return connection
+
+
 def test_an_append_sqlite_refuses_fails_alone_and_the_rest_of_its_group_lands(
     tmp_path: Path,
 ) -> None:
-    import sqlite3
-
-    class SmallRecords(GatedStore):
-        def _connect(self) -> sqlite3.Connection:
-            connection = super()._connect()
-            connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100_000)  # as a full disk would
-            return connection
-
     store = SmallRecords(str(tmp_path / "s.db"))
     first, second, big = _group_of(store, [("k", b"a"), ("k", b"b"), ("big", b"z" * 200_000)])
     assert first == {"head": 1}
@@ -318,3 +320,28 @@ def test_an_append_interrupted_while_queued_leaves_the_store_working(tmp_path: P
     leader[0].join(10)
     assert leader[1] == {"head": 1}
     assert store.append("c", 0, _record("c1")) == 1, "the lead was not left stranded"
+
+
+def test_an_interrupt_between_a_groups_two_tries_leaves_no_conflict_judged_on_the_first(
+    tmp_path: Path,
+) -> None:
+    store = SmallRecords(str(tmp_path / "s.db"))
+    store.gate.set()
+    first_try = store._transact
+
+    def interrupted(connection: Any, batch: Any, *, isolated: bool) -> Any:
+        landed = first_try(connection, batch, isolated=isolated)
+        if landed is None:
+            raise KeyboardInterrupt  # Ctrl-C as the first try returns
+        return landed
+
+    store._transact = interrupted  # type: ignore[method-assign]
+    rows = [("k", 1, "k", b"a", 1.0, "t1")]
+    first = PendingAppend("k", 0, rows)
+    second = PendingAppend("k", 0, [("k", 1, "k", b"b", 1.0, "t2")])  # conflicts with first
+    big = PendingAppend("big", 0, [("big", 1, "k", b"z" * 200_000, 1.0, "t3")])
+    with pytest.raises(KeyboardInterrupt):
+        store._commit_group([first, second, big])
+    assert store.head("k") == 0
+    assert not isinstance(second.error, ConflictError), "nothing landed to conflict with"
+    store.close()

@@ -427,17 +427,22 @@ class Engine:
 
         When a `Worker` of this engine has a free slot, the run starts as this
         engine's own (as `start` would) and that slot drives it at once, with no
-        poll and no claim. Otherwise it is journaled with no owner, and the first
-        worker to claim it drives it (`recover()` too). Arguments and errors are those
-        of `start`; starting with an existing key returns a handle to the existing
-        run (K9).
+        poll and no claim; with every slot busy, it starts as this engine's own and
+        waits in a worker's queue (see docs/running.md: let go for any worker after a
+        second). Past the queue's bound, or with no worker here, it is journaled with
+        no owner, and the first worker to claim it drives it (`recover()` too).
+        Arguments and errors are those of `start`; starting with an existing key
+        returns a handle to the existing run (K9).
         """
         execution_id, event = self._new_start(flow_name, input, key, parent, None)
-        taker = next((w for w in list(self._local_workers) if w._reserve(execution_id)), None)
-        if taker is not None:  # a free slot here: the run starts as this engine's own
+        workers = list(self._local_workers)
+        taker = next((w for w in workers if w._reserve(execution_id, queue=False)), None)
+        if taker is None:  # no free slot anywhere here: a place in a worker's queue
+            taker = next((w for w in workers if w._reserve(execution_id, queue=True)), None)
+        if taker is not None:  # the run starts as this engine's own
             event = attrs.evolve(event, by=self.worker_id)
         handoff = contextlib.ExitStack()
-        added = False
+        added = handed = False
         try:
             with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
                 added = self._append_start(event, execution_id)
@@ -449,28 +454,24 @@ class Engine:
                     handoff.enter_context(self._heartbeat.holding(execution_id))
                 elif added:
                     self._cache.give_back(state)  # a worker of this engine starts from it
+            if taker is not None and added:
+                drive = partial(self._drive_handed, state, handoff)
+                handed = taker._hand(execution_id, drive, handoff.close, event.flow)
         except BaseException:
             # The start failed (a start that landed although its append raised is this
             # engine's: a poll finds it), or an interrupt: nothing is handed over.
-            handoff.close()
-            if taker is not None:
-                taker._unreserve(execution_id)
+            if not handed:
+                handoff.close()
+                if taker is not None:
+                    taker._unreserve(execution_id)
             raise
-        if taker is not None and not added:
-            taker._unreserve(execution_id)  # a run with that key exists: the slot goes back
-        if (
-            taker is not None
-            and added
-            and not taker._hand(
-                execution_id,
-                partial(self._drive_handed, state, handoff),
-                handoff.close,
-                event.flow,
-            )
-        ):
-            handoff.close()  # it is stopping: the run is left to the polls
+        if taker is not None and not handed:
+            # A run with that key exists, or the worker is stopping: the run is left
+            # to the polls, and the slot or place goes back.
+            handoff.close()
+            taker._unreserve(execution_id)
         if added and taker is None:  # once this engine no longer holds it
-            for worker in list(self._local_workers):
+            for worker in workers:
                 worker._wake.set()
         return RunHandle(self, execution_id)
 

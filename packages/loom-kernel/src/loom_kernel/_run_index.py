@@ -136,6 +136,12 @@ class RunIndex:
         data = {"id": execution_id, "flow": flow, "by": by}
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
 
+    def nudged(self, execution_id: str, flow: str) -> None:
+        """Hint an open run afresh, so workers that saw it open look at it again (a run
+        let go by the worker that held it). It never reopens a run closed before it."""
+        data = {"id": execution_id, "flow": flow, "by": None, "nudge": True}
+        self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
+
     def closed(self, execution_id: str, status: Status, flow: str) -> None:
         """Record that a finished run's listeners have all been called."""
         data = {"id": execution_id, "status": status.value, "flow": flow}
@@ -401,6 +407,8 @@ def _fold_record(
                 opened[hint.execution_id] = hint
         elif record.kind == _OPEN:
             execution_id = str(data["id"])
+            if data.get("nudge") is True and execution_id not in opened:
+                return  # the run closed (or was dropped) before the nudge: it stays so
             opened[execution_id] = OpenHint(
                 execution_id, str(data["flow"]), data["by"], record.timestamp
             )

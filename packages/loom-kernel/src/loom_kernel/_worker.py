@@ -202,6 +202,7 @@ class Worker:
         )
         try:
             self._poll_until_stopped(pool, status)
+            self._let_go_handed(everything=True)  # not held through the grace
             self._wind_down()
         finally:
             self.engine._local_workers.remove(self)
@@ -377,10 +378,10 @@ class Worker:
 
     # -- runs handed over by enqueue on this engine --------------------------------
 
-    def _reserve(self, execution_id: str) -> bool:
+    def _reserve(self, execution_id: str, *, queue: bool) -> bool:
         """Take a slot for a run `enqueue` is about to start, if one is free now (and
-        nothing waits for one: found work comes first), or else a place in this
-        worker's queue, if it holds fewer than `_HANDED_PER_SLOT` handed runs a slot."""
+        nothing waits for one: found work comes first), or else (with `queue`) a place
+        in this worker's queue, if it holds fewer than `_HANDED_PER_SLOT` a slot."""
         with self._lock:
             if (
                 self._pool is None
@@ -393,19 +394,40 @@ class Worker:
                 self._in_flight.add(execution_id)
                 self.stats.in_flight = len(self._in_flight)
                 return True
-            if len(self._handed) < self.concurrency * _HANDED_PER_SLOT:
+            if queue and len(self._handed) < self.concurrency * _HANDED_PER_SLOT:
                 self._queued.add(execution_id)
                 self._handed.add(execution_id)
                 return True
             return False
 
     def _unreserve(self, execution_id: str) -> None:
-        """Give back a slot or a place taken by `_reserve` for a run that did not start."""
+        """Give back a slot or a place taken by `_reserve` for a run that was not handed
+        over; a slot given back takes the next queued task, if any."""
         with self._lock:
+            freed = execution_id in self._in_flight
             self._in_flight.discard(execution_id)
             self._queued.discard(execution_id)
             self._handed.discard(execution_id)
+            for stale in [t for t in self._backlog if t.execution_id == execution_id]:
+                self._backlog.remove(stale)
+            pool = self._pool
+            task: _Task | None = None
+            if freed and pool is not None and self._backlog and not self._stopping.is_set():
+                task = self._backlog.popleft()
+                self._queued.discard(task.execution_id)
+                self._handed.discard(task.execution_id)
+                self._in_flight.add(task.execution_id)
             self.stats.in_flight = len(self._in_flight)
+        if task is not None:
+            assert pool is not None
+            try:
+                pool.submit(self._work, task)
+            except RuntimeError:  # shut down meanwhile: the task is dropped, as at a stop
+                with self._lock:
+                    self._in_flight.discard(task.execution_id)
+                    self.stats.in_flight = len(self._in_flight)
+                if task.let_go is not None:
+                    task.let_go()
         self._wake.set()
 
     def _hand(
@@ -535,11 +557,15 @@ class Worker:
         logger.info("loom: let go %d enqueued run(s) a slot did not take in time", len(stale))
         try:
             self.engine._heartbeat.beat()
-            for task in stale:
-                self.engine.runs.opened(task.execution_id, task.flow, None)
-        except LoomError as exc:  # held by no one now: found at the next sweeps
+        except LoomError as exc:  # its next beat says it; the hints still have workers look
             self.stats.failures += 1
-            logger.warning("loom: letting runs go: %s: %s", type(exc).__name__, exc)
+            logger.warning("loom: a beat letting runs go: %s: %s", type(exc).__name__, exc)
+        for task in stale:
+            try:
+                self.engine.runs.nudged(task.execution_id, task.flow)
+            except LoomError as exc:  # held by no one now: found at the next sweeps
+                self.stats.failures += 1
+                logger.warning("loom: letting %s go: %s", task.execution_id, exc)
 
     # -- stopping ---------------------------------------------------------------
 

@@ -298,8 +298,6 @@ class SqliteStore(FaultInjection, JournalStore):
             connection = self._connection
             landed = self._transact(connection, batch, isolated=False)
             if landed is None:
-                for append in batch:
-                    append.error = None
                 landed = self._transact(connection, batch, isolated=True)
         known = self._known_heads()
         if known is not None and landed:
@@ -325,7 +323,11 @@ class SqliteStore(FaultInjection, JournalStore):
                     landed.append(append)
             connection.execute("COMMIT")
         except _InsertRefusedError as refused:
-            _roll_back(connection)
+            try:
+                _roll_back(connection)
+            finally:  # nothing landed: what the first appends were judged against is gone
+                for append in batch:
+                    append.error = None
             if len(batch) > 1:
                 return None
             batch[0].error = store_error(f"sqlite append failed on {self.path!r}", refused.cause)
