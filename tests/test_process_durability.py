@@ -379,3 +379,93 @@ def test_loom_worker_stops_gracefully_on_sigterm_and_at_once_on_a_second(
     assert _side_effects(side) == collections.Counter({"slow:wait": 2, "slow:after": 1}), (
         "the step in flight at the hard stop ran again, once"
     )
+
+
+MESSAGE_PROCESS = Path(__file__).parent / "message_process.py"
+
+
+def _message_process(target: _Target, side: Path, *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, str(MESSAGE_PROCESS), args[0], target.url, str(side), *args[1:]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **target.environment, "PYTHONPATH": str(Path(__file__).parent)},
+    )
+
+
+def _inbox_engine(target: _Target, side: Path) -> Engine:
+    sys.path.insert(0, str(Path(__file__).parent))
+    try:
+        from message_flow import consume  # type: ignore[import-not-found]
+    finally:
+        sys.path.pop(0)
+    with mock.patch.dict(os.environ, target.environment):
+        store = open_store(target.url)
+    return Engine(store, [consume(side)], listeners=[])
+
+
+def _consumed(engine: Engine) -> list[str]:
+    """The messages the run `inbox` consumed, in its journal's order."""
+    payloads = engine.state("inbox").resume_payloads
+    positions = [p["position"] for p in payloads if isinstance(p, dict)]
+    assert len(positions) == len(set(positions)), "an inbox message consumed twice"
+    return [p["message"] for p in payloads if isinstance(p, dict)]
+
+
+def test_sigkill_between_a_send_and_the_receive_loses_nothing(
+    target: _Target, tmp_path: Path
+) -> None:
+    side = tmp_path / "side.txt"
+    engine = _inbox_engine(target, side)
+    with mock.patch.dict(os.environ, target.environment):
+        engine.start("consume", 2, key="inbox")  # parked at its first receive
+        sender = _message_process(target, side, "send-then-die", "m1")
+        assert sender.wait(60) == -signal.SIGKILL
+        assert engine.get("inbox").status is Status.SUSPENDED, "the sender died before the wake"
+        assert engine.recover() == ["inbox"], "the message in the inbox wakes it"
+        engine.send("inbox", "m1", key="m1")  # the sender's retry: a no-op
+        engine.send("inbox", "m2", key="m2")
+        done = engine.get("inbox")
+        assert (done.status, done.result) == (Status.COMPLETED, ["m1", "m2"])
+        assert _consumed(engine) == ["m1", "m2"]
+    assert side.read_text() == "m1\nm2\n"
+
+
+def test_sigkill_between_a_receive_and_the_next_step_delivers_nothing_twice(
+    target: _Target, tmp_path: Path
+) -> None:
+    side = tmp_path / "side.txt"
+    engine = _inbox_engine(target, side)
+    with mock.patch.dict(os.environ, target.environment):
+        engine.start("consume", 3, key="inbox")
+        sender = _message_process(target, side, "send-and-drive-die-on", "m2")
+        assert sender.wait(60) == -signal.SIGKILL
+        assert engine.recover() == ["inbox"]
+        engine.send("inbox", "m3", key="m3")  # the dead sender's last send: once only
+        done = engine.get("inbox")
+        assert (done.status, done.result) == (Status.COMPLETED, ["m1", "m2", "m3"])
+        assert _consumed(engine) == ["m1", "m2", "m3"]
+    assert side.read_text() == "m1\nm2\nm2\nm3\n", "only the step in flight at the kill ran twice"
+
+
+def test_two_processes_sending_to_one_run_at_once_deliver_each_message_once(
+    target: _Target, tmp_path: Path
+) -> None:
+    side = tmp_path / "side.txt"
+    count = 15
+    engine = _inbox_engine(target, side)
+    with mock.patch.dict(os.environ, target.environment):
+        engine.start("consume", 2 * count, key="inbox")
+        senders = [_message_process(target, side, "sender", name, str(count)) for name in "ab"]
+        Path(f"{side}.go").touch()
+        for sender in senders:
+            assert sender.wait(120) == 0, sender.stderr.read() if sender.stderr else ""
+        engine.recover()  # nothing to do unless a wake was left to it
+        done = engine.get("inbox")
+        assert done.status is Status.COMPLETED
+        received = _consumed(engine)
+    assert sorted(received) == sorted(f"{name}-{index}" for name in "ab" for index in range(count))
+    for name in "ab":
+        assert [m for m in received if m.startswith(name)] == [f"{name}-{i}" for i in range(count)]
+    assert sorted(side.read_text().split()) == sorted(received), "each step ran once"
