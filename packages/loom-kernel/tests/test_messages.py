@@ -4,6 +4,7 @@ first of several things, and published progress (set_event, get_event)."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -522,3 +523,19 @@ def test_the_approval_with_escalation_example() -> None:
     engine.send("order-8", "rejected", topic="decision", key="bob-1")
     assert engine.get("order-7").result == "approved"
     assert engine.get("order-8").result == "rejected"
+
+
+def test_a_send_that_does_not_drive_leaves_the_wake_to_a_worker() -> None:
+    from loom_kernel import Worker
+
+    store = MemoryStore()
+    engine = Engine(store, FLOWS, listeners=[], lease=600.0)  # sweeps are 5 minutes apart
+    with Worker(Engine(store, FLOWS, listeners=[], lease=600.0), idle_poll=0.02) as worker:
+        engine.start("inbox.two", None, key="w")
+        deadline = time.monotonic() + 10
+        while worker.stats.visited == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the worker has seen the run parked
+        engine._deliver = lambda _id: pytest.fail("the sender drove it")  # type: ignore[method-assign,assignment]
+        engine.send("w", "one", drive=False)
+        engine.send("w", "two", drive=False)
+        assert engine.handle("w").result(timeout=10) == ["one", "two"]

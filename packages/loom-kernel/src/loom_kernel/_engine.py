@@ -640,11 +640,13 @@ class Engine:
         *,
         topic: str | None = None,
         key: str | None = None,
+        drive: bool = True,
     ) -> int:
         """Send a message to a run: journaled in its inbox whether it waits for one,
         is busy, or has not reached its `ctx.receive` yet; it waits there, in send
         order, until the run reads it. A run parked at a receive (or a `wait_first`)
-        on that topic is woken and driven on here, as `resume` would.
+        on that topic is woken and driven on here, as `resume` would (or, with
+        `drive=False`, by a worker).
 
         Args:
             execution_id: the execution.
@@ -653,6 +655,8 @@ class Engine:
             key: dedupe key: a message sent again with the same key (from any process)
                 is never delivered twice; a resend is a no-op that returns the first
                 one's position, even once the run has finished.
+            drive: False to return at once: a run waiting for the message is left to
+                the workers (the run index has every worker look at it now).
 
         Returns:
             The message's position in the run's inbox.
@@ -680,7 +684,12 @@ class Engine:
         if status.finished:
             raise RunFinishedError(execution_id, status.value)
         position = self._inbox.append(execution_id, topic, key, data)
-        self._deliver(execution_id)
+        if drive:
+            self._deliver(execution_id)
+        else:
+            view = self.get(execution_id)
+            if view.status is Status.SUSPENDED and topic in view.topics:
+                self.runs.nudged(execution_id, view.flow)
         state = self._checkout(execution_id)
         try:
             if state.status.finished and position not in consumed_positions(state.resume_keys):
