@@ -280,3 +280,55 @@ def test_start_child_refuses_a_bad_option() -> None:
     assert failed.status is Status.FAILED
     assert failed.error is not None
     assert "on_parent_close is 'abandon' or 'cancel'" in failed.error.message
+
+
+@flow(name="child_or_message")
+def child_or_message(ctx: Context, request: Any) -> Any:
+    from loom_orchestration import child_gate
+
+    child = start_child(ctx, approval, request)
+    woken = ctx.wait_first(gates=[child_gate(child)], topics=["withdraw"], timeout=600)
+    return [woken.kind, woken.name, woken.value]
+
+
+def test_wait_first_on_a_child_a_message_and_a_deadline() -> None:
+    clock = FakeClock()
+    store = MemoryStore()
+    engine = Engine(store, [*FLOWS, child_or_message], clock=clock)
+    engine.start("child_or_message", "a", key="by-child")
+    assert engine.get("by-child").gates == ("child:by-child/c0",)
+    engine.resume("by-child/c0", "yes")  # the child ends: its end resumes the parent's gate
+    kind, name, outcome = engine.get("by-child").result
+    assert (kind, name) == ("gate", "child:by-child/c0")
+    assert (outcome["status"], outcome["result"]["decision"]) == ("completed", "yes")
+
+    engine.start("child_or_message", "b", key="by-message")
+    engine.send("by-message", "never mind", topic="withdraw")
+    assert engine.get("by-message").result == ["message", "withdraw", "never mind"]
+    engine.resume("by-message/c0", "late")  # the parent has moved on: nothing to deliver
+    assert engine.get("by-message/c0").status is Status.COMPLETED
+
+    engine.start("child_or_message", "c", key="by-deadline")
+    clock.advance(600)
+    engine.fire_due_timers()
+    assert engine.get("by-deadline").result == ["timeout", None, None]
+
+    engine.start("child_or_message", "d", key="ended-first")
+    engine.resume("ended-first/c0", "quick")
+    fresh = Engine(store, [*FLOWS, child_or_message], clock=clock)
+    for execution_id in ("by-child", "by-message", "by-deadline", "ended-first"):
+        fresh.replay_check(execution_id)
+    assert engine.get("ended-first").result[0] == "gate"
+
+
+@flow(name="quick_child_first")
+def quick_child_first(ctx: Context, value: int) -> Any:
+    from loom_orchestration import child_gate
+
+    child = start_child(ctx, double, value)  # ends inline, before the parent parks
+    return ctx.wait_first(gates=[child_gate(child)], topics=["stop"]).value["result"]
+
+
+def test_wait_first_on_a_child_that_ended_before_the_parent_parked() -> None:
+    engine = Engine(MemoryStore(), [*FLOWS, quick_child_first], clock=FakeClock())
+    assert engine.start("quick_child_first", 4, key="q").result == 8
