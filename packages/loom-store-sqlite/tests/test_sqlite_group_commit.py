@@ -303,18 +303,22 @@ class _RefusingCommit:
         return self._real.execute(sql, *parameters)
 
 
-def test_an_append_interrupted_while_queued_leaves_the_store_working(tmp_path: Path) -> None:
+def test_an_append_interrupted_while_queued_leaves_the_store_working(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = GatedStore(str(tmp_path / "q.db"))
     leader = _append_in_thread(store, "a", 0, "a1")
     _wait_leading(store)
     pending = PendingAppend("b", 0, [])
 
-    def interrupted_wait(timeout: float | None = None) -> bool:
-        raise KeyboardInterrupt  # Ctrl-C while it waits behind the leader
+    class Interrupted(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            raise KeyboardInterrupt  # Ctrl-C while it waits behind the leader
 
-    pending._done.wait = interrupted_wait  # type: ignore[method-assign]
+    monkeypatch.setattr("loom_store_sqlite._group.Event", Interrupted)
     with pytest.raises(KeyboardInterrupt):
         store._group.submit(pending)
+    monkeypatch.undo()
     assert store._group._queue == [], "taken out of the queue: it never happens"
     store.gate.set()
     leader[0].join(10)

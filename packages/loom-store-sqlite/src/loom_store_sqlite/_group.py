@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from threading import Event
 from typing import Any
 
 import attrs
@@ -38,7 +39,9 @@ class PendingAppend:
     expected: int
     rows: list[Any]
     error: BaseException | None = None
-    _done: threading.Event = attrs.field(factory=threading.Event, init=False)
+    # Made only for an append that queues behind a commit (the common, lone append
+    # never waits, and an Event costs a Condition and two locks).
+    _done: Event | None = attrs.field(default=None, init=False)
     _lead: bool = attrs.field(default=False, init=False)
 
 
@@ -64,12 +67,13 @@ class GroupCommit:
         with self._lock:
             follow = self._leading
             if follow:
+                append._done = done = Event()
                 self._queue.append(append)
             else:
                 self._leading = True
         if follow:
             try:
-                append._done.wait()
+                done.wait()
             except BaseException:  # an interrupt while queued: leave no one waiting on it
                 self._abandon(append)
                 raise
@@ -98,7 +102,7 @@ class GroupCommit:
                 if not completed and other.error is None:
                     # Landed or not: the caller's confirmation (its commit id) tells.
                     other.error = StoreUnavailableError("the group's commit was interrupted")
-                other._done.set()
+                _wake(other)
             self._pass_lead()
 
     def _pass_lead(self) -> None:
@@ -107,7 +111,7 @@ class GroupCommit:
             if self._queue:
                 successor = self._queue.pop(0)
                 successor._lead = True
-                successor._done.set()
+                _wake(successor)
             else:
                 self._leading = False
 
@@ -122,6 +126,11 @@ class GroupCommit:
             handed_the_lead = append._lead
         if handed_the_lead:
             self._pass_lead()
+
+
+def _wake(append: PendingAppend) -> None:
+    assert append._done is not None  # it queued, so it waits
+    append._done.set()
 
 
 def _raise(append: PendingAppend) -> None:
