@@ -29,12 +29,11 @@ class InterruptedStore(SqliteStore):
 
     interrupt = False
 
-    @staticmethod
-    def _stream_row(connection: sqlite3.Connection, stream: str) -> tuple[int, int, int] | None:
+    def _stage(self, connection: sqlite3.Connection, append: Any, *args: Any, **kw: Any) -> bool:
         if InterruptedStore.interrupt:
             InterruptedStore.interrupt = False
             raise KeyboardInterrupt
-        return SqliteStore._stream_row(connection, stream)
+        return super()._stage(connection, append, *args, **kw)
 
 
 def test_an_interrupt_inside_an_append_leaves_no_transaction_open(tmp_path: Path) -> None:

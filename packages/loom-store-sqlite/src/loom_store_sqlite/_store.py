@@ -96,6 +96,15 @@ _INSERT_RECORD: Final = (
     "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
     "VALUES (?, ?, ?, ?, ?, ?)"
 )
+#: The first record of an append to an existing stream, inserted only if the stream is
+#: live and its head (its last position, or its floor) is the expected one: the head
+#: check and the insert in one statement. Parameters: the row, then the expected head.
+_INSERT_AT_HEAD: Final = (
+    "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
+    "SELECT ?1, ?2, ?3, ?4, ?5, ?6 FROM loom_streams AS s "
+    "WHERE s.name = ?1 AND s.deleted = 0 AND ?7 = max(s.floor, "
+    "coalesce((SELECT MAX(position) FROM loom_records WHERE stream = ?1), 0))"
+)
 
 #: A row (position, kind, payload, timestamp) as a Record, without `Record._make`'s
 #: Python-level wrapper (measured: a tenth of reading 10,000 records). The STRICT
@@ -385,29 +394,41 @@ class SqliteStore(FaultInjection, JournalStore):
         isolated: bool,
     ) -> bool:
         """Check one append's expected head and insert its rows; False (with its
-        error set) when it does not belong in this transaction."""
+        error set) when it does not belong in this transaction.
+
+        An append to a stream that exists (expected above 0) checks its head in the
+        insert of its first record (`_INSERT_AT_HEAD`); only when that inserts nothing
+        is the stream read, to say why.
+        """
         stream = append.stream
+        at_head = stream not in heads and append.expected > 0
+        exists = True
         if stream in heads:  # an append before it in this group wrote the stream
-            head, deleted, exists = heads[stream], False, True
-        else:
+            if not self._at(append, heads[stream], deleted=False):
+                return False
+        elif not at_head:
             row = self._stream_row(connection, stream)
-            head = 0 if row is None else row[0]
-            deleted, exists = row is not None and bool(row[2]), row is not None
-        if deleted:
-            append.error = StreamDeletedError(stream, head)
-            return False
-        if head != append.expected:
-            append.error = ConflictError(stream, append.expected, head)
-            return False
+            exists = row is not None
+            if not self._at(append, 0 if row is None else row[0], deleted=bool(row and row[2])):
+                return False
         if isolated:  # a failed insert must not take the group's other appends with it
             connection.execute("SAVEPOINT loom_append")
+        inserted = True
         try:
             if not exists:
                 connection.execute(
                     "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, 0, 0)",
                     (stream,),
                 )
-            connection.executemany(_INSERT_RECORD, append.rows)
+            if at_head:
+                first, *rest = append.rows
+                inserted = (
+                    connection.execute(_INSERT_AT_HEAD, (*first, append.expected)).rowcount == 1
+                )
+                if inserted and rest:
+                    connection.executemany(_INSERT_RECORD, rest)
+            else:
+                connection.executemany(_INSERT_RECORD, append.rows)
         except sqlite3.Error as exc:  # the unique key, a record too big, a full disk...
             if not isolated:
                 raise _InsertRefusedError(exc) from exc
@@ -420,8 +441,21 @@ class SqliteStore(FaultInjection, JournalStore):
             return False
         if isolated:
             connection.execute("RELEASE loom_append")
+        if not inserted:  # nothing written: the stream says why
+            row = self._stream_row(connection, stream)
+            self._at(append, 0 if row is None else row[0], deleted=bool(row and row[2]))
+            return False
         heads[stream] = append.expected + len(append.rows)
         return True
+
+    @staticmethod
+    def _at(append: PendingAppend, head: int, *, deleted: bool) -> bool:
+        """Whether an append may go on a stream at `head`; else its error is set."""
+        if deleted:
+            append.error = StreamDeletedError(append.stream, head)
+        elif head != append.expected:
+            append.error = ConflictError(append.stream, append.expected, head)
+        return append.error is None
 
     def _forget_head(self, stream: str) -> None:
         known = self._known_heads()
