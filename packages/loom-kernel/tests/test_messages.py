@@ -539,3 +539,104 @@ def test_a_send_that_does_not_drive_leaves_the_wake_to_a_worker() -> None:
         engine.send("w", "one", drive=False)
         engine.send("w", "two", drive=False)
         assert engine.handle("w").result(timeout=10) == ["one", "two"]
+
+
+# -- races between engines (an adversarial review) -------------------------------------
+
+
+@flow(name="inbox.two_deadlines")
+def two_deadlines(ctx: Context, _input: Any) -> Any:
+    answers = []
+    for gate, seconds in (("a", 10), ("b", 100)):
+        try:
+            answers.append(ctx.suspend(gate, timeout=seconds))
+        except GateTimeoutError:
+            answers.append("timeout")
+    return answers
+
+
+@flow(name="inbox.receive_then_gate")
+def receive_then_gate(ctx: Context, _input: Any) -> Any:
+    first = ctx.receive("t", timeout=10)
+    try:
+        second = ctx.suspend("b", timeout=100)
+    except GateTimeoutError:
+        second = "timeout"
+    return [first, second]
+
+
+@pytest.mark.parametrize("flow_name", ["inbox.two_deadlines", "inbox.receive_then_gate"])
+def test_a_timer_of_a_gate_passed_meanwhile_never_wakes_the_next_gate(flow_name: str) -> None:
+    """Engine X finds gate 0's deadline due; before its wake, engine Y passes gate 0
+    (a resume, a message) and the run parks at gate 1, which has a deadline too."""
+    store, clock = MemoryStore(), FakeClock()
+    flows = [*FLOWS, two_deadlines, receive_then_gate]
+    x = Engine(store, flows, clock=clock, listeners=[])
+    y = Engine(store, flows, clock=clock, listeners=[])
+    x.start(flow_name, None, key="run")
+    clock.advance(10)
+    found_due = x._timer_state
+
+    def passed_meanwhile(entry: Any, now: float) -> Any:
+        due = found_due(entry, now)
+        if entry.gate == 0 and due is True:
+            if flow_name == "inbox.two_deadlines":
+                y.resume("run", "in time", on="a")
+            else:
+                y.send("run", "in time", topic="t")
+            assert y.get("run").waiting_on == "b"
+        return due
+
+    x._timer_state = passed_meanwhile  # type: ignore[method-assign]
+    x.fire_due_timers()
+    assert x.get("run").waiting_on == "b", "gate b's deadline is 90 s away"
+    y.resume("run", "later", on="b")
+    assert x.get("run").result == ["in time", "later"]
+    x.replay_check("run")
+
+
+def test_resume_keys_of_the_kernels_own_are_refused() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.deadline", 60, key="r")
+    for key in ("timer:0", "loom.inbox:1", "loom.anything"):
+        with pytest.raises(InvalidArgumentError, match="kernel's own"):
+            engine.resume("r", "x", key=key)
+    assert engine.resume("r", "yes", key="mine").result == "yes"
+
+
+def test_a_keyed_send_racing_its_own_resend_is_not_reported_unread() -> None:
+    store = MemoryStore()
+    first, second = _engine(store), _engine(store)
+    first.start("inbox.gated", None, key="k")
+    first.resume("k", None)  # at its receive
+    appended = second._inbox.append
+
+    def resent_meanwhile(execution_id: str, topic: Any, key: Any, message: Any) -> int:
+        first.send("k", message, key=key)  # lands (and is read) before this copy
+        return appended(execution_id, topic, key, message)
+
+    second._inbox.append = resent_meanwhile  # type: ignore[method-assign]
+    assert second.send("k", "hello", key="k1") == 1, "the first copy's position"
+    assert second.get("k").result == ["hello", None]
+
+
+def test_a_message_in_the_inbox_beats_a_deadline_whose_timer_fires_late() -> None:
+    clock = FakeClock()
+    engine = _engine(MemoryStore(), clock)
+    engine.start("inbox.patient", 10, key="p")
+    clock.advance(5)
+    engine.send("p", "in time", topic="t", drive=False)  # no worker woke it
+    clock.advance(6)
+    engine.fire_due_timers()
+    assert engine.state("p").resume_payloads[0]["message"] == "in time"
+
+
+def test_an_engine_without_the_flow_sends_and_leaves_the_wake_to_one_that_has_it() -> None:
+    store = MemoryStore()
+    worker = _engine(store)
+    web = Engine(store, [], listeners=[])  # a web process: no flows
+    worker.start("inbox.two", None, key="w")
+    assert web.send("w", "one") == 1, "sent, whatever the wake"
+    assert web.recover() == [], "not its flow: left alone"
+    assert worker.recover() == ["w"]
+    assert worker.state("w").resume_payloads[0]["message"] == "one"

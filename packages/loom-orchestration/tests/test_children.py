@@ -332,3 +332,20 @@ def quick_child_first(ctx: Context, value: int) -> Any:
 def test_wait_first_on_a_child_that_ended_before_the_parent_parked() -> None:
     engine = Engine(MemoryStore(), [*FLOWS, quick_child_first], clock=FakeClock())
     assert engine.start("quick_child_first", 4, key="q").result == 8
+
+
+@flow(name="awaits_then_waits_first")
+def awaits_then_waits_first(ctx: Context, request: Any) -> Any:
+    from loom_orchestration import child_gate
+
+    child = start_child(ctx, approval, request)
+    first = ctx.suspend(child_gate(child))  # as await_child does
+    again = ctx.wait_first(gates=[child_gate(child)], timeout=100)
+    return [first["status"], again.kind, again.value["status"]]
+
+
+def test_wait_first_on_a_child_awaited_before_still_gets_its_outcome() -> None:
+    engine = Engine(MemoryStore(), [*FLOWS, awaits_then_waits_first], clock=FakeClock())
+    engine.start("awaits_then_waits_first", "x", key="twice")
+    engine.resume("twice/c0", "ok")
+    assert engine.get("twice").result == ["completed", "gate", "completed"]

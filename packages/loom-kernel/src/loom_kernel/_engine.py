@@ -47,7 +47,7 @@ from loom_kernel._executions import EXECUTION_PREFIX, compact, execution_ids, lo
 from loom_kernel._flows import Flow, RetryPolicy, flow
 from loom_kernel._handles import RunHandle
 from loom_kernel._ids import MAX_ID_LENGTH, validate_prefix, validate_stream_id
-from loom_kernel._inbox import Inbox
+from loom_kernel._inbox import Inbox, Message
 from loom_kernel._journal import JournalStore, check_gapless
 from loom_kernel._leases import (
     DEFAULT_LEASE,
@@ -68,6 +68,7 @@ from loom_kernel._state import ExecutionState, Status, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
 from loom_kernel._views import Execution, HistoryEntry
 from loom_kernel._waits import (
+    RESERVED_RESUME_KEYS,
     consumed_positions,
     gate_payload,
     message_key,
@@ -559,11 +560,17 @@ class Engine:
                 asleep on a timer, or waiting for a message only: `send` delivers
                 those); nothing is buffered (`send` is the call that buffers).
             ConflictError: another writer resumed or moved the run first.
-            InvalidArgumentError: the payload is not JSON, or the key is not a str.
+            InvalidArgumentError: the payload is not JSON, or the key is not a str (or
+                is one of the kernel's own: `timer:...`, `loom....`).
         """
         data = to_json(payload, "the resume payload")
         if key is not None and (not isinstance(key, str) or not key):
             raise InvalidArgumentError(f"a resume key is a non-empty str, not {key!r}")
+        if key is not None and key.startswith(RESERVED_RESUME_KEYS):
+            raise InvalidArgumentError(
+                f"a resume key starting with {' or '.join(RESERVED_RESUME_KEYS)} is the "
+                f"kernel's own (timers, messages), not {key!r}"
+            )
         return self._resume(execution_id, data, key, timer=False, on=on)
 
     def _resume(
@@ -579,6 +586,10 @@ class Engine:
         with self._locks.hold(execution_id):
             state = self._checkout(execution_id)
             try:
+                if timer and key != timer_resume_key(len(state.resume_payloads)):
+                    # A timer of a gate another writer passed meanwhile: the run may be
+                    # parked at a later gate with a deadline of its own.
+                    raise _AlreadyDeliveredError
                 data = self._check_parked(state, data, key, timer=timer, on=on)
             except _AlreadyDeliveredError:
                 execution = Execution.of(state)
@@ -684,12 +695,19 @@ class Engine:
         if status.finished:
             raise RunFinishedError(execution_id, status.value)
         position = self._inbox.append(execution_id, topic, key, data)
-        if drive:
-            self._deliver(execution_id)
-        else:
-            view = self.get(execution_id)
-            if view.status is Status.SUSPENDED and topic in view.topics:
-                self.runs.nudged(execution_id, view.flow)
+        if key is not None:  # a racing resend may have landed first: that one counts
+            position = self._inbox.sent(execution_id, key) or position
+        try:
+            if drive:
+                self._deliver(execution_id)
+            else:
+                view = self.get(execution_id)
+                if view.status is Status.SUSPENDED and topic in view.topics:
+                    self.runs.nudged(execution_id, view.flow)
+        except LoomError as exc:  # the message is sent: the wake is the run's business
+            logger.warning("loom: %s: a message was sent, its wake failed: %s", execution_id, exc)
+            with contextlib.suppress(LoomError):
+                self.runs.nudged(execution_id, self._view(execution_id, lambda s: s.flow))
         state = self._checkout(execution_id)
         try:
             if state.status.finished and position not in consumed_positions(state.resume_keys):
@@ -700,20 +718,23 @@ class Engine:
 
     def _deliver(self, execution_id: str) -> Execution | None:
         """Hand the first waiting message to the gate a run is parked at, if that gate
-        takes it, and drive the run on; None when there was nothing to deliver or
-        another writer moved the run first (it reads the inbox itself from there)."""
+        takes it, and drive the run on; None when there was nothing to deliver here
+        (see `_deliver_held`)."""
+        execution = self._deliver_held(execution_id)
+        return None if execution is None else self._settled(execution)
+
+    def _deliver_held(self, execution_id: str) -> Execution | None:
+        """`_deliver` without calling the listeners. None when the run waits for no
+        message that is there, when another writer moved it first (it reads the inbox
+        itself from there), or when this engine lacks its flow's code: the run index
+        then has the workers that have it look."""
         with self._locks.hold(execution_id):
             state = self._checkout(execution_id)
-            gate = state.pending_gate
             try:
-                wait = None if gate is None else wait_of(gate.on)
-                message = (
-                    None
-                    if wait is None or not wait.topics
-                    else self._inbox.next_for(
-                        execution_id, wait.topics, consumed_positions(state.resume_keys)
-                    )
-                )
+                message = self._waiting_message(state)
+                if message is not None and not self._hosts(state):
+                    self.runs.nudged(execution_id, state.flow)
+                    message = None
             except LoomError:
                 self._cache.give_back(state)
                 raise
@@ -725,10 +746,27 @@ class Engine:
             control = DriveControl([encode_event(resumed, self.clock())])
             state.apply(resumed)
             try:
-                execution = self._drive_owned(state, control)
+                return self._drive_owned(state, control)
             except ConflictError:
                 return None  # a sender, a timer or the run itself moved first
-        return self._settled(execution)
+
+    def _waiting_message(self, state: ExecutionState) -> Message | None:
+        """The message the gate a run is parked at would take now, if any."""
+        gate = state.pending_gate
+        wait = None if gate is None else wait_of(gate.on)
+        if wait is None or not wait.topics:
+            return None
+        return self._inbox.next_for(state.id, wait.topics, consumed_positions(state.resume_keys))
+
+    def _hosts(self, state: ExecutionState) -> bool:
+        """Whether this engine has the code a run is pinned to."""
+        if state.flow not in self._newest:
+            return False
+        try:
+            self._pinned_flow(state)
+        except CodeVersionError:
+            return False
+        return True
 
     def get_event(self, execution_id: str, key: str, timeout: float | None = None) -> Any:
         """The latest value a run published under `key` (`ctx.set_event`), read without
@@ -1112,11 +1150,17 @@ class Engine:
             due = self._timer_state(entry, now)
             if due is not True:
                 return due
-            key = timer_resume_key(entry.gate)
-            try:
-                execution = self._resume(entry.execution_id, None, key, timer=True, settle=False)
-            except _AlreadyDeliveredError:
-                return False  # another engine woke it meanwhile
+            # A message already in the inbox beats the deadline: it was sent before the
+            # timer fired, whatever the clocks said.
+            execution = self._deliver_held(entry.execution_id)
+            if execution is None:
+                key = timer_resume_key(entry.gate)
+                try:
+                    execution = self._resume(
+                        entry.execution_id, None, key, timer=True, settle=False
+                    )
+                except _AlreadyDeliveredError:
+                    return False  # another engine woke it meanwhile
         self._settled(execution)
         return True
 

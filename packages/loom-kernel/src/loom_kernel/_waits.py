@@ -26,6 +26,7 @@ from loom_kernel._timers import TIMER_GATE
 __all__ = [
     "FIRST_PREFIX",
     "RECEIVE_PREFIX",
+    "RESERVED_RESUME_KEYS",
     "Wait",
     "Woken",
     "first_gate",
@@ -40,6 +41,8 @@ __all__ = [
 RECEIVE_PREFIX: Final = "loom.receive:"
 FIRST_PREFIX: Final = "loom.first:"
 _MESSAGE_KEY: Final = "loom.inbox:"
+#: Resume keys only the kernel writes: a timer's (`timer:<gate>`) and a message's.
+RESERVED_RESUME_KEYS: Final = ("loom.", "timer:")
 
 
 @attrs.frozen
@@ -105,10 +108,14 @@ def wait_of(on: str) -> Wait | None:
             return Wait((), (validate_topic(json.loads(on.removeprefix(RECEIVE_PREFIX))),))
         if on.startswith(FIRST_PREFIX):
             spec = json.loads(on.removeprefix(FIRST_PREFIX))
-            gates = tuple(str(gate) for gate in spec["gates"])
+            if not isinstance(spec["gates"], list) or not isinstance(spec["topics"], list):
+                raise TypeError("gates and topics are lists")
+            if not all(isinstance(gate, str) and gate for gate in spec["gates"]):
+                raise TypeError("a gate is a non-empty str")
+            gates = tuple(spec["gates"])
             topics = tuple(validate_topic(topic) for topic in spec["topics"])
             return Wait(gates, topics, named=True)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise InvalidArgumentError(f"a damaged gate name {on!r}: {exc}") from None
     return Wait((on,))
 
@@ -130,4 +137,8 @@ def gate_payload(gate: str, value: Any) -> dict[str, Any]:
 
 def consumed_positions(resume_keys: list[str]) -> set[int]:
     """The inbox positions a run has consumed, from its resume keys."""
-    return {int(key[len(_MESSAGE_KEY) :]) for key in resume_keys if key.startswith(_MESSAGE_KEY)}
+    return {
+        int(key[len(_MESSAGE_KEY) :])
+        for key in resume_keys
+        if key.startswith(_MESSAGE_KEY) and key[len(_MESSAGE_KEY) :].isdigit()
+    }

@@ -111,34 +111,40 @@ def child_gate(child_id: str) -> str:
     return _ONE + child_id
 
 
-def _children_of_gate(parked: Execution) -> list[tuple[str, str]]:
-    """(child id, the gate a delivery names) of each child the run is parked for."""
+def _children_of_gate(parked: Execution) -> list[tuple[str, str, str]]:
+    """(child id, the gate a delivery names, its dedupe key) of each child the run is
+    parked for. A `wait_first` gate's key names the park's journal position too, so
+    a child awaited before (whose key is its gate's name) still wakes it."""
     gate = parked.waiting_on
     if gate is None:
         return []
     if gate.startswith(_ONE):
-        return [(gate.removeprefix(_ONE), gate)]
+        return [(gate.removeprefix(_ONE), gate, gate)]
     if gate.startswith(_ANY):
-        return [(child, gate) for child in gate.removeprefix(_ANY).split("|")]
-    return [(name.removeprefix(_ONE), name) for name in parked.gates if name.startswith(_ONE)]
+        return [(child, gate, gate) for child in gate.removeprefix(_ANY).split("|")]
+    return [
+        (name.removeprefix(_ONE), name, f"{name}@{parked.position}")
+        for name in parked.gates
+        if name.startswith(_ONE)
+    ]
 
 
-def _deliver(engine: Engine, parent_id: str, gate: str, child: Execution) -> None:
+def _deliver(engine: Engine, parent_id: str, gate: str, key: str, child: Execution) -> None:
     with contextlib.suppress(ConflictError, NotSuspendedError):
         # key: a re-delivery is a no-op; on: it can only ever feed this very gate.
-        engine.resume(parent_id, _outcome(child), key=gate, on=gate)
+        engine.resume(parent_id, _outcome(child), key=key, on=gate)
 
 
 def settle(engine: Engine, execution: Execution) -> None:
     """The listener: the checks each side makes after writing its own fact."""
     if execution.status is Status.SUSPENDED:
-        for child_id, gate in _children_of_gate(execution):
+        for child_id, gate, key in _children_of_gate(execution):
             try:
                 child = engine.get(child_id)
             except ExecutionNotFoundError:
                 continue
             if child.status.finished:
-                _deliver(engine, execution.id, gate, child)
+                _deliver(engine, execution.id, gate, key, child)
                 return
         return
     if not execution.status.finished:
@@ -148,9 +154,10 @@ def settle(engine: Engine, execution: Execution) -> None:
             parent = engine.get(execution.parent)
         except ExecutionNotFoundError:
             parent = None
-        gates = {} if parent is None else dict(_children_of_gate(parent))
+        gates = {} if parent is None else {c: (g, k) for c, g, k in _children_of_gate(parent)}
         if parent is not None and execution.id in gates:
-            _deliver(engine, parent.id, gates[execution.id], execution)
+            gate, key = gates[execution.id]
+            _deliver(engine, parent.id, gate, key, execution)
     _close_children(engine, execution)
 
 
