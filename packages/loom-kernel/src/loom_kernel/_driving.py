@@ -6,7 +6,7 @@ import asyncio
 import contextvars
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 from loom_kernel._codec import to_json
 from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, Unwind
@@ -15,7 +15,15 @@ from loom_kernel._events import ExecutionCompleted, ExecutionFailed, error_info
 from loom_kernel._flows import Flow
 from loom_kernel._state import ExecutionState
 
-__all__ = ["awaitable_sleep", "replay_check", "run_flow"]
+T = TypeVar("T")
+
+__all__ = ["FLOW_LOOP", "awaitable_sleep", "on_loop", "replay_check", "run_flow"]
+
+#: Set by the engine's async API around a drive it runs on a thread: the caller's event
+#: loop, where an async flow's code runs (its ctx calls journal from there).
+FLOW_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "loom_flow_loop", default=None
+)
 
 
 def run_flow(
@@ -133,12 +141,31 @@ def awaitable_sleep(sleep: Callable[[float], None]) -> Callable[[float], Awaitab
     return pause
 
 
-def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """Run an async flow to its end, in this thread or, under a running loop, in a helper.
+def on_loop(loop: asyncio.AbstractEventLoop, call: Callable[..., T]) -> Callable[..., T]:
+    """`call`, made to run async flows' code on `loop` (for a drive on another thread)."""
 
-    The helper runs in a copy of this context, so it holds what its caller holds
+    def bound(*args: Any, **kwargs: Any) -> T:
+        FLOW_LOOP.set(loop)
+        return call(*args, **kwargs)
+
+    return bound
+
+
+def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """Run an async flow to its end: on the loop of the async API's caller (this thread
+    waits), in this thread, or, under a running loop, in a helper thread.
+
+    The coroutine runs in a copy of this context, so it holds what its caller holds
     (the run's lock, the listener queue) instead of waiting for it.
     """
+    caller = FLOW_LOOP.get()
+    if caller is not None and not caller.is_closed():
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not caller:
+            return asyncio.run_coroutine_threadsafe(coroutine, caller).result()
     try:
         asyncio.get_running_loop()
     except RuntimeError:

@@ -12,14 +12,14 @@ import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from functools import partial
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import attrs
 
 from loom_kernel._cache import StateCache
 from loom_kernel._codec import decode_events, encode_event, to_json
 from loom_kernel._context import DriveControl, Runtime
-from loom_kernel._driving import awaitable_sleep, replay_check, run_flow
+from loom_kernel._driving import awaitable_sleep, on_loop, replay_check, run_flow
 from loom_kernel._each import raise_first, try_each
 from loom_kernel._errors import (
     CodeVersionError,
@@ -78,6 +78,7 @@ from loom_kernel._waits import (
 )
 
 logger = logging.getLogger("loom")
+_T = TypeVar("_T")
 
 
 if TYPE_CHECKING:
@@ -805,6 +806,58 @@ class Engine:
         """Every key a run has published, with its latest value (`ctx.set_event`)."""
         self.stream_of(execution_id)
         return self._published.values(execution_id)
+
+    # -- the async API ------------------------------------------------------------
+
+    async def start_async(
+        self,
+        flow_name: str | Flow,
+        input: Any = None,
+        *,
+        key: str | None = None,
+        parent: str | None = None,
+    ) -> Execution:
+        """`start`, for `async def` callers: the drive runs on a thread of the loop's
+        default executor, so the caller's event loop is never held, and an async
+        flow's code runs on the caller's loop (a sync flow's, on that thread).
+        Arguments, result and errors are those of `start`."""
+        return await self._in_thread(self.start, flow_name, input, key=key, parent=parent)
+
+    async def resume_async(
+        self,
+        execution_id: str,
+        payload: Any = None,
+        *,
+        key: str | None = None,
+        on: str | None = None,
+    ) -> Execution:
+        """`resume`, for `async def` callers (see `start_async`)."""
+        return await self._in_thread(self.resume, execution_id, payload, key=key, on=on)
+
+    async def send_async(
+        self,
+        execution_id: str,
+        message: Any = None,
+        *,
+        topic: str | None = None,
+        key: str | None = None,
+        drive: bool = True,
+    ) -> int:
+        """`send`, for `async def` callers (see `start_async`)."""
+        return await self._in_thread(
+            self.send, execution_id, message, topic=topic, key=key, drive=drive
+        )
+
+    async def get_event_async(
+        self, execution_id: str, key: str, timeout: float | None = None
+    ) -> Any:
+        """`get_event`, for `async def` callers: waits on a thread, not on the loop."""
+        return await self._in_thread(self.get_event, execution_id, key, timeout)
+
+    @staticmethod
+    async def _in_thread(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await asyncio.to_thread(on_loop(loop, call), *args, **kwargs)
 
     def cancel(self, execution_id: str, reason: str | None = None) -> Execution:
         """End a run: it never starts another step. Cancelling a finished run changes nothing.

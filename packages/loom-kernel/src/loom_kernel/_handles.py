@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import TYPE_CHECKING, Any, Final
 
@@ -71,6 +72,27 @@ class RunHandle:
             time.sleep(pause if left is None else min(pause, left))
             pause = min(pause * 2, _LONGEST_WAIT)
 
+    async def wait_async(self, timeout: float | None = None) -> Execution:
+        """`wait`, for `async def` callers: it sleeps on the loop between looks."""
+        if timeout is not None and (not finite_number(timeout) or timeout < 0):
+            raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        pause = _FIRST_WAIT
+        while True:
+            execution = await asyncio.to_thread(self.get)
+            if execution.status.finished:
+                return execution
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                assert timeout is not None
+                raise ResultTimeoutError(self.id, execution.status.value, timeout)
+            await asyncio.sleep(pause if left is None else min(pause, left))
+            pause = min(pause * 2, _LONGEST_WAIT)
+
+    async def result_async(self, timeout: float | None = None) -> Any:
+        """`result`, for `async def` callers (see `wait_async`)."""
+        return self._outcome(await self.wait_async(timeout))
+
     def result(self, timeout: float | None = None) -> Any:
         """Wait until the run has finished and return what its flow returned.
 
@@ -82,7 +104,9 @@ class RunHandle:
             ExecutionEndedError: it failed or was cancelled.
             ExecutionNotFoundError: there is no such run.
         """
-        execution = self.wait(timeout)
+        return self._outcome(self.wait(timeout))
+
+    def _outcome(self, execution: Execution) -> Any:
         if execution.status is Status.COMPLETED:
             return execution.result
         if execution.status is Status.FAILED:

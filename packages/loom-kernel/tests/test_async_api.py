@@ -1,0 +1,119 @@
+"""The engine's async API: a drive never holds the caller's event loop, and an async
+flow's code runs on the caller's loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    AsyncContext,
+    Context,
+    Engine,
+    ExecutionEndedError,
+    MemoryStore,
+    ResultTimeoutError,
+    Status,
+    flow,
+)
+
+loops: list[asyncio.AbstractEventLoop] = []
+
+
+@flow(name="api.on_loop")
+async def on_loop(ctx: AsyncContext, _input: Any) -> Any:
+    loops.append(asyncio.get_running_loop())
+    first = await ctx.step("first", lambda: "one")
+    message = await ctx.receive(timeout=60)
+    return [first, message]
+
+
+@flow(name="api.fails")
+def fails(ctx: Context, _input: Any) -> Any:
+    raise ValueError("no")
+
+
+FLOWS = [on_loop, fails]
+
+
+def test_start_async_of_a_sync_flow_never_holds_the_loop() -> None:
+    loop_ran = threading.Event()
+
+    @flow(name="api.needs_the_loop")
+    def needs_the_loop(ctx: Context, _input: Any) -> Any:
+        # Passes only if the caller's loop runs while this step does.
+        return ctx.step("wait", lambda: loop_ran.wait(10))
+
+    engine = Engine(MemoryStore(), [needs_the_loop], listeners=[])
+
+    async def main() -> Any:
+        async def meanwhile() -> None:
+            await asyncio.sleep(0.01)
+            loop_ran.set()
+
+        ticker = asyncio.create_task(meanwhile())
+        done = await engine.start_async("api.needs_the_loop")
+        await ticker
+        return done.result
+
+    assert asyncio.run(main()) is True
+
+
+def test_an_async_flow_runs_on_the_callers_loop_and_its_api_is_awaitable() -> None:
+    loops.clear()
+    engine = Engine(MemoryStore(), FLOWS, listeners=[])
+
+    async def main() -> Any:
+        caller = asyncio.get_running_loop()
+        parked = await engine.start_async("api.on_loop", None, key="l")
+        assert parked.status is Status.SUSPENDED
+        await engine.send_async("l", "hi")
+        handle = engine.handle("l")
+        assert await handle.result_async(timeout=10) == ["one", "hi"]
+        assert all(loop is caller for loop in loops), "every pass ran on the caller's loop"
+        return len(loops)
+
+    assert asyncio.run(main()) == 2
+
+
+def test_resume_async_get_event_async_and_failures() -> None:
+    @flow(name="api.gate")
+    def gate(ctx: Context, _input: Any) -> Any:
+        ctx.set_event("stage", "waiting")
+        return ctx.suspend("go")
+
+    engine = Engine(MemoryStore(), [*FLOWS, gate], listeners=[])
+
+    async def main() -> None:
+        await engine.start_async("api.gate", None, key="g")
+        assert await engine.get_event_async("g", "stage") == "waiting"
+        assert (await engine.resume_async("g", 5, on="go")).result == 5
+        await engine.start_async("api.fails", None, key="f")
+        with pytest.raises(ExecutionEndedError, match="ValueError"):
+            await engine.handle("f").result_async(timeout=1)
+        engine.enqueue("api.gate", None, key="never")
+        with pytest.raises(ResultTimeoutError):
+            await engine.handle("never").wait_async(timeout=0.05)
+
+    asyncio.run(main())
+
+
+def test_async_starts_at_once_run_side_by_side_on_threads() -> None:
+    together = threading.Barrier(4, timeout=10)  # passes only if 4 drives run at once
+    threads: set[int] = set()
+
+    @flow(name="api.together")
+    def side_by_side(ctx: Context, _input: Any) -> Any:
+        threads.add(threading.get_ident())
+        return ctx.step("s", lambda: together.wait() >= 0)
+
+    engine = Engine(MemoryStore(), [side_by_side], listeners=[])
+
+    async def main() -> list[Any]:
+        done = await asyncio.gather(*(engine.start_async("api.together", n) for n in range(4)))
+        return [execution.result for execution in done]
+
+    assert asyncio.run(main()) == [True] * 4
+    assert threading.get_ident() not in threads
