@@ -57,37 +57,21 @@ class RunHandle:
             ResultTimeoutError: it had not finished when the time ran out.
             ExecutionNotFoundError: there is no such run.
         """
-        if timeout is not None and (not finite_number(timeout) or timeout < 0):
-            raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _FIRST_WAIT
+        looks = _Looks(self.id, timeout)
         while True:
             execution = self.get()
             if execution.status.finished:
                 return execution
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                assert timeout is not None
-                raise ResultTimeoutError(self.id, execution.status.value, timeout)
-            time.sleep(pause if left is None else min(pause, left))
-            pause = min(pause * 2, _LONGEST_WAIT)
+            time.sleep(looks.pause(execution))
 
     async def wait_async(self, timeout: float | None = None) -> Execution:
         """`wait`, for `async def` callers: it sleeps on the loop between looks."""
-        if timeout is not None and (not finite_number(timeout) or timeout < 0):
-            raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = _FIRST_WAIT
+        looks = _Looks(self.id, timeout)
         while True:
             execution = await asyncio.to_thread(self.get)
             if execution.status.finished:
                 return execution
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                assert timeout is not None
-                raise ResultTimeoutError(self.id, execution.status.value, timeout)
-            await asyncio.sleep(pause if left is None else min(pause, left))
-            pause = min(pause * 2, _LONGEST_WAIT)
+            await asyncio.sleep(looks.pause(execution))
 
     async def result_async(self, timeout: float | None = None) -> Any:
         """`result`, for `async def` callers (see `wait_async`)."""
@@ -118,3 +102,32 @@ class RunHandle:
                 error.message if error else None,
             )
         raise ExecutionEndedError(self.id, execution.status.value, None, execution.cancel_reason)
+
+
+class _Looks:
+    """When a wait for a run looks again: every 5 ms, doubling up to every 250 ms,
+    until `timeout` seconds (None: no end)."""
+
+    def __init__(self, execution_id: str, timeout: float | None) -> None:
+        if timeout is not None and (not finite_number(timeout) or timeout < 0):
+            raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
+        self._id = execution_id
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._pause = _FIRST_WAIT
+
+    def pause(self, execution: Execution) -> float:
+        """How long to wait before the next look at a run not finished yet.
+
+        Raises:
+            ResultTimeoutError: the time is up.
+        """
+        pause = self._pause
+        self._pause = min(pause * 2, _LONGEST_WAIT)
+        if self._deadline is None:
+            return pause
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            assert self._timeout is not None
+            raise ResultTimeoutError(self._id, execution.status.value, self._timeout)
+        return min(pause, left)
