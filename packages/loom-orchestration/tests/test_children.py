@@ -272,7 +272,7 @@ def test_redelivered_notice_never_feeds_a_later_gate() -> None:
 def test_start_child_refuses_a_bad_option() -> None:
     @flow
     def bad(ctx: Context, _input: Any) -> Any:
-        return start_child(ctx, double, 1, on_parent_close="maybe")  # type: ignore[arg-type]
+        return start_child(ctx, double, 1, on_parent_close="maybe")  # type: ignore[call-overload]
 
     engine = _engine()
     engine.register(bad)
@@ -349,3 +349,46 @@ def test_wait_first_on_a_child_awaited_before_still_gets_its_outcome() -> None:
     engine.start("awaits_then_waits_first", "x", key="twice")
     engine.resume("twice/c0", "ok")
     assert engine.get("twice").result == ["completed", "gate", "completed"]
+
+
+def test_children_run_side_by_side_on_a_workers_slots() -> None:
+    import threading
+
+    from loom_kernel import Worker
+
+    together = threading.Barrier(4, timeout=10)  # passes only if the 4 children run at once
+
+    @flow(name="meets")
+    def meets(ctx: Context, number: int) -> Any:
+        return ctx.step("meet", lambda: together.wait() >= 0 and number)
+
+    @flow(name="fans_out")
+    def fans_out(ctx: Context, count: int) -> Any:
+        return await_children(ctx, [(meets, n) for n in range(count)])
+
+    engine = Engine(MemoryStore(), [meets, fans_out], listeners=[])
+    with Worker(engine, concurrency=5, idle_poll=0.05):
+        handle = engine.enqueue("fans_out", 4, key="fan")
+        assert handle.result(timeout=20) == [0, 1, 2, 3]
+
+
+@flow(name="async_parent")
+async def async_parent(ctx: Any, value: int) -> Any:
+    from loom_orchestration import child_gate
+
+    one = await await_child(ctx, double, value)
+    many = await await_children(ctx, [(double, 1), (double, 2)])
+    first, result = await await_any(ctx, [(approval, "a"), (double, 3)])
+    started = await start_child(ctx, approval, "later")
+    woken = await ctx.wait_first(gates=[child_gate(started)], timeout=60)
+    return [one, many, first, result, woken.value["result"]["decision"]]
+
+
+def test_orchestration_is_awaitable_in_async_flows() -> None:
+    engine = Engine(MemoryStore(), [*FLOWS, async_parent], clock=FakeClock())
+    parked = engine.start("async_parent", 5, key="ap")
+    assert parked.status is Status.SUSPENDED
+    engine.resume("ap/c5", "yes")
+    done = engine.get("ap")
+    assert done.result == [10, [2, 4], "ap/c4", 6, "yes"], done
+    engine.replay_check("ap")

@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Sequence
-from typing import Any, Final, Literal
+from collections.abc import Coroutine, Sequence
+from typing import Any, Final, Literal, overload
 
 from loom_kernel import (
+    AsyncContext,
     ConflictError,
     Context,
     Engine,
@@ -171,19 +172,34 @@ def _close_children(engine: Engine, parent: Execution) -> None:
                 engine.cancel(frame.result["id"], f"parent {parent.id!r} ended")
 
 
+@overload
 def start_child(
-    ctx: Context,
+    ctx: Context, flow: str | Flow, input: Any = None, *, on_parent_close: OnParentClose = ...
+) -> str: ...
+@overload
+def start_child(
+    ctx: AsyncContext,
+    flow: str | Flow,
+    input: Any = None,
+    *,
+    on_parent_close: OnParentClose = ...,
+) -> Coroutine[Any, Any, str]: ...
+def start_child(
+    ctx: Context | AsyncContext,
     flow: str | Flow,
     input: Any = None,
     *,
     on_parent_close: OnParentClose = "abandon",
-) -> str:
-    """Start a child execution and return its id, without waiting for it.
+) -> Any:
+    """Start a child execution and return its id, without waiting for it (in an
+    `async def` flow, awaitable: `child_id = await start_child(ctx, ...)`).
 
     The id is `<parent id>/c<position>`, fixed by the call's position in the parent,
     so a parent replayed after a crash finds the same child instead of starting a
-    second. The child runs inline until it first parks or ends, and survives its
-    parent unless `on_parent_close="cancel"`.
+    second. When a `Worker` runs on the parent's engine, the child is handed to it
+    (`enqueue`), so children run side by side on its slots; otherwise the child runs
+    inline until it first parks or ends. It survives its parent unless
+    `on_parent_close="cancel"`.
     """
     if on_parent_close not in ("abandon", "cancel"):
         raise InvalidArgumentError(
@@ -193,33 +209,39 @@ def start_child(
 
 
 def start_child_as(
-    ctx: Context,
+    ctx: Context | AsyncContext,
     child_id: str,
     flow: str | Flow,
     input: Any,
     on_parent_close: OnParentClose,
-) -> str:
+) -> Any:
     """start_child with an id the caller derived deterministically (a supervisor's `name@n`)."""
     engine = ctx.engine
     install(engine)
     flow_name = flow.name if isinstance(flow, Flow) else flow
 
     def start() -> dict[str, Any]:
-        engine.start(flow_name, input, key=child_id, parent=ctx.execution_id)
+        if engine._local_workers:  # a runtime here: the child takes one of its slots
+            engine.enqueue(flow_name, input, key=child_id, parent=ctx.execution_id)
+        else:
+            engine.start(flow_name, input, key=child_id, parent=ctx.execution_id)
         return {"id": child_id, "flow": flow_name, "on_parent_close": on_parent_close}
 
+    if isinstance(ctx, AsyncContext):
+        return _started_id(ctx.step(START_STEP, start))
     started: dict[str, Any] = ctx.step(START_STEP, start)
     return str(started["id"])
 
 
-def wait_any(ctx: Context, child_ids: Sequence[str]) -> dict[str, Any]:
+async def _started_id(step: Coroutine[Any, Any, dict[str, Any]]) -> str:
+    return str((await step)["id"])
+
+
+def wait_any(ctx: Context | AsyncContext, child_ids: Sequence[str]) -> Any:
     """Park until the first of these existing children ends; return its outcome record
-    (id, status, result, error, reason) without raising."""
-    if len(child_ids) == 1:
-        outcome: dict[str, Any] = ctx.suspend(_ONE + child_ids[0])
-    else:
-        outcome = ctx.suspend(_ANY + "|".join(child_ids))
-    return outcome
+    (id, status, result, error, reason) without raising (awaitable in async flows)."""
+    gate = _ONE + child_ids[0] if len(child_ids) == 1 else _ANY + "|".join(child_ids)
+    return ctx.suspend(gate)
 
 
 def _unwrap(outcome: dict[str, Any]) -> Any:
@@ -233,7 +255,7 @@ def _unwrap(outcome: dict[str, Any]) -> Any:
 
 
 def await_child(
-    ctx: Context,
+    ctx: Context | AsyncContext,
     flow: str | Flow,
     input: Any = None,
     *,
@@ -245,33 +267,85 @@ def await_child(
         ChildFailedError: the child failed (carries its error's type and message).
         ChildCancelledError: the child was cancelled.
     """
+    if isinstance(ctx, AsyncContext):
+        return _await_child_async(ctx, flow, input, on_parent_close)
     child_id = start_child(ctx, flow, input, on_parent_close=on_parent_close)
     return _unwrap(ctx.suspend(_ONE + child_id))
 
 
+async def _await_child_async(
+    ctx: AsyncContext, flow: str | Flow, input: Any, on_parent_close: OnParentClose
+) -> Any:
+    child_id = await start_child(ctx, flow, input, on_parent_close=on_parent_close)
+    return _unwrap(await ctx.suspend(_ONE + child_id))
+
+
+@overload
 def await_children(
     ctx: Context,
     children: Sequence[tuple[str | Flow, Any]],
     *,
+    on_parent_close: OnParentClose = ...,
+) -> list[Any]: ...
+@overload
+def await_children(
+    ctx: AsyncContext,
+    children: Sequence[tuple[str | Flow, Any]],
+    *,
+    on_parent_close: OnParentClose = ...,
+) -> Coroutine[Any, Any, list[Any]]: ...
+def await_children(
+    ctx: Context | AsyncContext,
+    children: Sequence[tuple[str | Flow, Any]],
+    *,
     on_parent_close: OnParentClose = "abandon",
-) -> list[Any]:
+) -> Any:
     """Start every (flow, input) child, then wait for all; results in the given order.
 
     Raises:
         ChildFailedError, ChildCancelledError: for the first child, in order, that did
             not complete (after every child has ended).
     """
+    if isinstance(ctx, AsyncContext):
+        return _await_children_async(ctx, children, on_parent_close)
     ids = [start_child(ctx, flow, data, on_parent_close=on_parent_close) for flow, data in children]
     outcomes = [ctx.suspend(_ONE + child_id) for child_id in ids]
     return [_unwrap(outcome) for outcome in outcomes]
 
 
+async def _await_children_async(
+    ctx: AsyncContext,
+    children: Sequence[tuple[str | Flow, Any]],
+    on_parent_close: OnParentClose,
+) -> list[Any]:
+    ids = [
+        await start_child(ctx, flow, data, on_parent_close=on_parent_close)
+        for flow, data in children
+    ]
+    outcomes = [await ctx.suspend(_ONE + child_id) for child_id in ids]
+    return [_unwrap(outcome) for outcome in outcomes]
+
+
+@overload
 def await_any(
     ctx: Context,
     children: Sequence[tuple[str | Flow, Any]],
     *,
+    on_parent_close: OnParentClose = ...,
+) -> tuple[str, Any]: ...
+@overload
+def await_any(
+    ctx: AsyncContext,
+    children: Sequence[tuple[str | Flow, Any]],
+    *,
+    on_parent_close: OnParentClose = ...,
+) -> Coroutine[Any, Any, tuple[str, Any]]: ...
+def await_any(
+    ctx: Context | AsyncContext,
+    children: Sequence[tuple[str | Flow, Any]],
+    *,
     on_parent_close: OnParentClose = "abandon",
-) -> tuple[str, Any]:
+) -> Any:
     """Start every (flow, input) child and wait for the first to end.
 
     Returns:
@@ -282,6 +356,21 @@ def await_any(
     """
     if not children:
         raise InvalidArgumentError("await_any needs at least one child")
+    if isinstance(ctx, AsyncContext):
+        return _await_any_async(ctx, children, on_parent_close)
     ids = [start_child(ctx, flow, data, on_parent_close=on_parent_close) for flow, data in children]
     outcome = ctx.suspend(_ANY + "|".join(ids))
+    return str(outcome["id"]), _unwrap(outcome)
+
+
+async def _await_any_async(
+    ctx: AsyncContext,
+    children: Sequence[tuple[str | Flow, Any]],
+    on_parent_close: OnParentClose,
+) -> tuple[str, Any]:
+    ids = [
+        await start_child(ctx, flow, data, on_parent_close=on_parent_close)
+        for flow, data in children
+    ]
+    outcome = await ctx.suspend(_ANY + "|".join(ids))
     return str(outcome["id"]), _unwrap(outcome)
