@@ -13,6 +13,11 @@ rounds), and the p50 and p99 time per step (a workflow's time over its 10 steps)
 the same run (a workflow: its start, 10 steps, its end, and its two run index
 records). Group commit is what lets Loom pass 1x: appends of threads that wait on
 one sync share the next one.
+
+Then the fan-out: a parent that awaits N children (`await_children`), each a step
+that takes CHILD_SECONDS, driven by a `Worker` of N + 1 slots on the parent's engine
+(children take its slots side by side) and inline with no worker (one after
+another): wall time as a multiple of one child's.
 """
 
 from __future__ import annotations
@@ -25,10 +30,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loom_kernel import Context, Engine, flow, open_store
+from loom_kernel import Context, Engine, Worker, flow, open_store
+from loom_orchestration import await_children
 
 STEPS = 10
 ROUNDS = 5
+CHILD_SECONDS = 0.2
 PAYLOAD = b'{"v":"1.16.0","d":{"index":1,"name":"step","result":{"n":1,"ok":true}}}'
 
 
@@ -96,6 +103,35 @@ def _loom_round(engine: Engine, threads: int, seconds: float) -> tuple[float, li
     return done[0] * STEPS / elapsed, per_step
 
 
+def _work() -> str:
+    time.sleep(CHILD_SECONDS)
+    return "done"
+
+
+@flow(name="bench.child", version="1")
+def child(ctx: Context, _input: Any) -> str:
+    return str(ctx.step("work", _work))
+
+
+@flow(name="bench.fan_out", version="1")
+def fan_out(ctx: Context, count: int) -> int:
+    return len(await_children(ctx, [(child, n) for n in range(count)]))
+
+
+def _fan_out(directory: Path, count: int) -> str:
+    store = open_store(f"sqlite://{directory / f'fan-{count}.db'}")
+    engine = Engine(store, [child, fan_out])
+    began = time.perf_counter()
+    engine.start("bench.fan_out", count)  # no worker: every child inline, in turn
+    inline = time.perf_counter() - began
+    with Worker(engine, concurrency=count + 1, idle_poll=0.05):
+        began = time.perf_counter()
+        engine.enqueue("bench.fan_out", count).result(timeout=600)
+        worker = time.perf_counter() - began
+    store.close()
+    return f"| {count} | {worker / CHILD_SECONDS:.2f}x | {inline / CHILD_SECONDS:.2f}x |"
+
+
 def _level(directory: Path, synchronous: str, threads: int, seconds: float) -> str:
     store = open_store(
         f"sqlite://{directory / f'loom-{synchronous}-{threads}.db'}?synchronous={synchronous}"
@@ -123,6 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seconds", type=float, default=1.0, help="per side per round")
+    parser.add_argument("--fan-out", type=int, nargs="+", default=[1, 4, 16])
     args = parser.parse_args()
     print(f"## Loom steps/s ÷ one raw writer's commits/s ({ROUNDS} alternating rounds)")
     print("| synchronous | concurrent runs | ratio, median (range) | step p50 | step p99 |")
@@ -131,6 +168,11 @@ def main() -> None:
         for synchronous in ("full", "normal"):
             for threads in args.levels:
                 print(_level(Path(scratch), synchronous, threads, args.seconds), flush=True)
+        print(f"\n## Fan-out: wall time ÷ one child's ({CHILD_SECONDS} s), synchronous=full")
+        print("| children | a worker of N + 1 slots | inline, no worker |")
+        print("| --- | --- | --- |")
+        for count in args.fan_out:
+            print(_fan_out(Path(scratch), count), flush=True)
 
 
 if __name__ == "__main__":

@@ -709,3 +709,15 @@ def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:
         assert not ran.is_set(), "queued: the only slot is reserved"
         worker._unreserve("reserved")  # the key existed: nothing started
         assert ran.wait(5), "the freed slot took the queued work"
+
+
+def test_a_handle_wakes_when_a_drive_of_its_engine_ends_the_run_not_at_its_next_look(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("loom_kernel._handles._FIRST_WAIT", 60.0)  # looks a minute apart
+    store = MemoryStore()
+    engine = _engine(store)
+    with Worker(engine, idle_poll=0.02):
+        handle = engine.enqueue("slow", "w", key="woken")
+        threading.Timer(0.1, gate.set).start()
+        assert handle.result(timeout=30) == "w:after"

@@ -151,6 +151,8 @@ class Engine:
         self.runs = RunIndex(store, clock)
         self._inbox = Inbox(store, clock)
         self._published = Published(store, clock)
+        self._finishes = threading.Condition()  # notified when a drive here ends a run
+        self._finished_count = 0
         self._local_workers: list[Worker] = []  # running workers of this engine
         self._flows: dict[str, dict[str, Flow]] = {}  # name -> code hash -> flow
         self._newest: dict[str, Flow] = {}
@@ -185,6 +187,10 @@ class Engine:
         closed in the run index (or handed to `delivered` instead)."""
         if execution.status is Status.RUNNING:
             return execution
+        if execution.status.finished:
+            with self._finishes:
+                self._finished_count += 1
+                self._finishes.notify_all()
         then = delivered or self._close
         if not self._listeners:
             try:
@@ -198,6 +204,14 @@ class Engine:
             return self.get(execution.id)
         except LoomError:
             return execution
+
+    def _wait_for_a_finish(self, seen: int, seconds: float) -> None:
+        """Wait up to `seconds` for a drive of this engine to end a run, unless one
+        has since `seen` (the count `_finished_count` had): a handle waiting on a run
+        driven here wakes at once, not at its next look."""
+        with self._finishes:
+            if self._finished_count == seen:
+                self._finishes.wait(seconds)
 
     def _close(self, execution: Execution) -> None:
         """Close a finished run in the run index, once its listeners have all run."""

@@ -59,10 +59,11 @@ class RunHandle:
         """
         looks = _Looks(self.id, timeout)
         while True:
+            seen = self._engine._finished_count
             execution = self.get()
             if execution.status.finished:
                 return execution
-            time.sleep(looks.pause(execution))
+            self._engine._wait_for_a_finish(seen, looks.pause(execution))
 
     async def wait_async(self, timeout: float | None = None) -> Execution:
         """`wait`, for `async def` callers: it sleeps on the loop between looks."""
