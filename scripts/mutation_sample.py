@@ -313,7 +313,7 @@ def _check_baseline(scratch: Path, packages: list[str], timeout: float) -> None:
     if not probe.stdout.startswith(str(scratch)):
         raise SystemExit(f"the copy is not what is imported: {probe.stdout.strip()}")
     for package in packages:
-        if _pytest(scratch, package, timeout) != 0:
+        if _pytest(scratch, package, timeout, show=True) != 0:
             raise SystemExit(f"the unmutated tests of {package} fail: fix them first")
 
 
@@ -333,7 +333,14 @@ def _pytest_command(workers: str) -> list[str]:
     ]
 
 
-def _pytest(scratch: Path, package: str, timeout: float, only: list[str] | None = None) -> int:
+def _pytest(
+    scratch: Path,
+    package: str,
+    timeout: float,
+    only: list[str] | None = None,
+    *,
+    show: bool = False,
+) -> int:
     _source, tests = PACKAGES[package]
     targets = only if only is not None else [str(scratch / test) for test in tests]
     workers = "2" if only is None or len(only) > 40 else "0"
@@ -351,6 +358,8 @@ def _pytest(scratch: Path, package: str, timeout: float, only: list[str] | None 
         timeout=timeout,
         check=False,
     )
+    if show and done.returncode != 0:  # why the baseline failed
+        print(done.stdout.decode(errors="replace")[-4000:], file=sys.stderr)
     return done.returncode
 
 

@@ -117,3 +117,35 @@ def test_async_starts_at_once_run_side_by_side_on_threads() -> None:
 
     assert asyncio.run(main()) == [True] * 4
     assert threading.get_ident() not in threads
+
+
+def test_async_flows_nested_three_deep_under_start_async_do_not_deadlock() -> None:
+    """The parent runs on the caller's loop; its inline child on a helper thread's loop;
+    the grandchild must not be sent back to the caller's loop, which waits."""
+
+    @flow(name="api.grandchild")
+    async def grandchild(ctx: AsyncContext, value: int) -> Any:
+        return await ctx.step("add", lambda: value + 1)
+
+    @flow(name="api.child")
+    async def child(ctx: AsyncContext, value: int) -> Any:
+        started = await ctx.step("start", lambda: ctx.engine.start("api.grandchild", value).result)
+        return started
+
+    @flow(name="api.parent")
+    async def parent(ctx: AsyncContext, value: int) -> Any:
+        return await ctx.step("start", lambda: ctx.engine.start("api.child", value).result)
+
+    engine = Engine(MemoryStore(), [grandchild, child, parent], listeners=[])
+    outcome: list[Any] = []
+
+    def main() -> None:
+        async def run() -> Any:
+            return (await engine.start_async("api.parent", 1)).result
+
+        outcome.append(asyncio.run(run()))
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert outcome == [2], "finished, not deadlocked"

@@ -392,3 +392,32 @@ def test_orchestration_is_awaitable_in_async_flows() -> None:
     done = engine.get("ap")
     assert done.result == [10, [2, 4], "ap/c4", 6, "yes"], done
     engine.replay_check("ap")
+
+
+def test_a_child_started_while_the_engines_worker_stops_runs_inline() -> None:
+    import threading
+
+    from loom_kernel import Worker
+
+    release, held = threading.Event(), threading.Event()
+
+    def hold() -> bool:
+        held.set()
+        return release.wait(10)
+
+    @flow(name="holds_a_slot")
+    def holds_a_slot(ctx: Context, _input: Any) -> Any:
+        return ctx.step("hold", hold)
+
+    engine = Engine(MemoryStore(), [*FLOWS, holds_a_slot], clock=FakeClock())
+    worker = Worker(engine, concurrency=2, idle_poll=0.05, grace=10).start()
+    engine.enqueue("holds_a_slot", None, key="busy")
+    assert held.wait(5)
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    while not worker._stopping.is_set():  # stopping: the busy run keeps it in its grace
+        pass
+    done = engine.start("parent", 3, key="p")  # its child cannot go to the worker
+    assert done.result == {"child": 6, "after": "ok"}
+    release.set()
+    stopper.join(10)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -10,12 +11,14 @@ from typing import Any, TypeVar
 
 from loom_kernel._codec import to_json
 from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, Unwind
-from loom_kernel._errors import NonDeterminismError
+from loom_kernel._errors import LoomError, NonDeterminismError
 from loom_kernel._events import ExecutionCompleted, ExecutionFailed, error_info
 from loom_kernel._flows import Flow
 from loom_kernel._state import ExecutionState
 
 T = TypeVar("T")
+#: Seconds between looks at whether the async API caller's loop still runs.
+_LOOP_CHECK = 0.5
 
 __all__ = ["FLOW_LOOP", "awaitable_sleep", "on_loop", "replay_check", "run_flow"]
 
@@ -158,18 +161,29 @@ def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
     The coroutine runs in a copy of this context, so it holds what its caller holds
     (the run's lock, the listener queue) instead of waiting for it.
     """
-    caller = FLOW_LOOP.get()
-    if caller is not None and not caller.is_closed():
-        try:
-            running = asyncio.get_running_loop()
-        except RuntimeError:
-            running = None
-        if running is not caller:
-            return asyncio.run_coroutine_threadsafe(coroutine, caller).result()
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        caller = FLOW_LOOP.get()
+        if caller is not None and not caller.is_closed():
+            return _on_callers_loop(coroutine, caller)
         return asyncio.run(coroutine)
     context = contextvars.copy_context()
+    context.run(FLOW_LOOP.set, None)  # the helper's nested drives must not wait on a loop
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-flow") as pool:
         return pool.submit(context.run, asyncio.run, coroutine).result()
+
+
+def _on_callers_loop(coroutine: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -> Any:
+    """Run the flow's coroutine on the async API caller's loop, this thread waiting; a
+    loop that stops or closes meanwhile stops the drive (the journal as it was)."""
+    future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+    while True:
+        try:
+            return future.result(timeout=_LOOP_CHECK)
+        except concurrent.futures.TimeoutError:
+            if loop.is_closed() or not loop.is_running():
+                future.cancel()
+                raise Unwind(
+                    LoomError("the event loop running the flow stopped during its drive")
+                ) from None

@@ -450,11 +450,33 @@ class Engine:
         Arguments and errors are those of `start`; starting with an existing key
         returns a handle to the existing run (K9).
         """
-        execution_id, event = self._new_start(flow_name, input, key, parent, None)
+        return self._enqueue(flow_name, input, key, parent, inline_otherwise=False)
+
+    def _start_or_hand(
+        self, flow_name: str | Flow, input: Any, key: str | None, parent: str | None
+    ) -> RunHandle:
+        """Hand a new run to a worker of this engine (a free slot or its queue), or,
+        when none takes it (none runs, or it is stopping), start it inline."""
+        return self._enqueue(flow_name, input, key, parent, inline_otherwise=True)
+
+    def _enqueue(
+        self,
+        flow_name: str | Flow,
+        input: Any,
+        key: str | None,
+        parent: str | None,
+        *,
+        inline_otherwise: bool,
+    ) -> RunHandle:
         workers = list(self._local_workers)
+        if inline_otherwise and not workers:
+            return RunHandle(self, self.start(flow_name, input, key=key, parent=parent).id)
+        execution_id, event = self._new_start(flow_name, input, key, parent, None)
         taker = next((w for w in workers if w._reserve(execution_id, queue=False)), None)
         if taker is None:  # no free slot anywhere here: a place in a worker's queue
             taker = next((w for w in workers if w._reserve(execution_id, queue=True)), None)
+        if taker is None and inline_otherwise:
+            return RunHandle(self, self.start(flow_name, input, key=key, parent=parent).id)
         if taker is not None:  # the run starts as this engine's own
             event = attrs.evolve(event, by=self.worker_id)
         handoff = contextlib.ExitStack()

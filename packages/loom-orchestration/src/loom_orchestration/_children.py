@@ -221,10 +221,8 @@ def start_child_as(
     flow_name = flow.name if isinstance(flow, Flow) else flow
 
     def start() -> dict[str, Any]:
-        if engine._local_workers:  # a runtime here: the child takes one of its slots
-            engine.enqueue(flow_name, input, key=child_id, parent=ctx.execution_id)
-        else:
-            engine.start(flow_name, input, key=child_id, parent=ctx.execution_id)
+        # A worker here takes the child (one of its slots, or its queue); else inline.
+        engine._start_or_hand(flow_name, input, child_id, ctx.execution_id)
         return {"id": child_id, "flow": flow_name, "on_parent_close": on_parent_close}
 
     if isinstance(ctx, AsyncContext):

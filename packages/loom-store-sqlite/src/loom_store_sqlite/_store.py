@@ -414,6 +414,7 @@ class SqliteStore(FaultInjection, JournalStore):
         if isolated:  # a failed insert must not take the group's other appends with it
             connection.execute("SAVEPOINT loom_append")
         inserted = True
+        unchecked = at_head  # the head not checked yet: the first row's insert checks it
         try:
             if not exists:
                 connection.execute(
@@ -425,28 +426,40 @@ class SqliteStore(FaultInjection, JournalStore):
                 inserted = (
                     connection.execute(_INSERT_AT_HEAD, (*first, append.expected)).rowcount == 1
                 )
+                unchecked = False
                 if inserted and rest:
                     connection.executemany(_INSERT_RECORD, rest)
             else:
                 connection.executemany(_INSERT_RECORD, append.rows)
         except sqlite3.Error as exc:  # the unique key, a record too big, a full disk...
-            if not isolated:
+            # SQLite refuses a record too big as it binds it, before the head check: an
+            # append that would have conflicted (or met a deleted stream) says so.
+            refused_by_head = (
+                unchecked and connection.in_transaction and self._off_head(connection, append)
+            )
+            if not isolated and not refused_by_head:
                 raise _InsertRefusedError(exc) from exc
-            try:  # only this append fails, if the transaction can go on without it
-                connection.execute("ROLLBACK TO loom_append")
-                connection.execute("RELEASE loom_append")
-            except sqlite3.Error:
-                raise exc from None
-            append.error = store_error(f"sqlite append failed on {self.path!r}", exc)
+            if isolated:
+                try:  # only this append fails, if the transaction can go on without it
+                    connection.execute("ROLLBACK TO loom_append")
+                    connection.execute("RELEASE loom_append")
+                except sqlite3.Error:
+                    raise exc from None
+            if not refused_by_head:
+                append.error = store_error(f"sqlite append failed on {self.path!r}", exc)
             return False
         if isolated:
             connection.execute("RELEASE loom_append")
         if not inserted:  # nothing written: the stream says why
-            row = self._stream_row(connection, stream)
-            self._at(append, 0 if row is None else row[0], deleted=bool(row and row[2]))
+            self._off_head(connection, append)
             return False
         heads[stream] = append.expected + len(append.rows)
         return True
+
+    def _off_head(self, connection: sqlite3.Connection, append: PendingAppend) -> bool:
+        """Whether the stream's head refuses the append (its error then set)."""
+        row = self._stream_row(connection, append.stream)
+        return not self._at(append, 0 if row is None else row[0], deleted=bool(row and row[2]))
 
     @staticmethod
     def _at(append: PendingAppend, head: int, *, deleted: bool) -> bool:
