@@ -1,0 +1,144 @@
+"""The head check folded into the insert (`_INSERT_AT_HEAD`) decides every append as
+reading the stream first and then inserting did: the same errors, the same streams,
+over trims, deletes, batches, groups with several appends to one stream, and records
+SQLite refuses (which force a group's retry on savepoints)."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel.spi import ConflictError, StreamDeletedError
+from loom_store_sqlite import SqliteOptions, SqliteStore
+from loom_store_sqlite import _store as store_module
+from loom_store_sqlite._failures import store_error
+from loom_store_sqlite._group import PendingAppend
+
+LIMIT = 5000  # bytes: a record above it is refused, as a full disk would refuse it
+
+
+class ReadThenInsert(SqliteStore):
+    """The reference: read the stream's head, then insert every row."""
+
+    def _stage(
+        self,
+        connection: sqlite3.Connection,
+        append: PendingAppend,
+        heads: dict[str, int],
+        *,
+        isolated: bool,
+    ) -> bool:
+        stream = append.stream
+        if stream in heads:
+            head, deleted, exists = heads[stream], False, True
+        else:
+            row = self._stream_row(connection, stream)
+            head = 0 if row is None else row[0]
+            deleted, exists = row is not None and bool(row[2]), row is not None
+        if not self._at(append, head, deleted=deleted):
+            return False
+        if isolated:
+            connection.execute("SAVEPOINT loom_append")
+        try:
+            if not exists:
+                connection.execute(
+                    "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, 0, 0)", (stream,)
+                )
+            connection.executemany(store_module._INSERT_RECORD, append.rows)
+        except sqlite3.Error as exc:
+            if not isolated:
+                raise store_module._InsertRefusedError(exc) from exc
+            connection.execute("ROLLBACK TO loom_append")
+            connection.execute("RELEASE loom_append")
+            append.error = store_error("refused", exc)
+            return False
+        if isolated:
+            connection.execute("RELEASE loom_append")
+        heads[stream] = append.expected + len(append.rows)
+        return True
+
+
+def _open(cls: type[SqliteStore], path: Path) -> SqliteStore:
+    store = cls(str(path), SqliteOptions(synchronous="off"))
+    store._connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, LIMIT)
+    return store
+
+
+def _outcome(error: BaseException | None) -> Any:
+    if isinstance(error, ConflictError | StreamDeletedError):
+        return type(error).__name__, str(error)
+    return None if error is None else type(error).__name__
+
+
+def _streams(store: SqliteStore) -> dict[str, Any]:
+    seen = {}
+    for name in "abc":
+        row = store._stream_row(store._connection, name)
+        records = store._connection.execute(
+            "SELECT position, payload FROM loom_records WHERE stream = ? ORDER BY position",
+            (name,),
+        ).fetchall()
+        seen[name] = (row, records)
+    return seen
+
+
+appends = st.tuples(
+    st.sampled_from("abc"),
+    st.sampled_from([0, 0, 0, -1, 1, 2]),  # the expected head, off the true head by this
+    st.lists(st.sampled_from([1, 1, LIMIT + 1]), min_size=1, max_size=3),
+)
+operations = st.lists(
+    st.one_of(
+        st.tuples(st.just("delete"), st.sampled_from("abc")),
+        st.tuples(st.just("trim"), st.sampled_from("abc"), st.integers(0, 3)),
+        st.tuples(st.just("group"), st.lists(appends, min_size=1, max_size=4)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(operations)
+def test_the_head_checked_in_the_insert_decides_as_reading_first(
+    tmp_path_factory: Any, steps: list[Any]
+) -> None:
+    directory = tmp_path_factory.mktemp("at-head")
+    stores = [_open(ReadThenInsert, directory / "ref.db"), _open(SqliteStore, directory / "new.db")]
+    for store in stores:  # streams that exist: their appends check the head in the insert
+        for name in "abc":
+            store._commit_group([PendingAppend(name, 0, [(name, 1, "k", b"first", 1.0, None)])])
+    for number, step in enumerate(steps):
+        if step[0] == "delete":
+            for store in stores:
+                store.delete(step[1])
+        elif step[0] == "trim":
+            for store in stores:
+                try:
+                    head = store.head(step[1])
+                except StreamDeletedError:
+                    continue
+                store.trim(step[1], min(head + 1, step[2] + head // 2))
+        else:
+            outcomes = []
+            for store in stores:
+                batch = []
+                for index, (stream, off, sizes) in enumerate(step[1]):
+                    try:
+                        head = stores[1].head(stream)
+                    except StreamDeletedError:
+                        head = 1
+                    expected = max(0, head + off)
+                    rows = [
+                        (stream, expected + i, "k", b"r%d-%d" % (number, index) * size, 1.0, None)
+                        for i, size in enumerate(sizes, start=1)
+                    ]
+                    batch.append(PendingAppend(stream, expected, rows))
+                store._commit_group(batch)
+                outcomes.append([_outcome(append.error) for append in batch])
+            assert outcomes[0] == outcomes[1]
+        assert _streams(stores[0]) == _streams(stores[1])
+    for store in stores:
+        store.close()
