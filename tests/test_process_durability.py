@@ -6,6 +6,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import importlib
 import itertools
 import os
 import random
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import attrs
@@ -175,15 +177,21 @@ def _slow_run_in_another_process(
     return worker, side, flag
 
 
-def _engine_on(target: _Target, side: Path, flag: Path) -> Engine:
+def _engine_with(target: _Target, module: str, factory: str, *args: Any) -> Engine:
+    """An engine on the target with the flow `factory(*args)` of the helper `module`
+    beside these tests (the one the other processes run)."""
     sys.path.insert(0, str(Path(__file__).parent))
     try:
-        from ownership_flow import slow_then_after  # type: ignore[import-not-found]
+        make = getattr(importlib.import_module(module), factory)
     finally:
         sys.path.pop(0)
     with mock.patch.dict(os.environ, target.environment):
         store = open_store(target.url)
-    return Engine(store, [slow_then_after(side, flag)], listeners=[])
+    return Engine(store, [make(*args)], listeners=[])
+
+
+def _engine_on(target: _Target, side: Path, flag: Path) -> Engine:
+    return _engine_with(target, "ownership_flow", "slow_then_after", side, flag)
 
 
 def test_recover_in_another_process_leaves_a_live_run_to_its_owner(
@@ -395,14 +403,7 @@ def _message_process(target: _Target, side: Path, *args: str) -> subprocess.Pope
 
 
 def _inbox_engine(target: _Target, side: Path) -> Engine:
-    sys.path.insert(0, str(Path(__file__).parent))
-    try:
-        from message_flow import consume  # type: ignore[import-not-found]
-    finally:
-        sys.path.pop(0)
-    with mock.patch.dict(os.environ, target.environment):
-        store = open_store(target.url)
-    return Engine(store, [consume(side)], listeners=[])
+    return _engine_with(target, "message_flow", "consume", side)
 
 
 def _consumed(engine: Engine) -> list[str]:
