@@ -536,8 +536,8 @@ class Worker:
 
     def _let_go_handed(self, *, everything: bool = False) -> None:
         """Let go the handed runs that waited `_HANDED_WAIT` for a slot (or all, at a
-        stop): this engine no longer holds them, a beat says so, and a fresh hint has
-        any worker look at them now (this one too: it drives them with no claim)."""
+        stop): this engine no longer holds them, a beat says so, and a nudge in the run
+        index has every worker look at them now (this one too; a taker claims it)."""
         cutoff = time.monotonic() - _HANDED_WAIT
         with self._lock:
             stale = [
