@@ -51,7 +51,6 @@ from loom_kernel._published import Published
 from loom_kernel._state import ExecutionState, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerIndex, timer_resume_key
 from loom_kernel._waits import (
-    Wait,
     Woken,
     consumed_positions,
     first_gate,
@@ -400,13 +399,15 @@ class _Replay:
         self._check_owner()
         return self._journal_success(index, name, produce(), 1, None)
 
-    def _gate(self, on: str, wake_after: float | None, wait: Wait | None = None) -> tuple[int, Any]:
+    def _gate(
+        self, on: str, wake_after: float | None, topics: tuple[str | None, ...] = ()
+    ) -> tuple[int, Any]:
         """Pass a gate: (its index, payload) when recorded resumes cover it; else park.
 
         `wake_after` is a sleep's length, or the deadline of any other gate. A gate that
-        `wait`s for messages passes at once on one already in the inbox, and looks
-        again once it has parked: a message sent meanwhile found the run running, so
-        its sender left it to this run to read.
+        waits for messages on `topics` passes at once on one already in the inbox, and
+        looks again once it has parked: a message sent meanwhile found the run running,
+        so its sender left it to this run to read.
         """
         if self._halted is not None:
             raise self._halted
@@ -429,7 +430,6 @@ class _Replay:
             )
         self._before_new_gate()
         self._check_owner()
-        topics = wait.topics if wait is not None else ()
         if topics and (message := self._next_message(topics)) is not None:
             self._append([ExecutionSuspended(gate, on), self._delivery(message)])
             return gate, state.resume_payloads[gate]
@@ -509,14 +509,14 @@ class _Replay:
     def _suspend_gate(self, on: object, timeout: object) -> Any:
         name = self._gate_name(on)
         deadline = self._deadline(timeout)
-        gate, payload = self._gate(name, deadline, Wait((name,)))
+        gate, payload = self._gate(name, deadline)
         if deadline is not None and self._timed_out(gate):
             raise GateTimeoutError(self._state.id, name, deadline)
         return payload
 
     def _receive_gate(self, topic: object, timeout: object) -> Any:
         name = self._topic(topic)
-        gate, payload = self._gate(receive_gate(name), self._deadline(timeout), Wait((), (name,)))
+        gate, payload = self._gate(receive_gate(name), self._deadline(timeout), (name,))
         woken = self._woken(gate, payload)
         return woken.value
 
@@ -535,9 +535,7 @@ class _Replay:
             raise self._halt(
                 InvalidArgumentError("wait_first needs a gate, a topic or a timeout to end")
             )
-        gate, payload = self._gate(
-            first_gate(names, wanted), deadline, Wait(names, wanted, named=True)
-        )
+        gate, payload = self._gate(first_gate(names, wanted), deadline, wanted)
         return self._woken(gate, payload)
 
     def _publish(self, key: object, value: Any) -> None:
