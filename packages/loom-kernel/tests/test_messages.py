@@ -640,3 +640,34 @@ def test_an_engine_without_the_flow_sends_and_leaves_the_wake_to_one_that_has_it
     assert web.recover() == [], "not its flow: left alone"
     assert worker.recover() == ["w"]
     assert worker.state("w").resume_payloads[0]["message"] == "one"
+
+
+def test_a_deadline_hint_of_a_gate_passed_in_time_is_dropped_when_it_falls_due() -> None:
+    clock = FakeClock()
+    engine = Engine(MemoryStore(), [two_deadlines], clock=clock, listeners=[])
+    engine.start("inbox.two_deadlines", None, key="d")
+    engine.resume("d", "in time", on="a")  # parked at gate b now, its deadline 100 s off
+    clock.advance(11)
+    offered: list[str] = []
+
+    def wake(entry: Any) -> Any:
+        offered.append(entry.execution_id)
+        return engine._timer_state(entry, clock())
+
+    engine.timers.fire_due(clock(), wake)
+    engine.timers.fire_due(clock(), wake)
+    assert offered == ["d"], "obsolete: dropped the first time it was offered"
+
+
+@pytest.mark.parametrize("bad", [123, "", "a//b", "../x"])
+def test_the_message_and_event_calls_refuse_a_bad_id_before_it_becomes_a_key(bad: Any) -> None:
+    from loom_kernel import InvalidIdError
+
+    engine = _engine(MemoryStore())
+    for call in (
+        lambda: engine.send(bad, "m"),
+        lambda: engine.get_event(bad, "k"),
+        lambda: engine.get_events(bad),
+    ):
+        with pytest.raises(InvalidIdError):
+            call()
