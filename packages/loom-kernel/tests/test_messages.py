@@ -671,3 +671,13 @@ def test_the_message_and_event_calls_refuse_a_bad_id_before_it_becomes_a_key(bad
     ):
         with pytest.raises(InvalidIdError):
             call()
+
+
+@pytest.mark.parametrize("bad", [["a"], {"a": 1}, 7])
+def test_reading_a_run_refuses_an_id_that_is_not_a_str_before_any_lookup(bad: Any) -> None:
+    from loom_kernel import InvalidIdError
+
+    engine = _engine(MemoryStore())
+    for call in (lambda: engine.get(bad), lambda: engine.state(bad), lambda: engine.cancel(bad)):
+        with pytest.raises(InvalidIdError):
+            call()
