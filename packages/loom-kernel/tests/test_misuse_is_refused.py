@@ -196,3 +196,18 @@ def test_a_store_fault_while_a_sleep_parks_stops_the_run_without_failing_it() ->
     assert engine.recover() == ["s"]
     clock.advance(30)
     assert engine.fire_due_timers() == ["s"]
+
+
+def test_kernel_errors_cross_a_process_pool_whole() -> None:
+    """What a ProcessPoolExecutor does with an error raised in a child process."""
+    import pickle
+
+    from loom_kernel import ConflictError, GateTimeoutError, RunFinishedError
+
+    for error in (
+        ConflictError("s", 1, 2),
+        GateTimeoutError("r", "approve", 5.0),
+        RunFinishedError("r", "completed", 3),
+    ):
+        again = pickle.loads(pickle.dumps(error))
+        assert (type(again), str(again), vars(again)) == (type(error), str(error), vars(error))

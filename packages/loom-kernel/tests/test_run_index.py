@@ -212,7 +212,9 @@ def test_a_store_written_before_the_index_is_indexed_by_its_first_recover() -> N
     assert {stream.removeprefix("ex/") for stream in store.journal_reads} == parked | set(failed)
 
 
-def test_a_damaged_index_record_falls_back_to_the_journals_and_is_rewritten() -> None:
+def test_a_damaged_index_record_falls_back_to_the_journals_and_is_rewritten(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store = MemoryStore()
     engine = _engine(store)
     parked = engine.start("work", "park", key="p")
@@ -221,7 +223,9 @@ def test_a_damaged_index_record_falls_back_to_the_journals_and_is_rewritten() ->
     store.append(stream, store.head(stream), [NewRecord("loom.run.open", b"{not json", 0.0)])
     with pytest.raises(SchemaError):
         list(engine.runs.open_runs())
-    assert [e.id for e in engine.executions(status="failed")] == ["f"]
+    with caplog.at_level("WARNING", logger="loom"):
+        assert [e.id for e in engine.executions(status="failed")] == ["f"]
+    assert "listing every journal instead" in caplog.text, "the fallback is said"
     assert engine.recover() == []
     assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
     assert [e.id for e in engine.executions(status="failed")] == ["f"]
@@ -452,3 +456,31 @@ def test_a_nudge_refreshes_an_open_hint_and_never_reopens_a_closed_run() -> None
     assert set(hints) == {"open-run"}
     assert (hints["open-run"].by, hints["open-run"].at) == (None, clock())
     assert partition_of("open-run") in index.partitions()
+
+
+def test_a_run_the_index_cannot_close_is_logged_and_left_open_for_recover(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class NoClosing(MemoryStore):
+        refuse = True
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if (
+                self.refuse
+                and stream.startswith("runs/open/")
+                and b'"status"' in records[0].payload
+            ):
+                from loom_kernel import StoreUnavailableError
+
+                raise StoreUnavailableError("the index is down")
+            return super()._append(stream, expected, records)
+
+    store = NoClosing()
+    engine = _engine(store)
+    with caplog.at_level("WARNING", logger="loom"):
+        assert engine.start("work", "done", key="d").status is Status.COMPLETED
+    assert "d not closed in the run index" in caplog.text
+    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["d"], "still open"
+    store.refuse = False
+    engine.recover()
+    assert list(engine.runs.open_runs()) == [], "closed by the next recover()"
