@@ -67,7 +67,12 @@ def test_a_run_is_refused_by_an_engine_without_its_code_and_nothing_is_journaled
     with pytest.raises(CodeVersionError, match="pinned to code 'version:1'") as caught:
         deployed.resume("o", "yes")
     error = caught.value
-    assert (error.flow, error.pinned, error.registered) == ("order", "version:1", ["version:2"])
+    assert (error.execution_id, error.flow, error.pinned, error.registered) == (
+        "o",
+        "order",
+        "version:1",
+        ["version:2"],
+    )
     assert "resume_as" in str(error)
     assert store.read("ex/o") == journal
     assert deployed.get("o").waiting_on == "manager"
