@@ -95,3 +95,24 @@ def test_a_journal_trimmed_with_no_snapshot_at_all_is_a_schema_error() -> None:
     store.trim("ex/bare", 3)  # by other means: Loom trims only below a snapshot
     with pytest.raises(SchemaError, match="are lost"):
         _engine(store).get(run.id)
+
+
+def test_snapshots_that_keep_changing_under_a_reader_are_an_error_to_retry() -> None:
+    from loom_kernel import StoreUnavailableError
+    from loom_kernel.spi import TrimmedError
+
+    class Churning(MemoryStore):
+        churn = False
+
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            if self.churn and stream.startswith("snap/"):
+                raise TrimmedError(stream, after, after + 1)  # a newer snapshot, every time
+            return super()._read(stream, after, limit)
+
+    store = Churning()
+    engine = _engine(store)
+    run = engine.start("charge", None, key="churn")
+    engine.compact(run.id)
+    store.churn = True
+    with pytest.raises(StoreUnavailableError, match="kept changing"):
+        _engine(store).get(run.id)
