@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,3 +59,19 @@ def test_prefix_rules() -> None:
     for bad in ("/a", "a//", "../x", "a b", 5):
         with pytest.raises(InvalidIdError):
             validate_prefix(bad)
+
+
+@pytest.mark.parametrize(
+    ("bad", "rule"),
+    [
+        ("/abs", "must not start with '/'"),
+        ("a//b", "empty segment"),
+        ("a/", "empty segment"),
+        ("a/../b", "'..' segment"),
+        ("", "must not be empty"),
+        (3, "must be a str"),
+    ],
+)
+def test_a_refused_id_names_the_rule_it_breaks(bad: object, rule: str) -> None:
+    with pytest.raises(InvalidIdError, match=re.escape(rule)):
+        validate_stream_id(bad)
