@@ -506,3 +506,18 @@ def test_a_lease_is_in_doubt_once_no_beat_succeeded_for_half_of_it(
     assert heartbeat.in_doubt()
     heartbeat.beat()
     assert not heartbeat.in_doubt(), "a beat that lands renews it"
+
+
+def test_a_beat_that_meets_another_writer_re_reads_the_head_for_the_next() -> None:
+    from loom_kernel import ConflictError
+    from loom_kernel._leases import Heartbeat
+    from loom_kernel.spi import NewRecord
+
+    store = MemoryStore()
+    heartbeat = Heartbeat(store, lambda: "w-1", 30.0, FakeClock())
+    heartbeat.beat()
+    store.append("workers/w-1", 1, [NewRecord("loom.beat", b'{"runs":[]}', 1.0)])  # a twin
+    with pytest.raises(ConflictError):
+        heartbeat.beat()
+    heartbeat.beat()  # from the head as it is now, not as it was
+    assert store.head("workers/w-1") == 3
