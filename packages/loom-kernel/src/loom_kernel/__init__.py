@@ -38,6 +38,7 @@ from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
 from loom_kernel._handles import RunHandle
 from loom_kernel._listeners import Listener
 from loom_kernel._memory_store import MemoryStore
+from loom_kernel._queues import Queue, QueueView, Rate
 from loom_kernel._reachability import reachable
 from loom_kernel._registry import installed_stores, open_store
 from loom_kernel._state import ExecutionState, Gate, Status, StepFrame
@@ -68,6 +69,9 @@ __all__ = [
     "NonDeterminismError",
     "NotFoundError",
     "NotSuspendedError",
+    "Queue",
+    "QueueView",
+    "Rate",
     "ResultTimeoutError",
     "RetryPolicy",
     "RunFinishedError",

@@ -14,7 +14,7 @@ import attrs
 import cattrs
 
 from loom_kernel._errors import InvalidArgumentError, SchemaError
-from loom_kernel._events import EVENT_SCHEMA, ErrorInfo, Event, event_class
+from loom_kernel._events import EVENT_SCHEMA, ErrorInfo, Event, QueuePlace, event_class
 from loom_kernel._fast_fold import STEP_FIELDS, STEP_KIND, parse_many
 from loom_kernel._journal import NewRecord, Record
 
@@ -192,6 +192,7 @@ _FIELD_TYPES: Final[dict[str, tuple[tuple[type[Any], ...] | None, type[Any] | No
     "str | None": ((str, type(None)), None),
     "float | None": ((float, int, type(None)), None),
     "ErrorInfo": (None, ErrorInfo),
+    "QueuePlace | None": (None, QueuePlace),
 }
 
 
@@ -221,7 +222,8 @@ def _event_data(event: Event) -> dict[str, Any]:
     data: dict[str, Any] = {}
     for field in _plan(type(event)):
         value = getattr(event, field.name)
-        data[field.name] = CONVERTER.unstructure(value) if field.nested is not None else value
+        nested = field.nested is not None and value is not None
+        data[field.name] = CONVERTER.unstructure(value) if nested else value
     return data
 
 
@@ -231,7 +233,9 @@ def _build_event(cls: type[Any], data: dict[str, Any]) -> Any:
         if field.name not in data:
             continue  # an attrs default applies, or the constructor names what is missing
         value = data[field.name]
-        if field.nested is not None:
+        if field.nested is QueuePlace:
+            value = None if value is None else _queue_place(value)
+        elif field.nested is not None:
             value = CONVERTER.structure(value, field.nested)
         elif field.types is not None and (
             not isinstance(value, field.types) or isinstance(value, bool)
@@ -239,6 +243,18 @@ def _build_event(cls: type[Any], data: dict[str, Any]) -> Any:
             raise TypeError(f"field {field.name!r} holds {value!r}")
         values[field.name] = value
     return cls(**values)
+
+
+def _queue_place(data: Any) -> QueuePlace:
+    """A start's queue place, its field types checked exactly (no coercion)."""
+    if type(data) is not dict or not isinstance(data.get("name"), str):
+        raise TypeError(f"a queue place is an object with a name, not {data!r}")
+    partition, priority, key = data.get("partition", 0), data.get("priority", 0), data.get("key")
+    if type(partition) is not int or type(priority) is not int:
+        raise TypeError(f"a queue place's partition and priority are ints, not {data!r}")
+    if key is not None and not isinstance(key, str):
+        raise TypeError(f"a queue place's key is a str or null, not {key!r}")
+    return QueuePlace(data["name"], partition, priority, key)
 
 
 _ENVELOPE_HEAD: Final = '{"v":"' + EVENT_SCHEMA + '","d":'

@@ -42,6 +42,7 @@ from loom_kernel._events import (
     ExecutionMigrated,
     ExecutionResumed,
     ExecutionStarted,
+    QueuePlace,
 )
 from loom_kernel._executions import EXECUTION_PREFIX, compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
@@ -57,12 +58,14 @@ from loom_kernel._leases import (
     abandoned_here,
     default_worker_id,
     driving_here,
+    last_record,
     sighting,
 )
 from loom_kernel._listeners import Listener, Listeners, installed_listeners
 from loom_kernel._locks import KeyedLocks
 from loom_kernel._numbers import finite_number
 from loom_kernel._published import Published
+from loom_kernel._queues import Queue, QueueBook, QueueView
 from loom_kernel._run_index import ENDED, OpenHint, RunIndex
 from loom_kernel._state import ExecutionState, Status, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
@@ -115,6 +118,8 @@ class Engine:
         lease: seconds this engine may go without renewing its lease (it renews
             every third of it while it drives) before another worker's `recover()`
             may take its running runs over; see docs/running.md.
+        queues: the queues `enqueue(..., queue=name)` may put runs on, and whose
+            limits this engine's workers keep; see docs/queues.md.
     """
 
     def __init__(
@@ -130,6 +135,7 @@ class Engine:
         listeners: Iterable[Listener] | None = None,
         worker_id: str | None = None,
         lease: float = DEFAULT_LEASE,
+        queues: Iterable[Queue] = (),
     ) -> None:
         if not finite_number(lease) or not 0 < lease <= MAX_LEASE:
             raise InvalidArgumentError(
@@ -151,6 +157,7 @@ class Engine:
         self.runs = RunIndex(store, clock)
         self._inbox = Inbox(store, clock)
         self._published = Published(store, clock)
+        self._queues = QueueBook(store, clock, queues)
         self._finishes = threading.Condition()  # notified when a drive here ends a run
         self._finished_count = 0
         self._local_workers: list[Worker] = []  # running workers of this engine
@@ -437,9 +444,18 @@ class Engine:
         *,
         key: str | None = None,
         parent: str | None = None,
+        queue: str | None = None,
+        priority: int = 0,
+        queue_key: str | None = None,
     ) -> RunHandle:
         """Start an execution without driving it: a worker (`Worker`, `loom worker`)
         drives it. Returns at once, with a handle to wait for its result.
+
+        With `queue`, the run waits on that queue of this engine (see docs/queues.md):
+        only workers drive it, as the queue's limits allow, lower `priority` first
+        (then in arrival order); `queue_key` names the key its per-key limit counts
+        (a customer, say). A wake of the parked run (a resume, a message, a timer, a
+        child) journals the wake and has it wait on the queue again.
 
         When a `Worker` of this engine has a free slot, the run starts as this
         engine's own (as `start` would) and that slot drives it at once, with no
@@ -449,8 +465,138 @@ class Engine:
         no owner, and the first worker to claim it drives it (`recover()` too).
         Arguments and errors are those of `start`; starting with an existing key
         returns a handle to the existing run (K9).
+
+        Raises:
+            InvalidArgumentError: no such queue on this engine, a priority that is not
+                a 32-bit int, a queue key that is not a non-empty str, or a priority
+                or queue key without a queue.
         """
+        if queue is not None:
+            place = self._queues.queue(queue), priority, queue_key
+            return self._enqueue_on(flow_name, input, key, parent, place)
+        if priority != 0 or queue_key is not None:
+            raise InvalidArgumentError("a priority or a queue key needs a queue (queue=name)")
         return self._enqueue(flow_name, input, key, parent, inline_otherwise=False)
+
+    def _enqueue_on(
+        self,
+        flow_name: str | Flow,
+        input: Any,
+        key: str | None,
+        parent: str | None,
+        where: tuple[Queue, int, str | None],
+    ) -> RunHandle:
+        """Start a run with no owner on a queue (with a priority and a key), then have
+        it wait there for a worker."""
+        queue, priority, queue_key = where
+        execution_id, event = self._new_start(flow_name, input, key, parent, None)
+        place = queue.place(execution_id, priority, queue_key)
+        event = attrs.evolve(event, queue=place)
+        with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
+            added = self._append_start(event, execution_id)
+            if added:
+                state = ExecutionState(id=execution_id)
+                state.apply(event)
+                self._cache.give_back(state)
+        if added:
+            self._queue_up(place, execution_id, event.flow)
+        return RunHandle(self, execution_id)
+
+    def _queue_up(self, place: QueuePlace, execution_id: str, flow: str) -> None:
+        """Have a queued run whose start or wake landed wait on its queue, and wake
+        this engine's workers. A failure is logged, not raised: what landed stands,
+        and the sweeps add the run to its queue (see `_ensure_queued`)."""
+        try:
+            self._queues.add(place, execution_id, flow)
+        except LoomError as exc:
+            logger.warning("loom: %s not put on queue %r yet: %s", execution_id, place.name, exc)
+        for worker in self._local_workers:
+            worker._wake.set()
+
+    def _wake_queued(self, state: ExecutionState, resumed: ExecutionResumed) -> Execution:
+        """Journal the wake of a parked queued run with no owner (held by the caller, who
+        holds its lock), then have it wait on its queue: its workers drive it.
+
+        Raises:
+            ConflictError: another writer moved the run first.
+        """
+        assert state.queue is not None
+        try:
+            self._append(state, [attrs.evolve(resumed, by=None)])
+        except BaseException:
+            self._cache.drop(state.id)
+            raise
+        execution = Execution.of(state)
+        place, flow = state.queue, state.flow
+        self._cache.give_back(state)
+        self._queue_up(place, state.id, flow)
+        return execution
+
+    def _ensure_queued(self, execution_id: str, place: QueuePlace, flow: str) -> None:
+        """Put a queued run left running with no driver back on its queue, if it is
+        neither waiting there nor admitted, and its writer (which adds it right after
+        its start or wake) has had half a lease to do so."""
+        fold = self._queues.read(place.name, place.partition)
+        if execution_id in fold.waiting or execution_id in fold.active:
+            return
+        last = last_record(self.store, self.stream_of(execution_id))
+        if last is not None and self.clock() - last.timestamp <= self.lease / 2:
+            return
+        logger.info("loom: %s: putting it back on queue %r", execution_id, place.name)
+        self._queue_up(place, execution_id, flow)
+
+    def _drive_queued(self, execution_id: str) -> bool:
+        """Drive a run a worker of this engine admitted from its queue: claim it, then
+        drive it until it parks or ends.
+
+        Returns:
+            Whether it is left running as this engine's (its drive was let go at a
+            stop, or stopped by a fault): it then waits on its queue again.
+        """
+        with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
+            try:
+                state = self._checkout(execution_id)
+            except ExecutionNotFoundError:
+                return False
+            try:
+                claimed = state.status is Status.RUNNING and self._take_over(state)
+            except BaseException:
+                self._cache.drop(execution_id)
+                raise
+            if not claimed:  # parked or ended (its driver's done was lost), or driven
+                self._cache.give_back(state)
+                return False
+            execution = self._drive_owned(state)
+        self._settled(execution)
+        return execution.status is Status.RUNNING and execution.owner == self.worker_id
+
+    def _queued_stale(self, execution_id: str, taker: str) -> bool | None:
+        """Whether a run admitted by worker `taker` (long enough ago) is no longer
+        driven by it: None while it may be; else whether it should wait again (it is
+        running: the taker never claimed it, or stopped)."""
+        try:
+            status, owner = self._view(execution_id, lambda state: (state.status, state.owner))
+        except ExecutionNotFoundError:
+            return False
+        if status is not Status.RUNNING:
+            return False
+        if owner != taker:
+            return True  # admitted half a lease ago and never claimed
+        if owner == self.worker_id:
+            return None if driving_here(owner, execution_id) else True
+        if abandoned_here(owner, execution_id):
+            return True
+        seen = sighting(self.store, owner, execution_id, self.stream_of(execution_id))
+        return True if seen.expired(self.clock(), self.lease) else None
+
+    def queue(self, name: str) -> QueueView:
+        """What waits on one of this engine's queues, in order, and what is driven.
+
+        Raises:
+            InvalidArgumentError: this engine has no such queue.
+            SchemaError: a partition of the queue holds a damaged record.
+        """
+        return self._queues.view(name)
 
     def _start_or_hand(
         self, flow_name: str | Flow, input: Any, key: str | None, parent: str | None
@@ -637,10 +783,13 @@ class Engine:
             except LoomError:
                 self._cache.give_back(state)
                 raise
+            resumed = ExecutionResumed(data, key, self.worker_id)
+            if state.queue is not None:
+                execution = self._wake_queued(state, resumed)
+                return self._settled(execution) if settle else execution
             # The resume is journaled with the drive's first new work, not before: a
             # replay that diverges before then journals nothing, and the run stays
             # parked at its gate for fixed code to take the same payload.
-            resumed = ExecutionResumed(data, key, self.worker_id)
             control = DriveControl([encode_event(resumed, self.clock())])
             state.apply(resumed)
             execution = self._drive_owned(state, control)
@@ -769,7 +918,7 @@ class Engine:
             state = self._checkout(execution_id)
             try:
                 message = self._waiting_message(state)
-                if message is not None and not self._hosts(state):
+                if message is not None and state.queue is None and not self._hosts(state):
                     self.runs.nudged(execution_id, state.flow)
                     message = None
             except LoomError:
@@ -780,6 +929,11 @@ class Engine:
                 return None
             payload = message_payload(message.topic, message.position, message.message)
             resumed = ExecutionResumed(payload, message_key(message.position), self.worker_id)
+            if state.queue is not None:  # its queue's workers drive it on
+                try:
+                    return self._wake_queued(state, resumed)
+                except ConflictError:
+                    return None  # a sender, a timer or a cancel moved first
             control = DriveControl([encode_event(resumed, self.clock())])
             state.apply(resumed)
             try:
@@ -1150,7 +1304,11 @@ class Engine:
                 state = self._checkout(execution_id)
             except ExecutionNotFoundError:
                 return _MISSING  # deleted since the listing, or never started
-            if (
+            queued = state.queue if state.status is Status.RUNNING else None
+            if queued is not None:  # its queue's workers drive it, as the limits allow
+                execution = Execution.of(state)
+                self._cache.give_back(state)
+            elif (
                 state.status is Status.RUNNING
                 and state.flow in self._newest
                 and self._take_over(state)
@@ -1160,6 +1318,8 @@ class Engine:
             else:
                 execution = Execution.of(state)
                 self._cache.give_back(state)
+        if queued is not None:
+            self._ensure_queued(execution_id, queued, execution.flow)
         self._settled(execution, delivered)
         if execution.status is Status.SUSPENDED and _waits_for_messages(execution.waiting_on):
             # A sender that appended its message and stopped before waking the run.

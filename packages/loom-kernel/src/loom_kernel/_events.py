@@ -25,6 +25,7 @@ __all__ = [
     "ExecutionResumed",
     "ExecutionStarted",
     "ExecutionSuspended",
+    "QueuePlace",
     "StepCompleted",
     "StepFailed",
     "error_info",
@@ -32,7 +33,7 @@ __all__ = [
     "known_event_types",
 ]
 
-EVENT_SCHEMA: Final = "1.17.0"
+EVENT_SCHEMA: Final = "1.18.0"
 
 
 @attrs.frozen
@@ -52,9 +53,21 @@ def error_info(exc: BaseException) -> ErrorInfo:
 
 
 @attrs.frozen
+class QueuePlace:
+    """Where a queued run waits: its queue, the queue's partition (a stream of its
+    own), its priority (lower first) and its key (for a per-key limit), from 1.18.0."""
+
+    name: str
+    partition: int = 0
+    priority: int = 0
+    key: str | None = None
+
+
+@attrs.frozen
 class ExecutionStarted:
-    """An execution began: the flow, the pinned hash of its code, its input, and the
-    worker that drives it (`by`, from 1.17.0)."""
+    """An execution began: the flow, the pinned hash of its code, its input, the
+    worker that drives it (`by`, from 1.17.0), and the queue whose workers alone drive
+    it (`queue`, from 1.18.0)."""
 
     KIND: ClassVar[str] = "EXECUTION_STARTED"
     flow: str
@@ -63,6 +76,7 @@ class ExecutionStarted:
     key: str | None = None
     parent: str | None = None
     by: str | None = None
+    queue: QueuePlace | None = None
 
 
 @attrs.frozen

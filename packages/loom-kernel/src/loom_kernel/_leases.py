@@ -44,6 +44,7 @@ __all__ = [
     "abandoned_here",
     "default_worker_id",
     "driving_here",
+    "last_record",
     "sighting",
 ]
 
@@ -141,7 +142,8 @@ class Sighting:
         return self.dropped or self.seen_at is None or now - self.seen_at > lease
 
 
-def _last(store: JournalStore, stream: str) -> Record | None:
+def last_record(store: JournalStore, stream: str) -> Record | None:
+    """A stream's last record; None when it has none, or it cannot be read now."""
     try:
         head = store.head(stream)
         return store.read(stream, head - 1)[-1] if head else None
@@ -159,8 +161,8 @@ def _beat_lists(record: Record, execution_id: str) -> bool:
 
 def sighting(store: JournalStore, worker: str, execution_id: str, run_stream: str) -> Sighting:
     """When the owner of a run was last seen, and whether its latest beat dropped it."""
-    beat = _last(store, WORKERS_PREFIX + worker)
-    last = _last(store, run_stream)
+    beat = last_record(store, WORKERS_PREFIX + worker)
+    last = last_record(store, run_stream)
     times = [record.timestamp for record in (beat, last) if record is not None]
     dropped = (
         beat is not None

@@ -23,6 +23,7 @@ from loom_kernel._events import (
     ExecutionResumed,
     ExecutionStarted,
     ExecutionSuspended,
+    QueuePlace,
     StepCompleted,
     StepFailed,
 )
@@ -123,6 +124,7 @@ class ExecutionState:
         resume_keys: dedupe keys of the resumes delivered so far.
         owner: the worker driving the run while it is running (the `by` of its last
             start, resume or claim), else None.
+        queue: the queue whose workers alone drive it, if it was enqueued on one.
     """
 
     id: str
@@ -141,6 +143,7 @@ class ExecutionState:
     variables: dict[str, Any] = attrs.Factory(_variables)
     resume_keys: list[str] = attrs.Factory(list)
     owner: str | None = None
+    queue: QueuePlace | None = None
 
     @property
     def resume_payloads(self) -> list[Any]:
@@ -203,7 +206,7 @@ class ExecutionState:
             self.status, self.owner = Status.RUNNING, event.by
         elif isinstance(event, ExecutionStarted):
             self.flow, self.code_hash, self.input = event.flow, event.code_hash, event.input
-            self.key, self.parent = event.key, event.parent
+            self.key, self.parent, self.queue = event.key, event.parent, event.queue
             self.status, self.owner = Status.RUNNING, event.by
         elif isinstance(event, StepFailed):
             self.steps[event.index] = StepFrame(event.name, None, event.error, event.attempts)

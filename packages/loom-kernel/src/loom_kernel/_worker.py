@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import FrameType
@@ -28,9 +28,10 @@ import attrs
 
 from loom_kernel._context import RELEASE
 from loom_kernel._engine import NOT_STARTED
-from loom_kernel._errors import InvalidArgumentError, LoomError, SchemaError
+from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
+from loom_kernel._queues import Queue, QueueFold, pick
 from loom_kernel._run_index import OpenHint, partition_of
 from loom_kernel._timers import TimerEntry
 
@@ -58,13 +59,15 @@ _NOT_STARTED_LOOKS: Final = 5
 #: they are let go for any worker to take.
 _HANDED_PER_SLOT: Final = 16
 _HANDED_WAIT: Final = 1.0
+#: Takes one poll tries on a queue partition that other workers keep moving.
+_TAKE_ATTEMPTS: Final = 4
 
 
 @attrs.frozen
 class _Task:
-    """Work on one run: a visit, a timer's wake, or the drive of a run `enqueue`
-    handed over (with `let_go`, which gives up the hold on it if it is not driven,
-    and its flow, to hint it afresh)."""
+    """Work on one run: a visit, a timer's wake, the drive of a run `enqueue` handed
+    over, or of a run admitted from a queue (with `let_go`, which gives up the hold on
+    it if it is not driven, and, for a handed run, its flow, to hint it afresh)."""
 
     execution_id: str
     run: Callable[[], None]
@@ -109,6 +112,8 @@ class Worker:
             `enqueue` on the same engine wakes it at once.
         grace: on `stop()` (or a first SIGTERM/SIGINT), how long the runs in flight
             may go on to park or end before they are released at their next step.
+        queues: the names of the engine's queues whose runs it admits and drives; by
+            default all of them (see docs/queues.md).
     """
 
     def __init__(
@@ -118,12 +123,17 @@ class Worker:
         concurrency: int = 8,
         idle_poll: float | None = None,
         grace: float = 30.0,
+        queues: Iterable[str] | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidArgumentError(f"concurrency is an int of 1 or more, not {concurrency!r}")
         for name, value in (("idle_poll", idle_poll), ("grace", grace)):
             if value is not None and (not finite_number(value) or value < 0):
                 raise InvalidArgumentError(f"{name} is a number of seconds >= 0, not {value!r}")
+        known = engine._queues.queues
+        self.queues = list(known) if queues is None else list(queues)
+        for name in self.queues:
+            engine._queues.queue(name)  # raises for a queue the engine lacks
         self.engine = engine
         self.concurrency = concurrency
         default = _IDLE_POLL_CHEAP if engine.store.head_is_cheap else _IDLE_POLL_COSTLY
@@ -239,6 +249,7 @@ class Worker:
                 self._repair_index()
             self._let_go_handed()
             busy = self._visit_open(pool, sweep=sweep)
+            busy += self._serve_queues(pool, sweep=sweep)
             if now >= next_timers:  # at most every `fastest` seconds, however busy
                 next_timers = now + fastest
                 busy += self._fire_timers(pool)
@@ -252,6 +263,129 @@ class Worker:
             spacing = now + fastest - time.monotonic()  # a wake-up polls no sooner than this
             if spacing > 0:
                 self._stopping.wait(spacing)
+
+    # -- queues -----------------------------------------------------------------
+
+    def _serve_queues(self, pool: ThreadPoolExecutor, *, sweep: bool) -> int:
+        """Admit from each queue's partitions as many runs as the free slots and the
+        queue's limits allow, and hand them to the pool; how many were handed. On a
+        sweep, first give back the admissions of runs their taker no longer drives."""
+        handed = 0
+        for name in self.queues:
+            queue = self.engine._queues.queues[name]
+            for partition in range(queue.partitions):
+                try:
+                    handed += self._serve_partition(pool, queue, partition, sweep=sweep)
+                except SchemaError as exc:
+                    self.stats.failures += 1
+                    logger.warning("loom: queue %s/%d: %s", name, partition, exc)
+                    try:
+                        self.engine._queues.rewrite(name, partition)
+                    except LoomError as again:
+                        logger.warning("loom: queue %s/%d not mended: %s", name, partition, again)
+                except LoomError as exc:
+                    self.stats.failures += 1
+                    logger.warning("loom: queue %s/%d: %s", name, partition, exc)
+        return handed
+
+    def _serve_partition(
+        self, pool: ThreadPoolExecutor, queue: Queue, partition: int, *, sweep: bool
+    ) -> int:
+        book, engine = self.engine._queues, self.engine
+        fold = book.read(queue.name, partition)
+        if sweep and self._reap(queue, partition, fold):
+            fold = book.read(queue.name, partition)
+        cap, rate = queue.share(partition)
+        for _ in range(_TAKE_ATTEMPTS):
+            with self._lock:
+                free = self.concurrency - len(self._in_flight) - len(self._backlog)
+            if self._stopping.is_set():
+                return 0
+            chosen = pick(
+                fold,
+                cap=cap,
+                per_key=queue.per_key,
+                rate=rate,
+                now=engine.clock(),
+                free=free,
+                hosts=engine.hosts,
+                busy=self._busy_with,
+            )
+            if not chosen:
+                return 0
+            try:
+                take = book.take(queue.name, partition, fold, chosen, engine.worker_id)
+            except ConflictError:  # another worker admitted or a run was added: again
+                fold = book.read(queue.name, partition)
+                continue
+            for execution_id in chosen:
+                drive = partial(self._drive_queued, queue.name, partition, execution_id, take)
+                let_go = partial(
+                    self._give_back,
+                    queue.name,
+                    partition,
+                    execution_id,
+                    take,
+                    requeue=True,
+                    unused=True,
+                )
+                task = _Task(execution_id, drive, let_go, since=time.monotonic())
+                if not self._submit(pool, task, queue=True):  # a visit of it is in flight
+                    let_go()
+            return len(chosen)
+        return 0
+
+    def _drive_queued(self, name: str, partition: int, execution_id: str, take: int) -> None:
+        """Drive a run this worker admitted, then say it is done (waiting again if its
+        drive was let go running)."""
+        requeue = False
+        try:
+            requeue = self.engine._drive_queued(execution_id)
+            self.stats.driven += 1
+        finally:
+            self.stats.visited += 1
+            self._give_back(name, partition, execution_id, take, requeue=requeue)
+
+    def _busy_with(self, execution_id: str) -> bool:
+        """Whether a run is in flight or waiting for a slot here (a visit of it, say)."""
+        with self._lock:
+            return execution_id in self._in_flight or execution_id in self._queued
+
+    def _give_back(
+        self,
+        name: str,
+        partition: int,
+        execution_id: str,
+        take: int,
+        *,
+        requeue: bool,
+        unused: bool = False,
+    ) -> None:
+        try:
+            self.engine._queues.done(
+                name, partition, execution_id, take, requeue=requeue, unused=unused
+            )
+        except LoomError as exc:  # a sweep's reaping gives the admission back
+            self.stats.failures += 1
+            logger.warning("loom: %s: its queue's done record: %s", execution_id, exc)
+
+    def _reap(self, queue: Queue, partition: int, fold: QueueFold) -> bool:
+        """Give back the admissions, older than half a lease, of runs their taker no
+        longer drives (it crashed, stopped, or never claimed them); whether any was."""
+        engine = self.engine
+        horizon = engine.clock() - engine.lease / 2
+        reaped = False
+        for execution_id, active in fold.active.items():
+            if active.at > horizon:
+                continue
+            if active.by == engine.worker_id and self._busy_with(execution_id):
+                continue
+            requeue = engine._queued_stale(execution_id, active.by)
+            if requeue is not None:
+                logger.info("loom: %s: admitted by %s, no longer driven", execution_id, active.by)
+                self._give_back(queue.name, partition, execution_id, active.take, requeue=requeue)
+                reaped = True
+        return reaped
 
     def _fire_timers(self, pool: ThreadPoolExecutor) -> int:
         """Hand the due timers to the pool (the run's drive happens there, counted in
@@ -561,6 +695,8 @@ class Worker:
             self.stats.failures += 1
             logger.warning("loom: a beat letting runs go: %s: %s", type(exc).__name__, exc)
         for task in stale:
+            if not task.flow:
+                continue  # a run admitted from a queue: its let_go had it wait again
             try:
                 self.engine.runs.nudged(task.execution_id, task.flow)
             except LoomError as exc:  # held by no one now: found at the next sweeps

@@ -1,0 +1,580 @@
+"""Queues with limits: named queues whose runs workers admit under a concurrency cap,
+a per-key concurrency, a rate limit, and in order of priority.
+
+A queue is kept on the journal SPI, as the run index is: each of its partitions is a
+stream, `queues/<name>/<p>`, of records
+
+- `add`: a run waits to be driven (appended after its start, or after a wake that was
+  journaled with no owner);
+- `take`: a worker admits runs to drive, appended at the exact head of the stream it
+  folded, so two workers never admit past a limit: one append wins, the other folds
+  again and picks again;
+- `done`: a run admitted by the take at position `take` is no longer driven (it
+  parked, ended, or its driver let it go: then it waits again, at its old place);
+- `checkpoint`: the fold so far, appended at the exact head folded; the stream is
+  trimmed below it.
+
+Within a partition every limit is exact. A queue of P partitions gives each partition
+its share of the concurrency cap and of the rate, so the queue as a whole never goes
+past either, and keeps a key's runs in one partition, so the per-key limit stays
+exact (see docs/queues.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Final
+
+import attrs
+
+from loom_kernel._errors import (
+    ConflictError,
+    InvalidArgumentError,
+    LoomError,
+    SchemaError,
+    StoreUnavailableError,
+    StreamDeletedError,
+    TrimmedError,
+)
+from loom_kernel._events import QueuePlace
+from loom_kernel._ids import MAX_ID_LENGTH, validate_stream_id
+from loom_kernel._journal import JournalStore, NewRecord, Record
+from loom_kernel._numbers import finite_number
+
+__all__ = ["QUEUES_PREFIX", "Queue", "QueueBook", "QueueFold", "QueueView", "Rate", "pick"]
+
+QUEUES_PREFIX: Final = "queues/"
+_ADD: Final = "loom.queue.add"
+_TAKE: Final = "loom.queue.take"
+_DONE: Final = "loom.queue.done"
+_CHECKPOINT: Final = "loom.queue.checkpoint"
+#: Records a partition holds past its checkpoint before a taker compacts it.
+_COMPACT_AT: Final = 64
+_READ_ATTEMPTS: Final = 8
+#: The widest priority: a 32-bit signed int, as DBOS allows.
+_PRIORITY_BOUND: Final = 2**31
+_MAX_PARTITIONS: Final = 256
+
+_log = logging.getLogger("loom")
+
+
+def _positive(name: str, value: object, *, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(f"{name} is an int of 1 or more, not {value!r}")
+
+
+def _check_rate_limit(_instance: Any, _attribute: Any, value: int) -> None:
+    _positive("a rate's limit", value, optional=False)
+
+
+def _check_period(_instance: Any, _attribute: Any, value: float) -> None:
+    if not finite_number(value) or value <= 0:
+        raise InvalidArgumentError(f"a rate's period is a number of seconds above 0, not {value!r}")
+
+
+@attrs.frozen
+class Rate:
+    """At most `limit` runs admitted in any `per` seconds (a sliding window).
+
+    Attributes:
+        limit: how many admissions the window holds.
+        per: the window, in seconds.
+    """
+
+    limit: int = attrs.field(validator=_check_rate_limit)
+    per: float = attrs.field(validator=_check_period)
+
+
+def _check_name(_instance: Any, _attribute: Any, value: str) -> None:
+    if not isinstance(value, str) or not value or "/" in value:
+        raise InvalidArgumentError(f"a queue's name is a non-empty str with no '/', not {value!r}")
+    validate_stream_id(f"{QUEUES_PREFIX}{value}/0")
+
+
+def _check_limit(_instance: Any, attribute: Any, value: object) -> None:
+    _positive(attribute.name, value)
+
+
+def _check_rate(_instance: Any, _attribute: Any, value: object) -> None:
+    if value is not None and not isinstance(value, Rate):
+        raise InvalidArgumentError(f"rate is a Rate(limit, per=seconds) or None, not {value!r}")
+
+
+def _check_partitions(instance: Queue, _attribute: Any, value: object) -> None:
+    _positive("partitions", value, optional=False)
+    assert isinstance(value, int)
+    if value > _MAX_PARTITIONS:
+        raise InvalidArgumentError(f"partitions is at most {_MAX_PARTITIONS}, not {value}")
+    for name, limit in (
+        ("concurrency", instance.concurrency),
+        ("the rate's limit", None if instance.rate is None else instance.rate.limit),
+    ):
+        if limit is not None and limit < value:
+            raise InvalidArgumentError(
+                f"{name} ({limit}) is split among the {value} partitions: it must be at "
+                "least the number of partitions"
+            )
+
+
+@attrs.frozen
+class Queue:
+    """A named queue: the runs `engine.enqueue(..., queue=name)` puts on it are driven
+    only by workers, as its limits allow.
+
+    Attributes:
+        name: the queue's name (part of its streams' ids: no '/').
+        concurrency: how many of its runs may be driven at once, by all workers
+            together (parked runs do not count); None for no cap.
+        per_key: how many runs of one key (`enqueue(..., queue_key=...)`) may be driven
+            at once; None for no such limit. Runs enqueued with no key are not held
+            by it.
+        rate: at most `rate.limit` runs admitted in any `rate.per` seconds (a wake of a
+            parked run is admitted again, and counts again); None for no rate limit.
+        partitions: how many streams the queue is spread over. One (the default)
+            makes every limit exact; more let more workers admit at once (on S3 each
+            admission is a conditional PUT on one partition), each partition holding
+            its share of the cap and of the rate (see docs/queues.md). Raising it
+            later is safe; lowering it strands the runs waiting in the partitions
+            dropped.
+    """
+
+    name: str = attrs.field(validator=_check_name)
+    concurrency: int | None = attrs.field(default=None, kw_only=True, validator=_check_limit)
+    per_key: int | None = attrs.field(default=None, kw_only=True, validator=_check_limit)
+    rate: Rate | None = attrs.field(default=None, kw_only=True, validator=_check_rate)
+    partitions: int = attrs.field(default=1, kw_only=True, validator=_check_partitions)
+
+    def share(self, partition: int) -> tuple[int | None, Rate | None]:
+        """The cap and the rate one partition holds: its share of the queue's, so the
+        shares add up to the whole (the first partitions take the remainder)."""
+
+        def part(total: int) -> int:
+            return total // self.partitions + (1 if partition < total % self.partitions else 0)
+
+        cap = None if self.concurrency is None else part(self.concurrency)
+        rate = None if self.rate is None else Rate(part(self.rate.limit), self.rate.per)
+        return cap, rate
+
+    def place(self, execution_id: str, priority: int, key: str | None) -> QueuePlace:
+        """Where a run enqueued with `priority` and `key` waits (a key's runs all wait in
+        one partition, so a per-key limit is exact).
+
+        Raises:
+            InvalidArgumentError: the priority is not an int of 32 bits, or the key is
+                not a non-empty str of at most MAX_ID_LENGTH characters.
+        """
+        if (
+            isinstance(priority, bool)
+            or not isinstance(priority, int)
+            or not -_PRIORITY_BOUND <= priority < _PRIORITY_BOUND
+        ):
+            raise InvalidArgumentError(
+                "a priority is an int from -2**31 to 2**31 - 1 (lower runs first), "
+                f"not {priority!r}"
+            )
+        if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH):
+            raise InvalidArgumentError(
+                f"a queue key is a non-empty str of at most {MAX_ID_LENGTH} characters, not {key!r}"
+            )
+        spread = key if key is not None else execution_id
+        digest = hashlib.blake2b(spread.encode(), digest_size=4).digest()
+        partition = int.from_bytes(digest, "big") % self.partitions
+        return QueuePlace(self.name, partition, priority, key)
+
+
+@attrs.frozen
+class _Waiting:
+    execution_id: str
+    flow: str
+    priority: int
+    seq: int  # its place in line: the position of the add that queued it first
+    key: str | None
+
+
+@attrs.frozen
+class _Active:
+    waiting: _Waiting  # as it waited: where it goes back to when let go
+    take: int  # the position of the take that admitted it
+    by: str  # the worker that took it
+    at: float  # when, by that worker's clock
+    again: bool = False  # woken again while driven: waits again once done
+
+
+@attrs.define
+class QueueFold:
+    """One partition of a queue, as folded from its stream.
+
+    Attributes:
+        stream: the partition's stream.
+        head: the position folded up to.
+        waiting: the runs waiting to be admitted, by id.
+        active: the runs admitted and not done, by id.
+        admitted: when the admissions still inside the rate's window happened, in order.
+        since_checkpoint: records folded past the last checkpoint.
+    """
+
+    stream: str
+    head: int = 0
+    waiting: dict[str, _Waiting] = attrs.Factory(dict)
+    active: dict[str, _Active] = attrs.Factory(dict)
+    admitted: list[float] = attrs.Factory(list)
+    since_checkpoint: int = 0
+
+    def copy(self) -> QueueFold:
+        return QueueFold(
+            self.stream,
+            self.head,
+            dict(self.waiting),
+            dict(self.active),
+            list(self.admitted),
+            self.since_checkpoint,
+        )
+
+    def line(self) -> list[_Waiting]:
+        """The waiting runs in the order they are admitted: priority, then arrival."""
+        return sorted(self.waiting.values(), key=lambda item: (item.priority, item.seq))
+
+
+@attrs.frozen
+class QueueView:
+    """A queue as its partitions show it now.
+
+    Attributes:
+        name: the queue.
+        waiting: the ids of the runs waiting, in the order each partition admits them
+            (partition by partition).
+        active: the ids of the runs admitted and being driven (or whose driver has
+            not said yet that it stopped).
+    """
+
+    name: str
+    waiting: list[str]
+    active: list[str]
+
+
+def pick(
+    fold: QueueFold,
+    *,
+    cap: int | None,
+    per_key: int | None,
+    rate: Rate | None,
+    now: float,
+    free: int,
+    hosts: Callable[[str], bool] = lambda _flow: True,
+    busy: Callable[[str], bool] = lambda _id: False,
+) -> list[str]:
+    """The runs a worker with `free` slots may admit now from one partition: in order
+    of priority, then arrival; no more than the cap leaves room for (counting the runs
+    admitted and not done), nor the rate's window (counting the admissions since
+    `now - rate.per`); none whose key has `per_key` runs driven, nor of a flow the
+    worker lacks (`hosts`): those do not hold back the runs behind them. A run the
+    worker is busy with (a visit of it) stops the pick there, for the next poll, so
+    the order holds."""
+    room = free
+    if cap is not None:
+        room = min(room, cap - len(fold.active))
+    if rate is not None:
+        recent = len(fold.admitted) - bisect.bisect_right(fold.admitted, now - rate.per)
+        room = min(room, rate.limit - recent)
+    if room <= 0 or not fold.waiting:
+        return []
+    keys = Counter(item.waiting.key for item in fold.active.values() if item.waiting.key)
+    chosen: list[str] = []
+    for item in fold.line():
+        if len(chosen) >= room:
+            break
+        if item.key is not None and per_key is not None and keys[item.key] >= per_key:
+            continue
+        if not hosts(item.flow):
+            continue
+        if busy(item.execution_id):
+            break
+        if item.key is not None:
+            keys[item.key] += 1
+        chosen.append(item.execution_id)
+    return chosen
+
+
+def _dump(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+def _waiting_data(item: _Waiting) -> list[Any]:
+    return [item.execution_id, item.flow, item.priority, item.seq, item.key]
+
+
+def _waiting_of(data: Any) -> _Waiting:
+    execution_id, flow, priority, seq, key = data
+    if not (
+        isinstance(execution_id, str)
+        and isinstance(flow, str)
+        and type(priority) is int
+        and type(seq) is int
+        and (key is None or isinstance(key, str))
+    ):
+        raise TypeError(f"a waiting run is [id, flow, priority, seq, key], not {data!r}")
+    return _Waiting(execution_id, flow, priority, seq, key)
+
+
+def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
+    """Fold one record of a partition into `fold` (in place).
+
+    Raises:
+        SchemaError: the record is damaged.
+    """
+    try:
+        data = json.loads(record.payload)
+        if record.kind == _ADD:
+            execution_id = str(data["id"])
+            active = fold.active.get(execution_id)
+            if active is not None:  # woken while driven: it waits again once done
+                fold.active[execution_id] = attrs.evolve(active, again=True)
+            elif execution_id not in fold.waiting:
+                priority, key = data["priority"], data["key"]
+                fold.waiting[execution_id] = _waiting_of(
+                    [execution_id, data["flow"], priority, record.position, key]
+                )
+        elif record.kind == _TAKE:
+            by = str(data["by"])
+            for execution_id in data["ids"]:
+                waiting = fold.waiting.pop(str(execution_id), None)
+                if waiting is not None:
+                    fold.active[waiting.execution_id] = _Active(
+                        waiting, record.position, by, record.timestamp
+                    )
+                    fold.admitted.append(record.timestamp)
+        elif record.kind == _DONE:
+            execution_id = str(data["id"])
+            active = fold.active.get(execution_id)
+            if active is not None and active.take == int(data["take"]):
+                del fold.active[execution_id]
+                if data.get("unused") is True:  # never driven: its admission is void
+                    _forget(fold.admitted, active.at)
+                if data["requeue"] is True or active.again:
+                    fold.waiting.setdefault(execution_id, active.waiting)
+        elif record.kind == _CHECKPOINT:
+            fold.waiting = {w.execution_id: w for w in map(_waiting_of, data["waiting"])}
+            fold.active = {}
+            for item in data["active"]:
+                waiting, take, by, at, again = item
+                active = _Active(_waiting_of(waiting), int(take), str(by), float(at), again)
+                fold.active[active.waiting.execution_id] = active
+            fold.admitted = sorted(float(at) for at in data["admitted"])
+            fold.since_checkpoint = -1
+        else:
+            raise ValueError(f"unknown kind {record.kind!r}")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise SchemaError(
+            f"damaged queue record ({type(exc).__name__}: {exc}); a worker rewrites the "
+            "partition from its readable records",
+            kind=record.kind,
+            stream=fold.stream,
+            position=record.position,
+        ) from None
+    finally:
+        fold.head = record.position
+        fold.since_checkpoint += 1
+    if window is not None and fold.admitted:
+        fold.admitted.sort()
+        del fold.admitted[: bisect.bisect_right(fold.admitted, record.timestamp - window)]
+    elif window is None:
+        fold.admitted.clear()
+
+
+def _forget(admitted: list[float], at: float) -> None:
+    """Drop one admission made at `at` from the window's sorted times, if there."""
+    index = bisect.bisect_left(admitted, at)
+    if index < len(admitted) and admitted[index] == at:
+        del admitted[index]
+
+
+def _checkpoint_data(fold: QueueFold) -> dict[str, Any]:
+    return {
+        "waiting": [_waiting_data(item) for item in fold.waiting.values()],
+        "active": [
+            [_waiting_data(item.waiting), item.take, item.by, item.at, item.again]
+            for item in fold.active.values()
+        ],
+        "admitted": fold.admitted,
+    }
+
+
+class QueueBook:
+    """Reads and writes the queues of one engine, on its store."""
+
+    def __init__(
+        self, store: JournalStore, clock: Callable[[], float], queues: Iterable[Queue]
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self.queues: dict[str, Queue] = {}
+        for queue in queues:
+            if not isinstance(queue, Queue):
+                raise InvalidArgumentError(f"queues holds Queue objects, not {queue!r}")
+            if queue.name in self.queues:
+                raise InvalidArgumentError(f"two queues are named {queue.name!r}")
+            self.queues[queue.name] = queue
+        self._heads: dict[str, int] = {}  # stream -> its head after an append here
+        self._read: dict[str, QueueFold] = {}  # stream -> as last folded
+
+    def queue(self, name: str) -> Queue:
+        """The queue of that name.
+
+        Raises:
+            InvalidArgumentError: this engine has no such queue.
+        """
+        queue = self.queues.get(name) if isinstance(name, str) else None
+        if queue is None:
+            raise InvalidArgumentError(
+                f"no queue named {name!r} on this engine (Engine(..., queues=[Queue(...)]); "
+                f"known: {sorted(self.queues)})"
+            )
+        return queue
+
+    @staticmethod
+    def stream(name: str, partition: int) -> str:
+        return f"{QUEUES_PREFIX}{name}/{partition}"
+
+    # -- writing --------------------------------------------------------------
+
+    def add(self, place: QueuePlace, execution_id: str, flow: str) -> None:
+        """Have a run wait on its queue (a second add of a run waiting or driven is
+        folded away; one of a run being driven has it wait again once done)."""
+        data = {"id": execution_id, "flow": flow, "priority": place.priority, "key": place.key}
+        self._add(self.stream(place.name, place.partition), _ADD, data)
+
+    def done(
+        self,
+        name: str,
+        partition: int,
+        execution_id: str,
+        take: int,
+        *,
+        requeue: bool,
+        unused: bool = False,
+    ) -> None:
+        """Say that the run the take at `take` admitted is no longer driven; with
+        `requeue`, it waits again at its old place (its driver let it go running);
+        with `unused`, it was never driven, and its admission counts for no rate."""
+        data = {"id": execution_id, "take": take, "requeue": requeue, "unused": unused}
+        self._add(self.stream(name, partition), _DONE, data)
+
+    def take(self, name: str, partition: int, fold: QueueFold, ids: Sequence[str], by: str) -> int:
+        """Admit `ids` for worker `by`, at the exact head `fold` was read at; the take's
+        position. Compacts the partition when it has grown long since its checkpoint.
+
+        Raises:
+            ConflictError: the partition moved since `fold` was read: fold again.
+        """
+        stream = self.stream(name, partition)
+        record = NewRecord(_TAKE, _dump({"ids": list(ids), "by": by}), self._clock())
+        position = self._store.append(stream, fold.head, [record])
+        self._heads[stream] = position
+        if fold.since_checkpoint + 1 >= _COMPACT_AT:
+            self._compact(name, partition)
+        return position
+
+    def _add(self, stream: str, kind: str, data: dict[str, Any]) -> None:
+        record = NewRecord(kind, _dump(data), self._clock())
+        head = self._heads.get(stream, 0)
+        while True:
+            try:
+                self._heads[stream] = self._store.append(stream, head, [record])
+                return
+            except ConflictError as exc:
+                head = exc.actual if exc.actual != head else self._store.head(stream)
+
+    def _compact(self, name: str, partition: int) -> None:
+        """Checkpoint the fold at the exact head read, then trim below it."""
+        try:
+            fold = self.read(name, partition)
+            record = NewRecord(_CHECKPOINT, _dump(_checkpoint_data(fold)), self._clock())
+            try:
+                head = self._store.append(fold.stream, fold.head, [record])
+            except ConflictError:
+                return  # it moved meanwhile: a later take compacts it
+            self._store.trim(fold.stream, head)
+        except LoomError as exc:  # it stays as it was; a later take compacts it
+            _log.warning("loom: queue %s/%d not compacted: %s", name, partition, exc)
+
+    # -- reading --------------------------------------------------------------
+
+    def read(self, name: str, partition: int) -> QueueFold:
+        """One partition as it is now: only what was appended since this book last read
+        it is read and folded (one read); a read that meets a trim reads again from the
+        new floor.
+
+        Raises:
+            SchemaError: a record is damaged (`rewrite` mends it).
+        """
+        queue = self.queues.get(name)
+        window = None if queue is None or queue.rate is None else queue.rate.per
+        stream = self.stream(name, partition)
+        cached = self._read.get(stream)
+        after = 0
+        for _ in range(_READ_ATTEMPTS):
+            start = cached.head if cached is not None else after
+            try:
+                records = self._store.read(stream, start)
+            except TrimmedError as exc:
+                after, cached = exc.floor, None
+                continue
+            except StreamDeletedError:
+                return QueueFold(stream)
+            if not records and cached is not None:
+                return cached.copy()
+            fold = cached.copy() if cached is not None else QueueFold(stream, start)
+            for record in records:
+                _fold_record(fold, record, window)
+            self._read[stream] = fold
+            return fold.copy()
+        raise StoreUnavailableError(f"{stream}: other takers kept compacting it while it was read")
+
+    def rewrite(self, name: str, partition: int) -> None:
+        """Mend a partition with a damaged record: fold its readable records and
+        checkpoint that at the exact head read, which trims the damage off."""
+        queue = self.queues.get(name)
+        window = None if queue is None or queue.rate is None else queue.rate.per
+        stream = self.stream(name, partition)
+        self._read.pop(stream, None)
+        for _ in range(_READ_ATTEMPTS):
+            fold = QueueFold(stream)
+            try:
+                records = self._store.read(stream, 0)
+            except TrimmedError as exc:
+                records = self._store.read(stream, exc.floor)
+            for record in records:
+                try:
+                    _fold_record(fold, record, window)
+                except SchemaError as exc:
+                    _log.warning("loom: dropping a damaged queue record: %s", exc)
+            checkpoint = NewRecord(_CHECKPOINT, _dump(_checkpoint_data(fold)), self._clock())
+            try:
+                head = self._store.append(stream, fold.head, [checkpoint])
+            except ConflictError:
+                continue
+            self._store.trim(stream, head)
+            return
+
+    def view(self, name: str) -> QueueView:
+        """What waits on a queue and what is driven, now.
+
+        Raises:
+            InvalidArgumentError: this engine has no such queue.
+            SchemaError: a partition holds a damaged record.
+        """
+        queue = self.queue(name)
+        waiting: list[str] = []
+        active: list[str] = []
+        for partition in range(queue.partitions):
+            fold = self.read(name, partition)
+            waiting.extend(item.execution_id for item in fold.line())
+            active.extend(fold.active)
+        return QueueView(name, waiting, active)

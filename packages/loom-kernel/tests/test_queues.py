@@ -1,0 +1,368 @@
+"""Queues with limits: a concurrency cap that counts runs being driven (not parked
+ones), a per-key limit, a rate limit and priorities, kept by any number of workers;
+wakes of a queued run go back through its queue; a taker that stops gives back what
+it admitted."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    Context,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    Queue,
+    Rate,
+    Status,
+    StoreUnavailableError,
+    TrimmedError,
+    Worker,
+    flow,
+)
+from loom_kernel._queues import QueueBook, QueueFold
+from loom_kernel.events import QueuePlace
+from loom_kernel.spi import NewRecord
+from loom_kernel.testing import FakeClock
+
+_lock = threading.Lock()
+_running: Counter[str] = Counter()  # key ("" for none) -> runs in their step now
+_peaks: Counter[str] = Counter()  # key -> the most at once; "*" for all keys
+_order: list[str] = []
+
+
+def _busy(tag: str, key: str, seconds: float) -> str:
+    with _lock:
+        _order.append(tag)
+        _running[key] += 1
+        _running["*"] += 1
+        _peaks[key] = max(_peaks[key], _running[key])
+        _peaks["*"] = max(_peaks["*"], _running["*"])
+    time.sleep(seconds)
+    with _lock:
+        _running[key] -= 1
+        _running["*"] -= 1
+    return tag
+
+
+@flow(name="busy", version="1")
+def busy(ctx: Context, job: dict[str, Any]) -> Any:
+    return ctx.step("work", lambda: _busy(job["tag"], job.get("key", ""), job.get("s", 0.03)))
+
+
+@flow(name="parks", version="1")
+def parks(ctx: Context, tag: str) -> Any:
+    ctx.step("before", lambda: _busy(f"{tag}:before", "", 0.0))
+    value = ctx.suspend("go")
+    return ctx.step("after", lambda: _busy(f"{tag}:after:{value}", "", 0.0))
+
+
+@flow(name="listens", version="1")
+def listens(ctx: Context, _input: Any) -> Any:
+    return ctx.receive(topic="t")
+
+
+@flow(name="naps", version="1")
+def naps(ctx: Context, seconds: float) -> Any:
+    ctx.sleep(seconds)
+    return ctx.step("woke", lambda: "woke")
+
+
+FLOWS = [busy, parks, listens, naps]
+
+
+@pytest.fixture(autouse=True)
+def _clean() -> None:
+    _running.clear()
+    _peaks.clear()
+    _order.clear()
+
+
+def _engine(store: MemoryStore, *queues: Queue, **options: Any) -> Engine:
+    return Engine(store, FLOWS, listeners=[], queues=queues, **options)
+
+
+def _wait(condition: Any, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+# -- the limits -------------------------------------------------------------------
+
+
+def test_a_cap_holds_across_workers_and_every_run_ends() -> None:
+    store = MemoryStore()
+    first = _engine(store, Queue("q", concurrency=3))
+    second = _engine(store, Queue("q", concurrency=3))
+    handles = [first.enqueue("busy", {"tag": str(i)}, queue="q") for i in range(24)]
+    with Worker(first, concurrency=8), Worker(second, concurrency=8):
+        assert sorted(h.result(timeout=30) for h in handles) == sorted(str(i) for i in range(24))
+    assert _peaks["*"] == 3, "the cap was kept and reached"
+    view = first.queue("q")
+    assert view.waiting == []
+    assert view.active == []
+
+
+def test_a_run_parked_holds_no_place_and_its_wake_waits_its_turn() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", concurrency=1))
+    parked = engine.enqueue("parks", "p", queue="q")
+    with Worker(engine):
+        _wait(lambda: parked.get().status is Status.SUSPENDED)
+        others = [engine.enqueue("busy", {"tag": str(i)}, queue="q") for i in range(3)]
+        done = [h.result(timeout=10) for h in others]
+        assert done == ["0", "1", "2"], "the parked run held no place"
+        woken = engine.resume(parked.id, "yes", on="go")
+        assert woken.status is Status.RUNNING, "the wake is journaled, not driven inline"
+        assert woken.owner is None
+        assert parked.result(timeout=10) == "p:after:yes"
+    assert _peaks["*"] == 1
+
+
+def test_a_per_key_limit_keeps_one_run_a_key_while_keys_run_side_by_side() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", per_key=1))
+    handles = [
+        engine.enqueue("busy", {"tag": f"{key}{i}", "key": key}, queue="q", queue_key=key)
+        for i in range(4)
+        for key in "ab"
+    ]
+    with Worker(engine, concurrency=8):
+        for handle in handles:
+            handle.result(timeout=10)
+    assert _peaks["a"] == 1
+    assert _peaks["b"] == 1
+    assert _peaks["*"] == 2, "a run held back by its key holds back no other key"
+
+
+def test_priorities_run_lower_first_then_in_arrival_order() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", concurrency=1))
+    plan = [("late", 5), ("first", -3), ("mid1", 0), ("mid2", 0), ("last", 9), ("early", -1)]
+    handles = [
+        engine.enqueue("busy", {"tag": tag, "s": 0.0}, queue="q", priority=priority)
+        for tag, priority in plan
+    ]
+    assert [engine.get(h.id).id for h in handles] == [h.id for h in handles]
+    assert engine.queue("q").waiting == [handles[i].id for i in (1, 5, 2, 3, 0, 4)]
+    with Worker(engine, concurrency=4):
+        for handle in handles:
+            handle.result(timeout=10)
+    assert _order == ["first", "early", "mid1", "mid2", "late", "last"]
+
+
+def test_a_rate_limit_admits_no_more_than_its_window_holds() -> None:
+    store = MemoryStore()
+    clock = FakeClock()
+    engine = _engine(store, Queue("q", rate=Rate(2, per=60.0)), clock=clock)
+    handles = [engine.enqueue("busy", {"tag": str(i), "s": 0.0}, queue="q") for i in range(5)]
+    with Worker(engine, concurrency=8):
+        _wait(lambda: sum(h.get().status is Status.COMPLETED for h in handles) == 2)
+        time.sleep(0.3)  # a few polls: nothing more is admitted within the window
+        assert sum(h.get().status is Status.COMPLETED for h in handles) == 2
+        clock.advance(30)
+        time.sleep(0.3)
+        assert sum(h.get().status is Status.COMPLETED for h in handles) == 2
+        clock.advance(31)
+        _wait(lambda: sum(h.get().status is Status.COMPLETED for h in handles) == 4)
+        time.sleep(0.3)
+        assert sum(h.get().status is Status.COMPLETED for h in handles) == 4
+        clock.advance(61)
+        handles[4].result(timeout=10)
+    assert _order == ["0", "1", "2", "3", "4"]
+
+
+def test_partitions_split_the_cap_and_keep_a_keys_runs_together() -> None:
+    queue = Queue("q", concurrency=10, rate=Rate(7, per=1.0), partitions=4)
+    shares = [queue.share(p) for p in range(4)]
+    assert sum(cap or 0 for cap, _rate in shares) == 10
+    assert sum(rate.limit for _cap, rate in shares if rate) == 7
+    assert {queue.place(f"run{i}", 0, "customer-7").partition for i in range(50)} == {
+        queue.place("x", 0, "customer-7").partition
+    }
+    assert len({queue.place(f"run{i}", 0, None).partition for i in range(200)}) == 4
+    store = MemoryStore()
+    engine = _engine(store, queue)
+    handles = [engine.enqueue("busy", {"tag": str(i)}, queue="q") for i in range(40)]
+    with Worker(engine, concurrency=16), Worker(_engine(store, queue), concurrency=16):
+        for handle in handles:
+            handle.result(timeout=20)
+    assert _peaks["*"] <= 10
+
+
+# -- wakes go back through the queue --------------------------------------------
+
+
+def test_a_message_and_a_timer_wake_a_queued_run_through_its_queue() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", concurrency=2))
+    listener = engine.enqueue("listens", None, queue="q")
+    napper = engine.enqueue("naps", 0.2, queue="q")
+    with Worker(engine):
+        _wait(lambda: listener.get().status is Status.SUSPENDED)
+        engine.send(listener.id, "hello", topic="t")
+        assert listener.result(timeout=10) == "hello"
+        assert napper.result(timeout=10) == "woke"
+    kinds = [record.kind for record in store.read(engine.stream_of(napper.id))]
+    assert kinds.count("EXECUTION_CLAIMED") == 2, "the timer's wake was claimed from the queue"
+
+
+def test_recover_leaves_queued_runs_to_their_workers() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", concurrency=1))
+    handle = engine.enqueue("busy", {"tag": "x", "s": 0.0}, queue="q")
+    assert engine.recover() == []
+    assert handle.get().status is Status.RUNNING
+    assert _order == []
+    assert engine.queue("q").waiting == [handle.id]
+
+
+def test_a_run_whose_add_was_lost_is_put_back_on_its_queue() -> None:
+    store = MemoryStore()
+    clock = FakeClock()
+    engine = _engine(store, Queue("q"), clock=clock)
+
+    def lost(*_args: Any) -> None:
+        raise StoreUnavailableError("the store went away between the start and the add")
+
+    real, engine._queues.add = engine._queues.add, lost  # type: ignore[method-assign,assignment]
+    run = engine.enqueue("busy", {"tag": "x", "s": 0.0}, queue="q").id  # logged, not raised
+    engine._queues.add = real  # type: ignore[method-assign]
+    engine.recover()
+    assert engine.queue("q").waiting == [], "its writer may still be adding it"
+    clock.advance(engine.lease)
+    engine.recover()
+    assert engine.queue("q").waiting == [run]
+    with Worker(engine):
+        assert engine.handle(run).result(timeout=10) == "x"
+
+
+# -- takers that stop -------------------------------------------------------------
+
+
+def test_an_admission_never_driven_is_given_back_after_half_a_lease() -> None:
+    store = MemoryStore()
+    queue = Queue("q", concurrency=1)
+    engine = _engine(store, queue, lease=0.4)
+    handle = engine.enqueue("busy", {"tag": "x", "s": 0.0}, queue="q")
+    book = QueueBook(store, time.time, [queue])
+    fold = book.read("q", 0)
+    book.take("q", 0, fold, [handle.id], "gone-worker")  # a taker that died at once
+    assert engine.queue("q").active == [handle.id]
+    with Worker(engine):
+        assert handle.result(timeout=10) == "x"
+    assert engine.queue("q").active == []
+
+
+def test_a_stopping_worker_gives_its_runs_back_to_the_queue() -> None:
+    store = MemoryStore()
+    queue = Queue("q", concurrency=1)
+    release = threading.Event()
+
+    @flow(name="held", version="1")
+    def held(ctx: Context, _input: Any) -> Any:
+        ctx.step("one", lambda: release.wait(10) and "one")
+        return ctx.step("two", lambda: "two")
+
+    first = Engine(store, [held], listeners=[], queues=[queue])
+    handle = first.enqueue("held", None, queue="q")
+    worker = Worker(first, grace=0.0).start()
+    _wait(lambda: first.queue("q").active == [handle.id])
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    time.sleep(0.05)
+    release.set()
+    stopper.join()
+    assert handle.get().status is Status.RUNNING, "released before its next step"
+    assert first.queue("q").waiting == [handle.id], "back on the queue, at its place"
+    second = Engine(store, [held], listeners=[], queues=[queue])
+    with Worker(second):
+        assert handle.result(timeout=10) == "two"
+
+
+def test_a_damaged_queue_record_is_mended_by_a_worker() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q"))
+    first = engine.enqueue("busy", {"tag": "a", "s": 0.0}, queue="q")
+    head = store.head("queues/q/0")
+    store.append("queues/q/0", head, [NewRecord("loom.queue.add", b"{not json", 0.0)])
+    second = engine.enqueue("busy", {"tag": "b", "s": 0.0}, queue="q")
+    with Worker(engine):
+        assert first.result(timeout=10) == "a"
+        assert second.result(timeout=10) == "b"
+    with pytest.raises(TrimmedError) as trimmed:
+        store.read("queues/q/0")
+    kinds = [record.kind for record in store.read("queues/q/0", trimmed.value.floor)]
+    assert kinds[0] == "loom.queue.checkpoint", "the damage was trimmed off"
+
+
+# -- refused at the call ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Queue(""),
+        lambda: Queue("a/b"),
+        lambda: Queue("sp ace"),
+        lambda: Queue("q", concurrency=0),
+        lambda: Queue("q", concurrency=True),
+        lambda: Queue("q", per_key=-1),
+        lambda: Queue("q", partitions=0),
+        lambda: Queue("q", concurrency=2, partitions=3),
+        lambda: Queue("q", rate=Rate(2, per=1.0), partitions=3),
+        lambda: Queue("q", rate=(2, 1.0)),  # type: ignore[arg-type]
+        lambda: Rate(0, per=1.0),
+        lambda: Rate(1, per=0.0),
+        lambda: Rate(1, per=float("nan")),
+    ],
+)
+def test_a_bad_queue_is_refused(make: Any) -> None:
+    with pytest.raises(InvalidArgumentError):
+        make()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"queue": "nope"},
+        {"queue": "q", "priority": 2**31},
+        {"queue": "q", "priority": 1.5},
+        {"queue": "q", "priority": True},
+        {"queue": "q", "queue_key": ""},
+        {"queue": "q", "queue_key": 7},
+        {"priority": 1},
+        {"queue_key": "k"},
+    ],
+)
+def test_a_bad_enqueue_is_refused_and_journals_nothing(options: dict[str, Any]) -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q"))
+    with pytest.raises(InvalidArgumentError):
+        engine.enqueue("busy", {"tag": "x"}, key="k1", **options)
+    assert store.head("ex/k1") == 0
+    assert store.head("queues/q/0") == 0
+
+
+def test_two_queues_of_one_name_and_a_worker_of_an_unknown_queue_are_refused() -> None:
+    with pytest.raises(InvalidArgumentError):
+        _engine(MemoryStore(), Queue("q"), Queue("q"))
+    with pytest.raises(InvalidArgumentError):
+        Worker(_engine(MemoryStore(), Queue("q")), queues=["other"])
+
+
+def test_a_queued_start_records_its_place() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", partitions=1))
+    handle = engine.enqueue("busy", {"tag": "x"}, queue="q", priority=-4, queue_key="c7")
+    assert engine.state(handle.id).queue == QueuePlace("q", 0, -4, "c7")
+    start = json.loads(store.read(engine.stream_of(handle.id))[0].payload)
+    assert start["d"]["queue"] == {"name": "q", "partition": 0, "priority": -4, "key": "c7"}
+    assert QueueFold("s").line() == []
