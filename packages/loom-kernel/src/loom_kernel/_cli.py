@@ -106,20 +106,21 @@ def _inspect_command(args: argparse.Namespace) -> int:
 def _worker_command(args: argparse.Namespace) -> int:
     import logging  # noqa: PLC0415 - only this command needs these
 
-    from loom_kernel._deploy import load_flows  # noqa: PLC0415
+    from loom_kernel._deploy import load_flows, load_queues  # noqa: PLC0415
     from loom_kernel._engine import Engine  # noqa: PLC0415
     from loom_kernel._worker import Worker, terminal_status  # noqa: PLC0415
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     try:
         flows = [item for spec in args.flows for item in load_flows(spec)]
+        queues = [item for spec in args.queues for item in load_queues(spec)]
         with open_store(args.store) as store:
-            engine = Engine(store, flows, worker_id=args.worker_id, lease=args.lease)
+            engine = Engine(store, flows, worker_id=args.worker_id, lease=args.lease, queues=queues)
             worker = Worker(
                 engine, concurrency=args.concurrency, grace=args.grace, idle_poll=args.idle_poll
             )
             print(
-                f"loom worker {engine.worker_id}: {len(flows)} flow(s), "
+                f"loom worker {engine.worker_id}: {len(flows)} flow(s), {len(queues)} queue(s), "
                 f"concurrency {args.concurrency}; SIGTERM or Ctrl-C stops it",
                 file=sys.stderr,
                 flush=True,
@@ -141,6 +142,12 @@ def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
         required=True,
         action="append",
         help="module:attribute naming a flow or a list of flows (repeatable)",
+    )
+    worker.add_argument(
+        "--queues",
+        action="append",
+        default=[],
+        help="module:attribute naming a Queue or a list of queues it admits runs from (repeatable)",
     )
     worker.add_argument("--concurrency", type=int, default=8, help="runs driven at once")
     worker.add_argument("--lease", type=float, default=30.0, help="lease in seconds")

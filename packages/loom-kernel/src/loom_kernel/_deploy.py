@@ -13,35 +13,53 @@ from loom_kernel._engine import Engine
 from loom_kernel._errors import InvalidArgumentError, LoomError, NonDeterminismError
 from loom_kernel._executions import execution_ids
 from loom_kernel._flows import Flow, flow
+from loom_kernel._queues import Queue
 from loom_kernel._registry import open_store
 from loom_kernel._views import Execution
 
 __all__ = ["add_deploy_commands", "load_flows"]
 
 
-def load_flows(spec: str) -> list[Flow]:
-    """The flows named by `module:attribute` (a Flow, a function, or a list of them).
+def _load(spec: str, option: str, example: str) -> list[Any]:
+    """The object `module:attribute` names, as a list (a list, tuple or set is spread).
 
     The module is imported, never evaluated from text.
-
-    Raises:
-        InvalidArgumentError: the spec is malformed, or names nothing that is a flow.
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
-        raise InvalidArgumentError(
-            f"--flows takes module:attribute (myapp.flows:FLOWS), not {spec!r}"
-        )
+        raise InvalidArgumentError(f"{option} takes module:attribute ({example}), not {spec!r}")
     try:
         value: Any = importlib.import_module(module_name)
         for part in attribute.split("."):
             value = getattr(value, part)
     except (ImportError, AttributeError) as exc:
-        raise InvalidArgumentError(f"cannot load flows from {spec!r}: {exc}") from exc
-    items = list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
+        what = option.removeprefix("--")
+        raise InvalidArgumentError(f"cannot load {what} from {spec!r}: {exc}") from exc
+    return list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
+
+
+def load_flows(spec: str) -> list[Flow]:
+    """The flows named by `module:attribute` (a Flow, a function, or a list of them).
+
+    Raises:
+        InvalidArgumentError: the spec is malformed, or names nothing that is a flow.
+    """
+    items = _load(spec, "--flows", "myapp.flows:FLOWS")
     if not items or not all(isinstance(item, Flow) or callable(item) for item in items):
         raise InvalidArgumentError(f"{spec!r} is not a flow or a list of flows")
     return [item if isinstance(item, Flow) else flow(item) for item in items]
+
+
+def load_queues(spec: str) -> list[Queue]:
+    """The queues named by `module:attribute` (a Queue, or a list of them).
+
+    Raises:
+        InvalidArgumentError: the spec is malformed, or names nothing that is a queue.
+    """
+    items = _load(spec, "--queues", "myapp.flows:QUEUES")
+    if not items or not all(isinstance(item, Queue) for item in items):
+        raise InvalidArgumentError(f"{spec!r} is not a Queue or a list of queues")
+    return items
 
 
 class _UnhostedError(LoomError):
