@@ -291,60 +291,89 @@ class Worker:
     def _serve_partition(
         self, pool: ThreadPoolExecutor, queue: Queue, partition: int, *, sweep: bool
     ) -> int:
-        book, engine = self.engine._queues, self.engine
+        book = self.engine._queues
         fold = book.read(queue.name, partition)
         if sweep and self._reap(queue, partition, fold):
             fold = book.read(queue.name, partition)
-        cap, rate = queue.share(partition)
         for _ in range(_TAKE_ATTEMPTS):
             with self._lock:
                 free = self.concurrency - len(self._in_flight) - len(self._backlog)
-            if self._stopping.is_set():
-                return 0
-            chosen = pick(
-                fold,
-                cap=cap,
-                per_key=queue.per_key,
-                rate=rate,
-                now=engine.clock(),
-                free=free,
-                hosts=engine.hosts,
-                busy=self._busy_with,
-            )
-            if not chosen:
-                return 0
-            try:
-                take = book.take(queue.name, partition, fold, chosen, engine.worker_id)
-            except ConflictError:  # another worker admitted or a run was added: again
+            admitted = self._admit(queue, partition, fold, free)
+            if admitted is None:  # another worker admitted or a run was added: again
                 fold = book.read(queue.name, partition)
                 continue
-            for execution_id in chosen:
-                drive = partial(self._drive_queued, queue.name, partition, execution_id, take)
-                let_go = partial(
-                    self._give_back,
-                    queue.name,
-                    partition,
-                    execution_id,
-                    take,
-                    requeue=True,
-                    unused=True,
-                )
-                task = _Task(execution_id, drive, let_go, since=time.monotonic())
+            for task in admitted:
                 if not self._submit(pool, task, queue=True):  # a visit of it is in flight
-                    let_go()
-            return len(chosen)
+                    assert task.let_go is not None
+                    task.let_go()
+            return len(admitted)
         return 0
 
-    def _drive_queued(self, name: str, partition: int, execution_id: str, take: int) -> None:
+    def _admit(
+        self, queue: Queue, partition: int, fold: QueueFold, free: int
+    ) -> list[_Task] | None:
+        """Admit from `fold` as many runs as `free` slots and the limits allow, with a
+        take at its exact head; the tasks that drive them, or None when the partition
+        moved since `fold` was read."""
+        engine = self.engine
+        if self._stopping.is_set():
+            return []
+        cap, rate = queue.share(partition)
+        chosen = pick(
+            fold,
+            cap=cap,
+            per_key=queue.per_key,
+            rate=rate,
+            now=engine.clock(),
+            free=free,
+            hosts=engine.hosts,
+            busy=self._busy_with,
+        )
+        if not chosen:
+            return []
+        try:
+            take = engine._queues.take(queue.name, partition, fold, chosen, engine.worker_id)
+        except ConflictError:
+            return None
+        tasks = []
+        for execution_id in chosen:
+            drive = partial(self._drive_queued, queue, partition, execution_id, take)
+            let_go = partial(
+                self._give_back,
+                queue.name,
+                partition,
+                execution_id,
+                take,
+                requeue=True,
+                unused=True,
+            )
+            tasks.append(_Task(execution_id, drive, let_go, since=time.monotonic()))
+        return tasks
+
+    def _drive_queued(self, queue: Queue, partition: int, execution_id: str, take: int) -> None:
         """Drive a run this worker admitted, then say it is done (waiting again if its
-        drive was let go running)."""
+        drive was let go running), and admit the next run of its partition for this
+        slot, if the limits allow, rather than leave the slot to the next poll."""
         requeue = False
         try:
             requeue = self.engine._drive_queued(execution_id)
             self.stats.driven += 1
         finally:
             self.stats.visited += 1
-            self._give_back(name, partition, execution_id, take, requeue=requeue)
+            self._give_back(queue.name, partition, execution_id, take, requeue=requeue)
+        with self._lock:
+            if requeue or self._backlog or self._stopping.is_set():
+                return  # found work waits for this slot already, or the worker stops
+        try:
+            fold = self.engine._queues.read(queue.name, partition)
+            admitted = self._admit(queue, partition, fold, 1)
+        except LoomError as exc:  # the next poll admits instead
+            logger.debug("loom: queue %s/%d: %s", queue.name, partition, exc)
+            return
+        with self._lock:
+            for task in admitted or ():  # the slot's thread takes it next, in `_work`
+                self._backlog.appendleft(task)
+                self._queued.add(task.execution_id)
 
     def _busy_with(self, execution_id: str) -> bool:
         """Whether a run is in flight or waiting for a slot here (a visit of it, say)."""
