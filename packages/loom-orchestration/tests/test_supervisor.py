@@ -1,10 +1,12 @@
-"""supervise_children: strategies, restart types, intensity on a virtual clock, the projection."""
+"""supervise_children: strategies, restart types, intensity on a virtual clock, the projection;
+every test runs with the supervisor as a sync flow and as an async one."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from loom_kernel import Context, Engine, MemoryStore, Status, flow
+import pytest
+from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Status, flow
 from loom_kernel.testing import FakeClock
 from loom_orchestration import (
     ChildFailedError,
@@ -24,7 +26,23 @@ def worker(ctx: Context, _input: Any) -> Any:
     return order
 
 
+_kind = {"async": False}
+
+
+@pytest.fixture(autouse=True, params=["sync", "async"])
+def _supervisor_kind(request: pytest.FixtureRequest) -> None:
+    _kind["async"] = request.param == "async"
+
+
 def _supervisor(specs: list[ChildSpec], **options: Any) -> Any:
+    if _kind["async"]:
+
+        @flow(name="supervisor", version="1")
+        async def async_supervisor(ctx: AsyncContext, _input: Any) -> Any:
+            return await supervise_children(ctx, specs, **options)
+
+        return async_supervisor
+
     @flow(name="supervisor", version="1")
     def supervisor(ctx: Context, _input: Any) -> Any:
         return supervise_children(ctx, specs, **options)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from typing import Any, Final, Literal
+from collections.abc import Coroutine, Generator, Sequence
+from typing import Any, Final, Literal, overload
 
 import attrs
 from loom_kernel import (
+    AsyncContext,
     Context,
     Engine,
     Execution,
@@ -108,15 +109,34 @@ def _needs_restart(spec: ChildSpec, status: str) -> bool:
     return spec.restart == "transient" and status == Status.FAILED
 
 
+@overload
 def supervise_children(
     ctx: Context,
+    specs: Sequence[ChildSpec],
+    *,
+    strategy: Strategy = ...,
+    intensity: int = ...,
+    period: float = ...,
+) -> dict[str, Any]: ...
+@overload
+def supervise_children(
+    ctx: AsyncContext,
+    specs: Sequence[ChildSpec],
+    *,
+    strategy: Strategy = ...,
+    intensity: int = ...,
+    period: float = ...,
+) -> Coroutine[Any, Any, dict[str, Any]]: ...
+def supervise_children(
+    ctx: Context | AsyncContext,
     specs: Sequence[ChildSpec],
     *,
     strategy: Strategy = "one_for_one",
     intensity: int = 3,
     period: float = 5.0,
-) -> dict[str, Any]:
-    """Run `specs` as children and restart them as OTP's supervisors do. Call it in a flow.
+) -> Any:
+    """Run `specs` as children and restart them as OTP's supervisors do. Call it in a
+    flow (in an `async def` flow, awaitable: `await supervise_children(ctx, ...)`).
 
     - one_for_one: only the child that ended is restarted;
     - one_for_all: every running child is cancelled and all are restarted;
@@ -133,26 +153,96 @@ def supervise_children(
         execution of each child.
     """
     _check(specs, strategy, intensity, period)
+    plan = _supervise(ctx.execution_id, specs, strategy, intensity, period)
+    if isinstance(ctx, AsyncContext):
+        return _run_async(ctx, plan)
+    return _run(ctx, plan)
+
+
+@attrs.frozen
+class _Start:
+    child_id: str
+    flow: str | Flow
+    input: Any
+
+
+@attrs.frozen
+class _Cancel:
+    child_id: str
+
+
+@attrs.frozen
+class _WaitAny:
+    child_ids: list[str]
+
+
+@attrs.frozen
+class _Now:
+    pass
+
+
+_Op = _Start | _Cancel | _WaitAny | _Now
+#: The supervisor's logic, as a generator of the ctx calls it makes (each answered
+#: with the call's result), so sync and async flows share it.
+_Plan = Generator[_Op, Any, dict[str, Any]]
+
+
+def _perform(ctx: Context | AsyncContext, op: _Op) -> Any:
+    """Make one ctx call of the plan; in an async flow, the awaitable of it."""
+    if isinstance(op, _Start):
+        return start_child_as(ctx, op.child_id, op.flow, op.input, "cancel")
+    if isinstance(op, _Cancel):
+        child_id = op.child_id
+        return ctx.step(
+            _CANCEL_STEP, lambda: ctx.engine.cancel(child_id, "restarted by its supervisor").id
+        )
+    if isinstance(op, _WaitAny):
+        return wait_any(ctx, op.child_ids)
+    return ctx.now()
+
+
+def _run(ctx: Context, plan: _Plan) -> dict[str, Any]:
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        answer = _perform(ctx, op)
+
+
+async def _run_async(ctx: AsyncContext, plan: _Plan) -> dict[str, Any]:
+    answer: Any = None
+    while True:
+        try:
+            op = plan.send(answer)
+        except StopIteration as done:
+            return done.value  # type: ignore[no-any-return]
+        answer = _perform(ctx, op)
+        if not isinstance(op, _Now):
+            answer = await answer
+
+
+def _supervise(
+    supervisor_id: str, specs: Sequence[ChildSpec], strategy: str, intensity: int, period: float
+) -> _Plan:
     order = {spec.name: position for position, spec in enumerate(specs)}
     attempts = dict.fromkeys(order, 0)
     running: dict[str, str] = {}
     last: dict[str, dict[str, Any]] = {}
     restarts: list[float] = []
 
-    def launch(spec: ChildSpec) -> None:
-        child_id = str(ChildId(ctx.execution_id, spec.name, attempts[spec.name]))
-        running[spec.name] = start_child_as(ctx, child_id, spec.flow, spec.input, "cancel")
+    def launch(spec: ChildSpec) -> Generator[_Op, Any, None]:
+        child_id = str(ChildId(supervisor_id, spec.name, attempts[spec.name]))
+        running[spec.name] = str((yield _Start(child_id, spec.flow, spec.input)))
 
-    def stop(name: str) -> None:
-        child_id = running.pop(name)
-        ctx.step(
-            _CANCEL_STEP, lambda: ctx.engine.cancel(child_id, "restarted by its supervisor").id
-        )
+    def stop(name: str) -> Generator[_Op, Any, None]:
+        yield _Cancel(running.pop(name))
 
     for spec in specs:
-        launch(spec)
+        yield from launch(spec)
     while running:
-        outcome = wait_any(ctx, [running[spec.name] for spec in specs if spec.name in running])
+        outcome = yield _WaitAny([running[spec.name] for spec in specs if spec.name in running])
         ended = ChildId.parse(str(outcome["id"]))
         assert ended is not None  # the supervisor launched it under such an id
         name = ended.name
@@ -161,11 +251,11 @@ def supervise_children(
         spec = specs[order[name]]
         if not _needs_restart(spec, outcome["status"]):
             continue
-        now: float = ctx.now()
+        now: float = yield _Now()
         restarts = [moment for moment in restarts if now - moment < period] + [now]
         if len(restarts) > intensity:
             for other in list(running):
-                stop(other)
+                yield from stop(other)
             error = outcome["error"] or {}
             raise SupervisorEscalationError(
                 f"restart intensity exceeded: {len(restarts)} restarts within {period}s "
@@ -180,10 +270,10 @@ def supervise_children(
             group = [s for s in specs[order[name] :] if s.name in running or s.name == name]
         for member in group:
             if member.name in running:
-                stop(member.name)
+                yield from stop(member.name)
         for member in group:
             attempts[member.name] += 1
-            launch(member)
+            yield from launch(member)
     return {name: {**view, "attempts": attempts[name] + 1} for name, view in sorted(last.items())}
 
 
