@@ -129,6 +129,31 @@ class QueueModel(RuleBasedStateMachine):
         if requeue or again:
             self.waiting.setdefault(run, item)
 
+    @precondition(lambda self: bool(self.active))
+    @rule(data=st.data(), book=st.integers(0, 1), requeue=st.booleans(), free=st.integers(0, 2))
+    def finish_and_take(self, data: Any, book: int, requeue: bool, free: int) -> None:
+        """A slot's done and its next take in one append (what a worker's slot does)."""
+        run = data.draw(st.sampled_from(sorted(self.active)))
+        item, take, _at, again = self.active[run]
+        writer = self.books[book]
+        fold = writer.read("m", 0)
+        done = writer.done_record(run, take, requeue=requeue)
+        cap, rate = self.queue.share(0)
+        after = writer.ahead(fold, [done])
+        chosen = pick(
+            after, cap=cap, per_key=self.queue.per_key, rate=rate, now=self.now, free=free
+        )
+        records = [done, *([writer.take_record(chosen, f"w{book}")] if chosen else [])]
+        position = writer.append_at("m", 0, fold, records)
+        del self.active[run]
+        if requeue or again:
+            self.waiting.setdefault(run, item)
+        assert chosen == self._model_pick(free)
+        for chosen_run in chosen:
+            self.active[chosen_run] = (self.waiting.pop(chosen_run), position, self.now, False)
+            self.admitted.append(self.now)
+        self._check_limits()
+
     @rule()
     def remember_a_fold(self) -> None:
         self.stale = self.books[0].read("m", 0)

@@ -26,6 +26,7 @@ from loom_kernel import (
     flow,
 )
 from loom_kernel._queues import QueueBook, QueueFold
+from loom_kernel._run_index import RunIndex, partition_of
 from loom_kernel.events import QueuePlace
 from loom_kernel.spi import NewRecord
 from loom_kernel.testing import FakeClock
@@ -366,3 +367,19 @@ def test_a_queued_start_records_its_place() -> None:
     start = json.loads(store.read(engine.stream_of(handle.id))[0].payload)
     assert start["d"]["queue"] == {"name": "q", "partition": 0, "priority": -4, "key": "c7"}
     assert QueueFold("s").line() == []
+
+
+def test_a_queued_runs_hint_names_its_queue_through_a_checkpoint() -> None:
+    store = MemoryStore()
+    index = RunIndex(store, time.time)
+    index.opened("queued", "f", None, "q")
+    partition = partition_of("queued")
+    others = [f"o{i}" for i in range(2000) if partition_of(f"o{i}") == partition][:40]
+    for other in others:
+        index.opened(other, "f", None)
+        index.closed(other, Status.COMPLETED, "f")
+    index.open_in(partition)  # 40 closed runs: this read checkpoints the partition
+    kinds = [record.kind for record in store.read(f"runs/open/{partition}", 81)]
+    assert "loom.run.checkpoint" in kinds
+    (hint,) = RunIndex(store, time.time).open_in(partition)[1]
+    assert (hint.execution_id, hint.queue) == ("queued", "q")

@@ -699,11 +699,12 @@ class Engine:
             ExecutionNotFoundError: the id belongs to a deleted run.
         """
         stream = self.stream_of(execution_id)
+        queue = None if event.queue is None else event.queue.name
         try:
             if event.key is not None and self.store.head(stream) > 0:
                 return False  # a start by key of a run that exists: no second hint
             hinted = time.monotonic()
-            self.runs.opened(execution_id, event.flow, self.worker_id)
+            self.runs.opened(execution_id, event.flow, self.worker_id, queue)
             self.store.append(stream, 0, [encode_event(event, self.clock())])
         except ConflictError:
             return False
@@ -714,7 +715,7 @@ class Engine:
         if time.monotonic() - hinted > self.lease / 2:
             # Paused between the hint and the start (a frozen VM, say): another worker
             # may have judged the hint abandoned and dropped it. Write it again.
-            self.runs.opened(execution_id, event.flow, self.worker_id)
+            self.runs.opened(execution_id, event.flow, self.worker_id, queue)
         return True
 
     def resume(

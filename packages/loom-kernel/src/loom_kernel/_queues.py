@@ -448,7 +448,8 @@ class QueueBook:
         """Have a run wait on its queue (a second add of a run waiting or driven is
         folded away; one of a run being driven has it wait again once done)."""
         data = {"id": execution_id, "flow": flow, "priority": place.priority, "key": place.key}
-        self._add(self.stream(place.name, place.partition), _ADD, data)
+        record = NewRecord(_ADD, _dump(data), self._clock())
+        self._add(self.stream(place.name, place.partition), record)
 
     def done(
         self,
@@ -460,29 +461,61 @@ class QueueBook:
         requeue: bool,
         unused: bool = False,
     ) -> None:
-        """Say that the run the take at `take` admitted is no longer driven; with
-        `requeue`, it waits again at its old place (its driver let it go running);
+        """Say that the run the take at `take` admitted is no longer driven (appended
+        wherever the head is); see `done_record`."""
+        record = self.done_record(execution_id, take, requeue=requeue, unused=unused)
+        self._add(self.stream(name, partition), record)
+
+    def done_record(
+        self, execution_id: str, take: int, *, requeue: bool, unused: bool = False
+    ) -> NewRecord:
+        """The record that says the run the take at `take` admitted is no longer driven;
+        with `requeue`, it waits again at its old place (its driver let it go running);
         with `unused`, it was never driven, and its admission counts for no rate."""
         data = {"id": execution_id, "take": take, "requeue": requeue, "unused": unused}
-        self._add(self.stream(name, partition), _DONE, data)
+        return NewRecord(_DONE, _dump(data), self._clock())
+
+    def take_record(self, ids: Sequence[str], by: str) -> NewRecord:
+        """The record that admits `ids` for worker `by`."""
+        return NewRecord(_TAKE, _dump({"ids": list(ids), "by": by}), self._clock())
 
     def take(self, name: str, partition: int, fold: QueueFold, ids: Sequence[str], by: str) -> int:
         """Admit `ids` for worker `by`, at the exact head `fold` was read at; the take's
+        position (see `append_at`).
+
+        Raises:
+            ConflictError: the partition moved since `fold` was read: fold again.
+        """
+        return self.append_at(name, partition, fold, [self.take_record(ids, by)])
+
+    def append_at(
+        self, name: str, partition: int, fold: QueueFold, records: Sequence[NewRecord]
+    ) -> int:
+        """Append `records` at the exact head `fold` was read at; the last one's
         position. Compacts the partition when it has grown long since its checkpoint.
 
         Raises:
             ConflictError: the partition moved since `fold` was read: fold again.
         """
         stream = self.stream(name, partition)
-        record = NewRecord(_TAKE, _dump({"ids": list(ids), "by": by}), self._clock())
-        position = self._store.append(stream, fold.head, [record])
+        position = self._store.append(stream, fold.head, records)
         self._heads[stream] = position
-        if fold.since_checkpoint + 1 >= _COMPACT_AT:
+        if fold.since_checkpoint + len(records) >= _COMPACT_AT:
             self._compact(name, partition)
         return position
 
-    def _add(self, stream: str, kind: str, data: dict[str, Any]) -> None:
-        record = NewRecord(kind, _dump(data), self._clock())
+    def ahead(self, fold: QueueFold, records: Sequence[NewRecord]) -> QueueFold:
+        """`fold` as it will be once `records` are appended at its head."""
+        queue = self.queues.get(fold.stream.split("/")[1])
+        window = None if queue is None or queue.rate is None else queue.rate.per
+        after = fold.copy()
+        for offset, record in enumerate(records, start=1):
+            stored = Record(fold.head + offset, record.kind, record.payload, record.timestamp)
+            _fold_record(after, stored, window)
+        return after
+
+    def _add(self, stream: str, record: NewRecord) -> None:
+        """Append one record wherever the stream's head is now."""
         head = self._heads.get(stream, 0)
         while True:
             try:

@@ -92,12 +92,14 @@ class OpenHint:
         flow: its flow's name.
         by: the worker that wrote the hint (before the run's first record).
         at: when, by that worker's clock.
+        queue: the queue the run was enqueued on, if any (only its workers drive it).
     """
 
     execution_id: str
     flow: str
     by: str | None
     at: float
+    queue: str | None = None
 
 
 @attrs.frozen
@@ -125,7 +127,9 @@ class RunIndex:
 
     # -- writing --------------------------------------------------------------
 
-    def opened(self, execution_id: str, flow: str, by: str | None) -> None:
+    def opened(
+        self, execution_id: str, flow: str, by: str | None, queue: str | None = None
+    ) -> None:
         """Hint that a run is about to start: before its first record is appended.
 
         The first hint of this index on a store with no run yet marks the store built.
@@ -133,7 +137,9 @@ class RunIndex:
         if not self._looked:
             self._looked = True
             self.built()
-        data = {"id": execution_id, "flow": flow, "by": by}
+        data: dict[str, Any] = {"id": execution_id, "flow": flow, "by": by}
+        if queue is not None:
+            data["queue"] = queue
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
 
     def nudged(self, execution_id: str, flow: str) -> None:
@@ -341,7 +347,17 @@ class RunIndex:
 
 
 def _hint_data(hint: OpenHint) -> dict[str, Any]:
-    return {"id": hint.execution_id, "flow": hint.flow, "by": hint.by, "at": hint.at}
+    data = {"id": hint.execution_id, "flow": hint.flow, "by": hint.by, "at": hint.at}
+    if hint.queue is not None:
+        data["queue"] = hint.queue
+    return data
+
+
+def _queue_of(data: dict[str, Any]) -> str | None:
+    queue = data.get("queue")
+    if queue is not None and not isinstance(queue, str):
+        raise TypeError(f"a hint's queue is a str, not {queue!r}")
+    return queue
 
 
 def _fold_partition(
@@ -403,14 +419,20 @@ def _fold_record(
             opened.clear()
             closed.clear()
             for item in data["open"]:
-                hint = OpenHint(str(item["id"]), str(item["flow"]), item["by"], float(item["at"]))
+                hint = OpenHint(
+                    str(item["id"]),
+                    str(item["flow"]),
+                    item["by"],
+                    float(item["at"]),
+                    _queue_of(item),
+                )
                 opened[hint.execution_id] = hint
         elif record.kind == _OPEN:
             execution_id = str(data["id"])
             if data.get("nudge") is True and execution_id not in opened:
                 return  # the run closed (or was dropped) before the nudge: it stays so
             opened[execution_id] = OpenHint(
-                execution_id, str(data["flow"]), data["by"], record.timestamp
+                execution_id, str(data["flow"]), data["by"], record.timestamp, _queue_of(data)
             )
             closed.pop(execution_id, None)
         elif record.kind == _CLOSED:

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import FrameType
@@ -29,6 +29,7 @@ import attrs
 from loom_kernel._context import RELEASE
 from loom_kernel._engine import NOT_STARTED
 from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
+from loom_kernel._journal import NewRecord
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
@@ -310,29 +311,36 @@ class Worker:
         return 0
 
     def _admit(
-        self, queue: Queue, partition: int, fold: QueueFold, free: int
+        self,
+        queue: Queue,
+        partition: int,
+        fold: QueueFold,
+        free: int,
+        before: Sequence[NewRecord] = (),
     ) -> list[_Task] | None:
-        """Admit from `fold` as many runs as `free` slots and the limits allow, with a
-        take at its exact head; the tasks that drive them, or None when the partition
-        moved since `fold` was read."""
+        """Admit as many runs as `free` slots and the limits allow once `before` is
+        appended, in one append of `before` and the take at `fold`'s exact head; the
+        tasks that drive them, or None when the partition moved since it was read."""
         engine = self.engine
-        if self._stopping.is_set():
-            return []
-        cap, rate = queue.share(partition)
-        chosen = pick(
-            fold,
-            cap=cap,
-            per_key=queue.per_key,
-            rate=rate,
-            now=engine.clock(),
-            free=free,
-            hosts=engine.hosts,
-            busy=self._busy_with,
-        )
-        if not chosen:
+        book = engine._queues
+        chosen: list[str] = []
+        if free > 0 and not self._stopping.is_set():
+            cap, rate = queue.share(partition)
+            chosen = pick(
+                book.ahead(fold, before) if before else fold,
+                cap=cap,
+                per_key=queue.per_key,
+                rate=rate,
+                now=engine.clock(),
+                free=free,
+                hosts=engine.hosts,
+                busy=self._busy_with,
+            )
+        records = [*before, *([book.take_record(chosen, engine.worker_id)] if chosen else [])]
+        if not records:
             return []
         try:
-            take = engine._queues.take(queue.name, partition, fold, chosen, engine.worker_id)
+            take = book.append_at(queue.name, partition, fold, records)
         except ConflictError:
             return None
         tasks = []
@@ -352,28 +360,41 @@ class Worker:
 
     def _drive_queued(self, queue: Queue, partition: int, execution_id: str, take: int) -> None:
         """Drive a run this worker admitted, then say it is done (waiting again if its
-        drive was let go running), and admit the next run of its partition for this
-        slot, if the limits allow, rather than leave the slot to the next poll."""
+        drive was let go running)."""
         requeue = False
         try:
             requeue = self.engine._drive_queued(execution_id)
             self.stats.driven += 1
         finally:
             self.stats.visited += 1
-            self._give_back(queue.name, partition, execution_id, take, requeue=requeue)
+            self._finish(queue, partition, execution_id, take, requeue=requeue)
+
+    def _finish(
+        self, queue: Queue, partition: int, execution_id: str, take: int, *, requeue: bool
+    ) -> None:
+        """Append the done of a run this slot drove together with the take of the next
+        run of its partition for this slot, when the limits allow (one append, rather
+        than leaving the slot to the next poll); the slot's thread drives it next."""
+        book = self.engine._queues
+        done = book.done_record(execution_id, take, requeue=requeue)
         with self._lock:
-            if requeue or self._backlog or self._stopping.is_set():
-                return  # found work waits for this slot already, or the worker stops
+            free = 0 if requeue or self._backlog else 1  # found work waits for the slot
         try:
-            fold = self.engine._queues.read(queue.name, partition)
-            admitted = self._admit(queue, partition, fold, 1)
-        except LoomError as exc:  # the next poll admits instead
+            fold = book.read(queue.name, partition)
+            admitted = self._admit(queue, partition, fold, free, [done])
+        except LoomError as exc:
             logger.debug("loom: queue %s/%d: %s", queue.name, partition, exc)
+            admitted = None
+        if admitted is not None:
+            with self._lock:
+                for task in admitted:  # taken next by this slot's thread, in _work
+                    self._backlog.appendleft(task)
+                    self._queued.add(task.execution_id)
             return
-        with self._lock:
-            for task in admitted or ():  # the slot's thread takes it next, in `_work`
-                self._backlog.appendleft(task)
-                self._queued.add(task.execution_id)
+        # Other slots or workers moved the partition meanwhile: the done alone, and the
+        # next poll admits for every free slot at once (one take, not one per slot).
+        self._give_back(queue.name, partition, execution_id, take, requeue=requeue)
+        self._wake.set()
 
     def _busy_with(self, execution_id: str) -> bool:
         """Whether a run is in flight or waiting for a slot here (a visit of it, say)."""
@@ -481,6 +502,9 @@ class Worker:
             deferred = False
             for hint in hints:
                 if not sweep and hint in known:
+                    continue
+                if not sweep and hint.queue is not None:
+                    known.add(hint)  # its queue's add is how it is found; sweeps look too
                     continue
                 if driving_here(self.engine.worker_id, hint.execution_id):
                     # This engine drives it inline, or is still writing its start
