@@ -42,12 +42,32 @@ def test_an_interrupt_inside_an_append_leaves_no_transaction_open(tmp_path: Path
     store.append("s", 0, _records(1))
     InterruptedStore.interrupt = True
     with pytest.raises(KeyboardInterrupt):
-        store.append("s", 1, _records(1, "lost"))
+        store.append("s", 1, _records(2, "lost"))  # two records: a transaction of its own
     assert not store._connection.in_transaction
     assert store.append("s", 1, _records(1, "next")) == 2, "the store's own next append works"
     other = open_sqlite_store(f"sqlite://{path}?timeout=0")  # another process, no waiting
     assert other.append("s", 2, _records(1, "other")) == 3, "no write lock was left behind"
     assert [r.payload for r in other.read("s")] == [b"r0", b"next0", b"other0"]
+
+
+def test_a_lone_append_interrupted_in_its_statement_lands_nothing_and_holds_no_lock(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "interrupted.db")
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("s", 0, _records(1))
+    connection = store._connection
+    connection.set_progress_handler(lambda: 1, 1)  # SQLite aborts every statement
+    try:
+        with pytest.raises(StoreUnavailableError):
+            store.append("s", 1, _records(1, "lost"))  # one statement, no BEGIN or COMMIT
+    finally:
+        connection.set_progress_handler(None, 1)
+    assert not connection.in_transaction
+    other = open_sqlite_store(f"sqlite://{path}?timeout=0")  # another process, no waiting
+    assert other.append("s", 1, _records(1, "other")) == 2, "nothing landed, no lock left"
+    assert store.append("s", 2, _records(1, "next")) == 3, "the store's own next append works"
+    assert [r.payload for r in other.read("s")] == [b"r0", b"other0", b"next0"]
 
 
 def test_open_and_append_on_a_write_locked_database_raise_the_same_error(tmp_path: Path) -> None:

@@ -209,9 +209,32 @@ def test_an_append_whose_commit_landed_but_failed_is_not_remembered_at_the_old_h
     real = store._connection
     store._local.connection = _CommitLandsThenFails(real)
     with pytest.raises(LoomError):
-        store.append("ex/a", 1, _record())
+        store.append("ex/a", 1, _record() * 2)  # two records: BEGIN, inserts, COMMIT
     store._local.connection = real
-    assert store.head("ex/a") == 2, "the commit landed: the head is read again"
+    assert store.head("ex/a") == 3, "the commit landed: the head is read again"
+
+
+class _StatementLandsThenFails(_CommitLandsThenFails):
+    """A connection whose one-statement append lands and then reports an error."""
+
+    def execute(self, sql: str, *parameters: Any) -> Any:
+        result = self._real.execute(sql, *parameters)
+        if sql.startswith("INSERT INTO loom_records"):
+            raise sqlite3.OperationalError("disk I/O error")
+        return result
+
+
+def test_a_lone_append_that_landed_but_failed_is_confirmed_by_its_commit_id(
+    tmp_path: Path,
+) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/c.db")
+    store.append("ex/a", 0, _record())
+    real = store._connection
+    store._local.connection = _StatementLandsThenFails(real)
+    assert store.append("ex/a", 1, _record()) == 2, "its commit id says it landed"
+    store._local.connection = real
+    assert store.head("ex/a") == 2
+    assert len(store.read("ex/a")) == 2, "written once"
 
 
 def test_a_lost_reply_whose_position_another_writer_took_is_a_conflict(tmp_path: Path) -> None:
