@@ -2,8 +2,8 @@
 
 A `queued_job` step appends `start <run> <key> <time>` and, after `seconds`, `end <run>
 <key> <time>` to the file named by LOOM_QUEUE_SIDE, so the test can tell how many
-runs were in their step at once, across processes. While the file named by
-LOOM_QUEUE_HOLD exists, the step waits instead (up to a minute).
+runs were in their step at once, across processes. While the file named by the job's
+`hold` (or by LOOM_QUEUE_HOLD) exists, the step waits first (up to a minute).
 """
 
 from __future__ import annotations
@@ -26,9 +26,8 @@ def _line(text: str) -> None:
         os.close(handle)
 
 
-def _work(run: str, key: str, seconds: float) -> str:
+def _work(run: str, key: str, seconds: float, hold: str | None) -> str:
     _line(f"start {run} {key} {time.time():.6f}")
-    hold = os.environ.get("LOOM_QUEUE_HOLD")
     deadline = time.monotonic() + 60
     if hold:
         while Path(hold).exists() and time.monotonic() < deadline:
@@ -41,7 +40,8 @@ def _work(run: str, key: str, seconds: float) -> str:
 @flow(name="queued_job", version="1")
 def queued_job(ctx: Context, job: dict[str, Any]) -> Any:
     run = ctx.execution_id
-    first = ctx.step("work", lambda: _work(run, job.get("key") or "-", job["seconds"]))
+    hold = job.get("hold") or os.environ.get("LOOM_QUEUE_HOLD")
+    first = ctx.step("work", lambda: _work(run, job.get("key") or "-", job["seconds"], hold))
     return ctx.step("after", lambda: first + ":after")
 
 

@@ -47,12 +47,20 @@ def _environment(target: _Target, side: Path, hold: Path | None = None) -> dict[
     return {**os.environ, **target.environment, **extra}
 
 
-def _worker(target: _Target, environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def _worker(
+    target: _Target,
+    environment: dict[str, str],
+    log: Path,
+    *,
+    lease: float = 2.0,
+    grace: float = 5.0,
+) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "loom_kernel._cli", "worker", "--store", target.url),
             *("--flows", "queue_flows:FLOWS", "--queues", "queue_flows:QUEUES"),
-            *("--concurrency", "8", "--lease", "2", "--idle-poll", "0.1", "--grace", "5"),
+            *("--concurrency", "8", "--lease", str(lease), "--idle-poll", "0.1"),
+            *("--grace", str(grace)),
         ],
         stdout=subprocess.DEVNULL,
         stderr=log.open("ab"),
@@ -181,3 +189,47 @@ def test_a_worker_killed_holding_admissions_gives_them_back(
     repeated = sum(starts.values()) - len(runs)
     assert repeated <= 3, "only the steps in flight at the kill ran again"
     assert set(starts) == set(runs)
+
+
+@pytest.mark.slow
+def test_a_run_a_stopping_worker_process_lets_go_is_taken_by_another_at_once(
+    target: _Target, tmp_path: Path
+) -> None:
+    """The stopping worker still drives another run, so its process lives on and its
+    lease is fresh: only its beat at the let-go frees the run for the other worker
+    before its next regular beat (a third of a 60 s lease; the test waits at most 10)."""
+    side, log = tmp_path / "side.txt", tmp_path / "workers.log"
+    released_hold, busy_hold = tmp_path / "released.hold", tmp_path / "busy.hold"
+    side.touch()
+    released_hold.touch()
+    busy_hold.touch()
+    environment = _environment(target, side)
+    engine = _engine(target)
+    with mock.patch.dict(os.environ, environment):
+        released = engine.enqueue(
+            "queued_job",
+            {"seconds": 0.0, "hold": str(released_hold)},
+            key="released",
+            queue="capped",
+        ).id
+        busy = engine.enqueue(
+            "queued_job", {"seconds": 0.0, "hold": str(busy_hold)}, key="busy", queue="capped"
+        ).id
+        first = _worker(target, environment, log, lease=60.0, grace=0.2)
+        deadline = time.monotonic() + 60
+        while side.read_text().count("start") < 2:
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        second = _worker(target, environment, log, lease=60.0, grace=0.2)
+        first.send_signal(signal.SIGTERM)
+        time.sleep(1.0)  # past the grace: the drives are released at their next step
+        released_hold.unlink()
+        try:
+            assert engine.handle(released).wait(timeout=10).status is Status.COMPLETED
+            assert first.poll() is None, "the stopping worker still drives the other run"
+        finally:
+            busy_hold.unlink()
+            assert first.wait(60) == 0, log.read_text()[-3000:]  # its last run released
+            _stop([second], log)
+        engine.handle(busy).wait(timeout=60)
+        _check_journals(engine, [released, busy])

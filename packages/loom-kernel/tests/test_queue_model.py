@@ -51,7 +51,7 @@ class QueueModel(RuleBasedStateMachine):
     @rule(run=st.sampled_from(IDS), priority=st.integers(-2, 2), key=st.sampled_from(KEYS))
     def add(self, run: str, priority: int, key: str | None) -> None:
         place = self.queue.place(run, priority, key)
-        self.books[0].add(place, run, "f")
+        self.books[0].add(place, run, "f", "")
         position = self.store.head("queues/m/0")
         if run in self.active:
             item, take, at, _again = self.active[run]
@@ -132,23 +132,25 @@ class QueueModel(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.active))
     @rule(data=st.data(), book=st.integers(0, 1), requeue=st.booleans(), free=st.integers(0, 2))
     def finish_and_take(self, data: Any, book: int, requeue: bool, free: int) -> None:
-        """A slot's done and its next take in one append (what a worker's slot does)."""
+        """A slot's done, then its next take, on the live fold (what a worker's slot
+        does): each append folds into it."""
         run = data.draw(st.sampled_from(sorted(self.active)))
         item, take, _at, again = self.active[run]
         writer = self.books[book]
-        fold = writer.read("m", 0)
-        done = writer.done_record(run, take, requeue=requeue)
-        cap, rate = self.queue.share(0)
-        after = writer.ahead(fold, [done])
-        chosen = pick(
-            after, cap=cap, per_key=self.queue.per_key, rate=rate, now=self.now, free=free
-        )
-        records = [done, *([writer.take_record(chosen, f"w{book}")] if chosen else [])]
-        position = writer.append_at("m", 0, fold, records)
-        del self.active[run]
-        if requeue or again:
-            self.waiting.setdefault(run, item)
-        assert chosen == self._model_pick(free)
+        with writer.holding("m", 0):
+            fold = writer.refresh("m", 0)
+            writer.append_at("m", 0, fold, [writer.done_record(run, take, requeue=requeue)])
+            del self.active[run]
+            if requeue or again:
+                self.waiting.setdefault(run, item)
+            cap, rate = self.queue.share(0)
+            chosen = pick(
+                fold, cap=cap, per_key=self.queue.per_key, rate=rate, now=self.now, free=free
+            )
+            assert chosen == self._model_pick(free)
+            if not chosen:
+                return
+            position = writer.take("m", 0, fold, chosen, f"w{book}")
         for chosen_run in chosen:
             self.active[chosen_run] = (self.waiting.pop(chosen_run), position, self.now, False)
             self.admitted.append(self.now)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
 import threading
@@ -31,6 +32,7 @@ from loom_kernel._errors import (
     NotSuspendedError,
     RunFinishedError,
     SchemaError,
+    StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
     UnknownFlowError,
@@ -253,6 +255,11 @@ class Engine:
     def hosts(self, name: str) -> bool:
         """Whether any version of flow `name` is registered here."""
         return name in self._newest
+
+    def _hosts_code(self, name: str, code: str) -> bool:
+        """Whether the version of flow `name` with code hash `code` is registered here
+        (any version, when `code` is empty)."""
+        return code in self._flows.get(name, {}) if code else name in self._newest
 
     def newest(self, name: str) -> Flow:
         """The version of flow `name` that new runs start on (the one registered last).
@@ -499,15 +506,15 @@ class Engine:
                 state.apply(event)
                 self._cache.give_back(state)
         if added:
-            self._queue_up(place, execution_id, event.flow)
+            self._queue_up(place, execution_id, event.flow, event.code_hash)
         return RunHandle(self, execution_id)
 
-    def _queue_up(self, place: QueuePlace, execution_id: str, flow: str) -> None:
+    def _queue_up(self, place: QueuePlace, execution_id: str, flow: str, code: str) -> None:
         """Have a queued run whose start or wake landed wait on its queue, and wake
         this engine's workers. A failure is logged, not raised: what landed stands,
         and the sweeps add the run to its queue (see `_ensure_queued`)."""
         try:
-            self._queues.add(place, execution_id, flow)
+            self._queues.add(place, execution_id, flow, code)
         except LoomError as exc:
             logger.warning("loom: %s not put on queue %r yet: %s", execution_id, place.name, exc)
         for worker in self._local_workers:
@@ -527,12 +534,12 @@ class Engine:
             self._cache.drop(state.id)
             raise
         execution = Execution.of(state)
-        place, flow = state.queue, state.flow
+        place, flow, code = state.queue, state.flow, state.code_hash
         self._cache.give_back(state)
-        self._queue_up(place, state.id, flow)
+        self._queue_up(place, state.id, flow, code)
         return execution
 
-    def _ensure_queued(self, execution_id: str, place: QueuePlace, flow: str) -> None:
+    def _ensure_queued(self, execution_id: str, place: QueuePlace, flow: str, code: str) -> None:
         """Put a queued run left running with no driver back on its queue, if it is
         neither waiting there nor admitted, and its writer (which adds it right after
         its start or wake) has had half a lease to do so."""
@@ -543,32 +550,39 @@ class Engine:
         if last is not None and self.clock() - last.timestamp <= self.lease / 2:
             return
         logger.info("loom: %s: putting it back on queue %r", execution_id, place.name)
-        self._queue_up(place, execution_id, flow)
+        self._queue_up(place, execution_id, flow, code)
 
-    def _drive_queued(self, execution_id: str) -> bool:
+    def _drive_queued(self, execution_id: str) -> QueuedDrive:
         """Drive a run a worker of this engine admitted from its queue: claim it, then
         drive it until it parks or ends.
 
         Returns:
-            Whether it is left running as this engine's (its drive was let go at a
-            stop, or stopped by a fault): it then waits on its queue again.
+            What the admission came to (see `QueuedDrive`).
         """
         with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
             try:
                 state = self._checkout(execution_id)
             except ExecutionNotFoundError:
-                return False
+                return QueuedDrive.VOID
+            if state.status is not Status.RUNNING:  # ended (a cancel), or parked already
+                self._cache.give_back(state)
+                return QueuedDrive.VOID
             try:
-                claimed = state.status is Status.RUNNING and self._take_over(state)
+                claimed = self._take_over(state)
+            except (ConflictError, StoreUnavailableError):
+                self._cache.drop(execution_id)
+                return QueuedDrive.NOT_NOW
             except BaseException:
                 self._cache.drop(execution_id)
                 raise
-            if not claimed:  # parked or ended (its driver's done was lost), or driven
+            if not claimed:  # a live owner holds it (one that let it go, not gone yet)
                 self._cache.give_back(state)
-                return False
+                return QueuedDrive.NOT_NOW
             execution = self._drive_owned(state)
         self._settled(execution)
-        return execution.status is Status.RUNNING and execution.owner == self.worker_id
+        if execution.status is Status.RUNNING and execution.owner == self.worker_id:
+            return QueuedDrive.LEFT_RUNNING  # let go at a stop, or stopped by a fault
+        return QueuedDrive.DRIVEN
 
     def _queued_stale(self, execution_id: str, taker: str) -> bool | None:
         """Whether a run admitted by worker `taker` (long enough ago) is no longer
@@ -1306,6 +1320,7 @@ class Engine:
             except ExecutionNotFoundError:
                 return _MISSING  # deleted since the listing, or never started
             queued = state.queue if state.status is Status.RUNNING else None
+            code = state.code_hash
             if queued is not None:  # its queue's workers drive it, as the limits allow
                 execution = Execution.of(state)
                 self._cache.give_back(state)
@@ -1320,7 +1335,7 @@ class Engine:
                 execution = Execution.of(state)
                 self._cache.give_back(state)
         if queued is not None:
-            self._ensure_queued(execution_id, queued, execution.flow)
+            self._ensure_queued(execution_id, queued, execution.flow, code)
         self._settled(execution, delivered)
         if execution.status is Status.SUSPENDED and _waits_for_messages(execution.waiting_on):
             # A sender that appended its message and stopped before waking the run.
@@ -1502,6 +1517,19 @@ class Engine:
             return compact(self.store, state, self.clock)
         finally:
             self._cache.give_back(state)
+
+
+class QueuedDrive(enum.Enum):
+    """What a queue admission came to: DRIVEN (until it parked or ended, or another
+    writer took over), LEFT_RUNNING (driven, then let go running: it waits again),
+    NOT_NOW (not driven: its claim met a live owner or a transient fault; it waits
+    again, and the admission counts for no rate), VOID (not driven: the run had
+    ended or parked; the admission counts for no rate)."""
+
+    DRIVEN = "driven"
+    LEFT_RUNNING = "left running"
+    NOT_NOW = "not now"
+    VOID = "void"
 
 
 class _Missing:

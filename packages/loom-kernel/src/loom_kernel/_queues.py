@@ -26,8 +26,10 @@ import bisect
 import hashlib
 import json
 import logging
+import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Final
 
 import attrs
@@ -196,6 +198,12 @@ class _Waiting:
     priority: int
     seq: int  # its place in line: the position of the add that queued it first
     key: str | None
+    code: str = ""  # the hash of the code it is pinned to ("": not said)
+
+    @property
+    def place(self) -> tuple[int, int, str]:
+        """Its place in line: priority, then arrival."""
+        return self.priority, self.seq, self.execution_id
 
 
 @attrs.frozen
@@ -214,9 +222,11 @@ class QueueFold:
     Attributes:
         stream: the partition's stream.
         head: the position folded up to.
-        waiting: the runs waiting to be admitted, by id.
+        waiting: the runs waiting to be admitted, by id (change it through `wait` and
+            `unwait`, which keep the line in order).
         active: the runs admitted and not done, by id.
-        admitted: when the admissions still inside the rate's window happened, in order.
+        admitted: when the admissions still inside the rate's window happened (by the
+            takers' clocks), in order.
         since_checkpoint: records folded past the last checkpoint.
     """
 
@@ -226,6 +236,7 @@ class QueueFold:
     active: dict[str, _Active] = attrs.Factory(dict)
     admitted: list[float] = attrs.Factory(list)
     since_checkpoint: int = 0
+    _line: list[tuple[int, int, str]] = attrs.Factory(list)  # the waiting runs' places, sorted
 
     def copy(self) -> QueueFold:
         return QueueFold(
@@ -235,11 +246,30 @@ class QueueFold:
             dict(self.active),
             list(self.admitted),
             self.since_checkpoint,
+            list(self._line),
         )
 
-    def line(self) -> list[_Waiting]:
+    def wait(self, item: _Waiting) -> None:
+        """Have a run wait at its place in line (no change when it waits already)."""
+        if item.execution_id not in self.waiting:
+            self.waiting[item.execution_id] = item
+            bisect.insort(self._line, item.place)
+
+    def unwait(self, execution_id: str) -> _Waiting | None:
+        """Take a run out of the line; what it was, or None when it was not waiting."""
+        item = self.waiting.pop(execution_id, None)
+        if item is not None:
+            index = bisect.bisect_left(self._line, item.place)
+            del self._line[index]
+        return item
+
+    def in_order(self) -> Iterator[_Waiting]:
         """The waiting runs in the order they are admitted: priority, then arrival."""
-        return sorted(self.waiting.values(), key=lambda item: (item.priority, item.seq))
+        return (self.waiting[place[2]] for place in self._line)
+
+    def line(self) -> list[_Waiting]:
+        """`in_order`, as a list."""
+        return list(self.in_order())
 
 
 @attrs.frozen
@@ -267,14 +297,15 @@ def pick(
     rate: Rate | None,
     now: float,
     free: int,
-    hosts: Callable[[str], bool] = lambda _flow: True,
+    hosts: Callable[[str, str], bool] = lambda _flow, _code: True,
     busy: Callable[[str], bool] = lambda _id: False,
 ) -> list[str]:
     """The runs a worker with `free` slots may admit now from one partition: in order
     of priority, then arrival; no more than the cap leaves room for (counting the runs
     admitted and not done), nor the rate's window (counting the admissions since
-    `now - rate.per`); none whose key has `per_key` runs driven, nor of a flow the
-    worker lacks (`hosts`): those do not hold back the runs behind them. A run the
+    `now - rate.per`); none whose key has `per_key` runs driven, nor of code the
+    worker lacks (`hosts(flow, code hash)`): those do not hold back the runs behind
+    them. A run the
     worker is busy with (a visit of it) stops the pick there, for the next poll, so
     the order holds."""
     room = free
@@ -287,12 +318,12 @@ def pick(
         return []
     keys = Counter(item.waiting.key for item in fold.active.values() if item.waiting.key)
     chosen: list[str] = []
-    for item in fold.line():
+    for item in fold.in_order():
         if len(chosen) >= room:
             break
         if item.key is not None and per_key is not None and keys[item.key] >= per_key:
             continue
-        if not hosts(item.flow):
+        if not hosts(item.flow, item.code):
             continue
         if busy(item.execution_id):
             break
@@ -307,20 +338,21 @@ def _dump(data: Any) -> bytes:
 
 
 def _waiting_data(item: _Waiting) -> list[Any]:
-    return [item.execution_id, item.flow, item.priority, item.seq, item.key]
+    return [item.execution_id, item.flow, item.priority, item.seq, item.key, item.code]
 
 
 def _waiting_of(data: Any) -> _Waiting:
-    execution_id, flow, priority, seq, key = data
+    execution_id, flow, priority, seq, key, code = data
     if not (
         isinstance(execution_id, str)
         and isinstance(flow, str)
         and type(priority) is int
         and type(seq) is int
         and (key is None or isinstance(key, str))
+        and isinstance(code, str)
     ):
-        raise TypeError(f"a waiting run is [id, flow, priority, seq, key], not {data!r}")
-    return _Waiting(execution_id, flow, priority, seq, key)
+        raise TypeError(f"a waiting run is [id, flow, priority, seq, key, code], not {data!r}")
+    return _Waiting(execution_id, flow, priority, seq, key, code)
 
 
 def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
@@ -337,19 +369,22 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
             if active is not None:  # woken while driven: it waits again once done
                 fold.active[execution_id] = attrs.evolve(active, again=True)
             elif execution_id not in fold.waiting:
-                priority, key = data["priority"], data["key"]
-                fold.waiting[execution_id] = _waiting_of(
-                    [execution_id, data["flow"], priority, record.position, key]
+                priority, key, code = data["priority"], data["key"], data.get("code", "")
+                fold.wait(
+                    _waiting_of([execution_id, data["flow"], priority, record.position, key, code])
                 )
         elif record.kind == _TAKE:
             by = str(data["by"])
+            if window is not None:  # the window ends at this take, by its taker's clock
+                del fold.admitted[: bisect.bisect_right(fold.admitted, record.timestamp - window)]
             for execution_id in data["ids"]:
-                waiting = fold.waiting.pop(str(execution_id), None)
+                waiting = fold.unwait(str(execution_id))
                 if waiting is not None:
                     fold.active[waiting.execution_id] = _Active(
                         waiting, record.position, by, record.timestamp
                     )
-                    fold.admitted.append(record.timestamp)
+                    if window is not None:
+                        bisect.insort(fold.admitted, record.timestamp)
         elif record.kind == _DONE:
             execution_id = str(data["id"])
             active = fold.active.get(execution_id)
@@ -358,15 +393,17 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
                 if data.get("unused") is True:  # never driven: its admission is void
                     _forget(fold.admitted, active.at)
                 if data["requeue"] is True or active.again:
-                    fold.waiting.setdefault(execution_id, active.waiting)
+                    fold.wait(active.waiting)
         elif record.kind == _CHECKPOINT:
-            fold.waiting = {w.execution_id: w for w in map(_waiting_of, data["waiting"])}
+            fold.waiting, fold._line = {}, []
+            for waiting in map(_waiting_of, data["waiting"]):
+                fold.wait(waiting)
             fold.active = {}
             for item in data["active"]:
                 waiting, take, by, at, again = item
                 active = _Active(_waiting_of(waiting), int(take), str(by), float(at), again)
                 fold.active[active.waiting.execution_id] = active
-            fold.admitted = sorted(float(at) for at in data["admitted"])
+            fold.admitted = [] if window is None else sorted(map(float, data["admitted"]))
             fold.since_checkpoint = -1
         else:
             raise ValueError(f"unknown kind {record.kind!r}")
@@ -381,11 +418,6 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
     finally:
         fold.head = record.position
         fold.since_checkpoint += 1
-    if window is not None and fold.admitted:
-        fold.admitted.sort()
-        del fold.admitted[: bisect.bisect_right(fold.admitted, record.timestamp - window)]
-    elif window is None:
-        fold.admitted.clear()
 
 
 def _forget(admitted: list[float], at: float) -> None:
@@ -422,7 +454,9 @@ class QueueBook:
                 raise InvalidArgumentError(f"two queues are named {queue.name!r}")
             self.queues[queue.name] = queue
         self._heads: dict[str, int] = {}  # stream -> its head after an append here
-        self._read: dict[str, QueueFold] = {}  # stream -> as last folded
+        self._read: dict[str, QueueFold] = {}  # stream -> as last folded (live)
+        self._locks: dict[str, threading.RLock] = {}  # stream -> held while it is used here
+        self._locks_lock = threading.Lock()
 
     def queue(self, name: str) -> Queue:
         """The queue of that name.
@@ -444,10 +478,17 @@ class QueueBook:
 
     # -- writing --------------------------------------------------------------
 
-    def add(self, place: QueuePlace, execution_id: str, flow: str) -> None:
+    def add(self, place: QueuePlace, execution_id: str, flow: str, code: str) -> None:
         """Have a run wait on its queue (a second add of a run waiting or driven is
-        folded away; one of a run being driven has it wait again once done)."""
-        data = {"id": execution_id, "flow": flow, "priority": place.priority, "key": place.key}
+        folded away; one of a run being driven has it wait again once done); `code` is
+        the hash of the code it is pinned to, so workers without it leave it alone."""
+        data = {
+            "id": execution_id,
+            "flow": flow,
+            "priority": place.priority,
+            "key": place.key,
+            "code": code,
+        }
         record = NewRecord(_ADD, _dump(data), self._clock())
         self._add(self.stream(place.name, place.partition), record)
 
@@ -480,8 +521,8 @@ class QueueBook:
         return NewRecord(_TAKE, _dump({"ids": list(ids), "by": by}), self._clock())
 
     def take(self, name: str, partition: int, fold: QueueFold, ids: Sequence[str], by: str) -> int:
-        """Admit `ids` for worker `by`, at the exact head `fold` was read at; the take's
-        position (see `append_at`).
+        """Admit `ids` for worker `by`, at the exact head of `fold`; the take's position
+        (see `append_at`).
 
         Raises:
             ConflictError: the partition moved since `fold` was read: fold again.
@@ -491,91 +532,127 @@ class QueueBook:
     def append_at(
         self, name: str, partition: int, fold: QueueFold, records: Sequence[NewRecord]
     ) -> int:
-        """Append `records` at the exact head `fold` was read at; the last one's
-        position. Compacts the partition when it has grown long since its checkpoint.
+        """Append `records` at the exact head of `fold`, and fold them into it; the last
+        one's position. Compacts the partition once it holds more records past its
+        checkpoint than a checkpoint would (and at least _COMPACT_AT), so a checkpoint
+        costs O(1) a record.
 
         Raises:
             ConflictError: the partition moved since `fold` was read: fold again.
         """
         stream = self.stream(name, partition)
-        position = self._store.append(stream, fold.head, records)
-        self._heads[stream] = position
-        if fold.since_checkpoint + len(records) >= _COMPACT_AT:
-            self._compact(name, partition)
+        with self._lock(stream):
+            first = fold.head + 1
+            position = self._store.append(stream, fold.head, records)
+            self._heads[stream] = position
+            window = self._window(name)
+            for offset, record in enumerate(records):
+                stored = Record(first + offset, record.kind, record.payload, record.timestamp)
+                _fold_record(fold, stored, window)
+            held = len(fold.waiting) + len(fold.active)
+            if fold.since_checkpoint >= max(_COMPACT_AT, held):
+                self._compact(name, partition)
         return position
-
-    def ahead(self, fold: QueueFold, records: Sequence[NewRecord]) -> QueueFold:
-        """`fold` as it will be once `records` are appended at its head."""
-        queue = self.queues.get(fold.stream.split("/")[1])
-        window = None if queue is None or queue.rate is None else queue.rate.per
-        after = fold.copy()
-        for offset, record in enumerate(records, start=1):
-            stored = Record(fold.head + offset, record.kind, record.payload, record.timestamp)
-            _fold_record(after, stored, window)
-        return after
 
     def _add(self, stream: str, record: NewRecord) -> None:
         """Append one record wherever the stream's head is now."""
-        head = self._heads.get(stream, 0)
-        while True:
-            try:
-                self._heads[stream] = self._store.append(stream, head, [record])
-                return
-            except ConflictError as exc:
-                head = exc.actual if exc.actual != head else self._store.head(stream)
+        with self._lock(stream):
+            head = self._heads.get(stream, 0)
+            while True:
+                try:
+                    self._heads[stream] = self._store.append(stream, head, [record])
+                    return
+                except ConflictError as exc:
+                    head = exc.actual if exc.actual != head else self._store.head(stream)
 
     def _compact(self, name: str, partition: int) -> None:
         """Checkpoint the fold at the exact head read, then trim below it."""
         try:
-            fold = self.read(name, partition)
-            record = NewRecord(_CHECKPOINT, _dump(_checkpoint_data(fold)), self._clock())
-            try:
-                head = self._store.append(fold.stream, fold.head, [record])
-            except ConflictError:
-                return  # it moved meanwhile: a later take compacts it
-            self._store.trim(fold.stream, head)
+            with self.holding(name, partition):
+                fold = self.refresh(name, partition)
+                record = NewRecord(_CHECKPOINT, _dump(_checkpoint_data(fold)), self._clock())
+                try:
+                    head = self._store.append(fold.stream, fold.head, [record])
+                except ConflictError:
+                    return  # it moved meanwhile: a later take compacts it
+                fold.head, fold.since_checkpoint = head, 0  # what the checkpoint holds
+                self._store.trim(fold.stream, head)
         except LoomError as exc:  # it stays as it was; a later take compacts it
             _log.warning("loom: queue %s/%d not compacted: %s", name, partition, exc)
 
     # -- reading --------------------------------------------------------------
 
-    def read(self, name: str, partition: int) -> QueueFold:
-        """One partition as it is now: only what was appended since this book last read
-        it is read and folded (one read); a read that meets a trim reads again from the
-        new floor.
+    def _lock(self, stream: str) -> threading.RLock:
+        with self._locks_lock:
+            lock = self._locks.get(stream)
+            if lock is None:
+                lock = self._locks[stream] = threading.RLock()
+            return lock
+
+    def _window(self, name: str) -> float | None:
+        queue = self.queues.get(name)
+        return None if queue is None or queue.rate is None else queue.rate.per
+
+    @contextmanager
+    def holding(self, name: str, partition: int) -> Iterator[None]:
+        """Hold a partition: this book's other calls on it (from other threads) wait
+        until the block ends, so `refresh`'s fold stays as it is but for what the block
+        appends itself (its own takes never conflict with this process's)."""
+        with self._lock(self.stream(name, partition)):
+            yield
+
+    def refresh(self, name: str, partition: int) -> QueueFold:
+        """The partition as it is now, live (call it inside `holding`, and use it there
+        only): what was appended since this book last read it is read (one read) and
+        folded in place; a read that meets a trim reads again from the new floor.
 
         Raises:
             SchemaError: a record is damaged (`rewrite` mends it).
         """
-        queue = self.queues.get(name)
-        window = None if queue is None or queue.rate is None else queue.rate.per
+        window = self._window(name)
         stream = self.stream(name, partition)
-        cached = self._read.get(stream)
+        fold = self._read.get(stream)
         after = 0
         for _ in range(_READ_ATTEMPTS):
-            start = cached.head if cached is not None else after
+            start = fold.head if fold is not None else after
             try:
                 records = self._store.read(stream, start)
             except TrimmedError as exc:
-                after, cached = exc.floor, None
+                after, fold = exc.floor, None
                 continue
             except StreamDeletedError:
-                return QueueFold(stream)
-            if not records and cached is not None:
-                return cached.copy()
-            fold = cached.copy() if cached is not None else QueueFold(stream, start)
-            for record in records:
-                _fold_record(fold, record, window)
+                fold = self._read[stream] = QueueFold(stream)
+                return fold
+            if fold is None:
+                fold = QueueFold(stream, start)
+            try:
+                for record in records:
+                    _fold_record(fold, record, window)
+            except SchemaError:
+                self._read.pop(stream, None)  # folded in part: read afresh next time
+                raise
             self._read[stream] = fold
-            return fold.copy()
+            return fold
         raise StoreUnavailableError(f"{stream}: other takers kept compacting it while it was read")
+
+    def read(self, name: str, partition: int) -> QueueFold:
+        """A copy of the partition as it is now (see `refresh`), to keep.
+
+        Raises:
+            SchemaError: a record is damaged (`rewrite` mends it).
+        """
+        with self.holding(name, partition):
+            return self.refresh(name, partition).copy()
 
     def rewrite(self, name: str, partition: int) -> None:
         """Mend a partition with a damaged record: fold its readable records and
         checkpoint that at the exact head read, which trims the damage off."""
-        queue = self.queues.get(name)
-        window = None if queue is None or queue.rate is None else queue.rate.per
+        window = self._window(name)
         stream = self.stream(name, partition)
+        with self.holding(name, partition):
+            self._rewrite(stream, window)
+
+    def _rewrite(self, stream: str, window: float | None) -> None:
         self._read.pop(stream, None)
         for _ in range(_READ_ATTEMPTS):
             fold = QueueFold(stream)
@@ -607,7 +684,8 @@ class QueueBook:
         waiting: list[str] = []
         active: list[str] = []
         for partition in range(queue.partitions):
-            fold = self.read(name, partition)
-            waiting.extend(item.execution_id for item in fold.line())
-            active.extend(fold.active)
+            with self.holding(name, partition):
+                fold = self.refresh(name, partition)
+                waiting.extend(item.execution_id for item in fold.in_order())
+                active.extend(fold.active)
         return QueueView(name, waiting, active)

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import FrameType
@@ -27,9 +27,8 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
-from loom_kernel._engine import NOT_STARTED
+from loom_kernel._engine import NOT_STARTED, QueuedDrive
 from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
-from loom_kernel._journal import NewRecord
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
@@ -161,6 +160,7 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None  # while it runs
         self._signals = 0
+        self._turn = 0  # which partition of each queue a poll serves first
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -272,129 +272,143 @@ class Worker:
         queue's limits allow, and hand them to the pool; how many were handed. On a
         sweep, first give back the admissions of runs their taker no longer drives."""
         handed = 0
+        self._turn += 1
         for name in self.queues:
             queue = self.engine._queues.queues[name]
-            for partition in range(queue.partitions):
+            count = queue.partitions
+            for partition in [(self._turn + offset) % count for offset in range(count)]:
                 try:
                     handed += self._serve_partition(pool, queue, partition, sweep=sweep)
                 except SchemaError as exc:
                     self.stats.failures += 1
                     logger.warning("loom: queue %s/%d: %s", name, partition, exc)
-                    try:
-                        self.engine._queues.rewrite(name, partition)
-                    except LoomError as again:
-                        logger.warning("loom: queue %s/%d not mended: %s", name, partition, again)
+                    if exc.stream == self.engine._queues.stream(name, partition):
+                        self._mend(name, partition)
                 except LoomError as exc:
                     self.stats.failures += 1
                     logger.warning("loom: queue %s/%d: %s", name, partition, exc)
         return handed
 
+    def _mend(self, name: str, partition: int) -> None:
+        """Rewrite a queue partition that holds a damaged record."""
+        try:
+            self.engine._queues.rewrite(name, partition)
+        except LoomError as exc:
+            logger.warning("loom: queue %s/%d not mended: %s", name, partition, exc)
+
     def _serve_partition(
         self, pool: ThreadPoolExecutor, queue: Queue, partition: int, *, sweep: bool
     ) -> int:
         book = self.engine._queues
-        fold = book.read(queue.name, partition)
-        if sweep and self._reap(queue, partition, fold):
-            fold = book.read(queue.name, partition)
-        for _ in range(_TAKE_ATTEMPTS):
-            with self._lock:
-                free = self.concurrency - len(self._in_flight) - len(self._backlog)
-            admitted = self._admit(queue, partition, fold, free)
-            if admitted is None:  # another worker admitted or a run was added: again
-                fold = book.read(queue.name, partition)
-                continue
-            for task in admitted:
-                if not self._submit(pool, task, queue=True):  # a visit of it is in flight
-                    assert task.let_go is not None
-                    task.let_go()
-            return len(admitted)
-        return 0
+        if sweep:
+            self._reap(queue, partition, book.read(queue.name, partition))
+        with self._lock:
+            free = self.concurrency - len(self._in_flight) - len(self._backlog)
+        admitted = self._admit(queue, partition, free)
+        for task in admitted:
+            if not self._submit(pool, task, queue=True):  # a visit of it is in flight
+                assert task.let_go is not None
+                task.let_go()
+        return len(admitted)
 
-    def _admit(
+    def _admit(self, queue: Queue, partition: int, free: int) -> list[_Task]:
+        """Admit as many runs as `free` slots and the limits allow, with a take at the
+        partition's exact head (folding it again when another process moved it); the
+        tasks that drive them."""
+        engine = self.engine
+        book = engine._queues
+        with book.holding(queue.name, partition):
+            for _ in range(_TAKE_ATTEMPTS):
+                if free <= 0 or self._stopping.is_set():
+                    return []
+                fold = book.refresh(queue.name, partition)
+                cap, rate = queue.share(partition)
+                chosen = pick(
+                    fold,
+                    cap=cap,
+                    per_key=queue.per_key,
+                    rate=rate,
+                    now=engine.clock(),
+                    free=free,
+                    hosts=engine._hosts_code,
+                    busy=self._busy_with,
+                )
+                if not chosen:
+                    return []
+                try:
+                    take = book.take(queue.name, partition, fold, chosen, engine.worker_id)
+                except ConflictError:  # another process admitted or added: fold again
+                    continue
+                return [self._queued_task(queue, partition, run, take) for run in chosen]
+        return []
+
+    def _queued_task(self, queue: Queue, partition: int, execution_id: str, take: int) -> _Task:
+        drive = partial(self._drive_queued, queue, partition, execution_id, take)
+        let_go = partial(
+            self._give_back, queue.name, partition, execution_id, take, requeue=True, unused=True
+        )
+        return _Task(execution_id, drive, let_go, since=time.monotonic())
+
+    def _drive_queued(self, queue: Queue, partition: int, execution_id: str, take: int) -> None:
+        """Drive a run this worker admitted, then say it is done: waiting again if it
+        is still running (let go at a stop, or its claim met a live owner or a passing
+        fault). A drive that raised (a divergence, a store fault mid-drive) is done
+        too; if the run is left running, a sweep puts it back on the queue half a
+        lease after its last record, so a failing run is retried at that pace."""
+        outcome = None
+        try:
+            outcome = self.engine._drive_queued(execution_id)
+            if outcome is QueuedDrive.LEFT_RUNNING:
+                self._beat()  # says it no longer drives the run: the next taker claims it
+            if outcome in (QueuedDrive.DRIVEN, QueuedDrive.LEFT_RUNNING):
+                self.stats.driven += 1
+        finally:
+            self.stats.visited += 1
+            requeue = outcome in (QueuedDrive.LEFT_RUNNING, QueuedDrive.NOT_NOW)
+            unused = outcome in (QueuedDrive.NOT_NOW, QueuedDrive.VOID)
+            self._finish(queue, partition, execution_id, take, requeue=requeue, unused=unused)
+
+    def _beat(self) -> None:
+        try:
+            self.engine._heartbeat.beat()
+        except LoomError as exc:  # its next beat says it
+            logger.warning("loom: a beat letting a run go: %s: %s", type(exc).__name__, exc)
+
+    def _finish(
         self,
         queue: Queue,
         partition: int,
-        fold: QueueFold,
-        free: int,
-        before: Sequence[NewRecord] = (),
-    ) -> list[_Task] | None:
-        """Admit as many runs as `free` slots and the limits allow once `before` is
-        appended, in one append of `before` and the take at `fold`'s exact head; the
-        tasks that drive them, or None when the partition moved since it was read."""
-        engine = self.engine
-        book = engine._queues
-        chosen: list[str] = []
-        if free > 0 and not self._stopping.is_set():
-            cap, rate = queue.share(partition)
-            chosen = pick(
-                book.ahead(fold, before) if before else fold,
-                cap=cap,
-                per_key=queue.per_key,
-                rate=rate,
-                now=engine.clock(),
-                free=free,
-                hosts=engine.hosts,
-                busy=self._busy_with,
-            )
-        records = [*before, *([book.take_record(chosen, engine.worker_id)] if chosen else [])]
-        if not records:
-            return []
-        try:
-            take = book.append_at(queue.name, partition, fold, records)
-        except ConflictError:
-            return None
-        tasks = []
-        for execution_id in chosen:
-            drive = partial(self._drive_queued, queue, partition, execution_id, take)
-            let_go = partial(
-                self._give_back,
-                queue.name,
-                partition,
-                execution_id,
-                take,
-                requeue=True,
-                unused=True,
-            )
-            tasks.append(_Task(execution_id, drive, let_go, since=time.monotonic()))
-        return tasks
-
-    def _drive_queued(self, queue: Queue, partition: int, execution_id: str, take: int) -> None:
-        """Drive a run this worker admitted, then say it is done (waiting again if its
-        drive was let go running)."""
-        requeue = False
-        try:
-            requeue = self.engine._drive_queued(execution_id)
-            self.stats.driven += 1
-        finally:
-            self.stats.visited += 1
-            self._finish(queue, partition, execution_id, take, requeue=requeue)
-
-    def _finish(
-        self, queue: Queue, partition: int, execution_id: str, take: int, *, requeue: bool
+        execution_id: str,
+        take: int,
+        *,
+        requeue: bool,
+        unused: bool,
     ) -> None:
-        """Append the done of a run this slot drove together with the take of the next
-        run of its partition for this slot, when the limits allow (one append, rather
-        than leaving the slot to the next poll); the slot's thread drives it next."""
+        """Say a run this slot drove is done, then admit the next run of its partition
+        for this slot when the limits allow, rather than leave the slot to the next
+        poll; the slot's thread drives it next. On a queue of several partitions the
+        slot is left to the next poll, which serves the partitions in turn (a busy
+        partition would keep its slots otherwise)."""
         book = self.engine._queues
-        done = book.done_record(execution_id, take, requeue=requeue)
+        done = book.done_record(execution_id, take, requeue=requeue, unused=unused)
         with self._lock:
-            free = 0 if requeue or self._backlog else 1  # found work waits for the slot
+            # Found work waits for the slot, or the run may need it again at once.
+            chain = not (requeue or self._backlog or queue.partitions > 1)
         try:
-            fold = book.read(queue.name, partition)
-            admitted = self._admit(queue, partition, fold, free, [done])
-        except LoomError as exc:
+            with book.holding(queue.name, partition):
+                book.append_at(queue.name, partition, book.refresh(queue.name, partition), [done])
+                admitted = self._admit(queue, partition, 1) if chain else []
+        except LoomError as exc:  # another process moved it: the done wherever the head is
             logger.debug("loom: queue %s/%d: %s", queue.name, partition, exc)
-            admitted = None
-        if admitted is not None:
-            with self._lock:
-                for task in admitted:  # taken next by this slot's thread, in _work
-                    self._backlog.appendleft(task)
-                    self._queued.add(task.execution_id)
+            self._give_back(
+                queue.name, partition, execution_id, take, requeue=requeue, unused=unused
+            )
+            self._wake.set()  # the next poll admits for the free slots at once
             return
-        # Other slots or workers moved the partition meanwhile: the done alone, and the
-        # next poll admits for every free slot at once (one take, not one per slot).
-        self._give_back(queue.name, partition, execution_id, take, requeue=requeue)
-        self._wake.set()
+        with self._lock:
+            for task in admitted:  # taken next by this slot's thread, in _work
+                self._backlog.appendleft(task)
+                self._queued.add(task.execution_id)
 
     def _busy_with(self, execution_id: str) -> bool:
         """Whether a run is in flight or waiting for a slot here (a visit of it, say)."""
@@ -430,7 +444,14 @@ class Worker:
                 continue
             if active.by == engine.worker_id and self._busy_with(execution_id):
                 continue
-            requeue = engine._queued_stale(execution_id, active.by)
+            try:
+                requeue = engine._queued_stale(execution_id, active.by)
+            except SchemaError as exc:  # a run that cannot be read holds no place
+                logger.warning("loom: %s: admitted, and cannot be read: %s", execution_id, exc)
+                requeue = False
+            except LoomError as exc:  # a passing fault: the next sweep looks again
+                logger.warning("loom: %s: %s: %s", execution_id, type(exc).__name__, exc)
+                continue
             if requeue is not None:
                 logger.info("loom: %s: admitted by %s, no longer driven", execution_id, active.by)
                 self._give_back(queue.name, partition, execution_id, active.take, requeue=requeue)
