@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
+from loom_kernel._driving import FLOW_LOOP, FlowLoop
 from loom_kernel._engine import NOT_STARTED, QueuedDrive
 from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
 from loom_kernel._leases import driving_here
@@ -142,6 +143,7 @@ class Worker:
         self.stats = WorkerStats()
         self._stopping = threading.Event()
         self._stopped = threading.Event()
+        self._ready = threading.Event()  # set once run() takes work
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._in_flight: set[str] = set()
@@ -161,17 +163,20 @@ class Worker:
         self._pool: ThreadPoolExecutor | None = None  # while it runs
         self._signals = 0
         self._turn = 0  # which partition of each queue a poll serves first
+        self._flows: FlowLoop | None = None  # while it runs: where async flows run
 
     # -- lifecycle --------------------------------------------------------------
 
     def start(self) -> Worker:
-        """Run the worker on a daemon thread of this process; returns self."""
+        """Run the worker on a daemon thread of this process; returns self once it
+        takes work (an `enqueue` right after is handed to its slots)."""
         if self._thread is not None:
             raise InvalidArgumentError("this worker is running already")
         self._thread = threading.Thread(
             target=self.run, kwargs={"handle_signals": False}, name="loom-worker", daemon=True
         )
         self._thread.start()
+        self._ready.wait()
         return self
 
     def stop(self, grace: float | None = None) -> None:
@@ -203,11 +208,17 @@ class Worker:
                 main thread).
             status: where to print a one-line live status (a terminal), if anywhere.
         """
-        previous = self._install_signals() if handle_signals else {}
+        try:
+            previous = self._install_signals() if handle_signals else {}
+            self._flows = FlowLoop().start()
+        except BaseException:
+            self._ready.set()  # start() returns, and finds the worker stopped
+            raise
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="loom-drive")
         with self._lock:
             self._pool = pool
         self.engine._local_workers.append(self)
+        self._ready.set()
         logger.info(
             "loom: worker %s started (concurrency %d)", self.engine.worker_id, self.concurrency
         )
@@ -220,6 +231,8 @@ class Worker:
             with self._lock:
                 self._pool = None
             pool.shutdown(wait=True)
+            self._flows.stop()
+            self._flows = None
             self._let_go_handed(everything=True)
             for number, handler in previous.items():
                 signal.signal(number, handler)
@@ -679,6 +692,8 @@ class Worker:
         """Run a task, then the queued ones, one after another, until none is left;
         every drive made here is released when the worker's grace is over."""
         token = RELEASE.set(self._released)
+        flows = self._flows
+        loop = FLOW_LOOP.set(None if flows is None else flows.loop)  # async flows run there
         try:
             task: _Task | None = first
             while task is not None:
@@ -704,6 +719,7 @@ class Worker:
                         self._in_flight.add(task.execution_id)
                     self.stats.in_flight = len(self._in_flight)
         finally:
+            FLOW_LOOP.reset(loop)
             RELEASE.reset(token)
         self._wake.set()  # a slot is free
 
