@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import AsyncContext, Engine, MemoryStore, RetryPolicy, Status, Worker, flow
+from loom_kernel import AsyncContext, Engine, MemoryStore, RetryPolicy, Status, flow
 from loom_kernel.testing import FakeClock
 
 
@@ -124,33 +123,3 @@ def test_async_multi_gate(payloads: list[str]) -> None:
     for payload in payloads:
         last = engine.resume(ex.id, payload)
     assert last.result == payloads
-
-
-def test_a_worker_runs_async_flows_as_tasks_of_one_loop() -> None:
-    """Async runs a worker drives share its loop: their awaits overlap there, and what
-    one run binds to the loop (an asyncio.Event) serves the others."""
-    seen: dict[str, Any] = {}
-    both_waiting: asyncio.Event | None = None
-
-    async def meet(tag: str) -> str:
-        nonlocal both_waiting
-        if both_waiting is None:
-            both_waiting = asyncio.Event()  # bound to the loop it is first awaited on
-        seen[tag] = (threading.current_thread().name, asyncio.get_running_loop())
-        if len(seen) == 2:
-            both_waiting.set()
-        await asyncio.wait_for(both_waiting.wait(), timeout=5)
-        return tag
-
-    @flow(name="meets", version="1")
-    async def meets(ctx: AsyncContext, tag: str) -> Any:
-        return await ctx.step("meet", meet, tag)
-
-    engine = Engine(MemoryStore(), [meets], listeners=[])
-    handles = [engine.enqueue("meets", tag) for tag in ("a", "b")]
-    with Worker(engine, concurrency=2):
-        assert [handle.result(timeout=10) for handle in handles] == ["a", "b"]
-    (thread_a, loop_a), (thread_b, loop_b) = seen["a"], seen["b"]
-    assert thread_a == thread_b == "loom-flows"
-    assert loop_a is loop_b
-    assert loop_a.is_closed(), "the worker's loop closes when it stops"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -21,7 +20,7 @@ T = TypeVar("T")
 #: Seconds between looks at whether the async API caller's loop still runs.
 _LOOP_CHECK = 0.5
 
-__all__ = ["FLOW_LOOP", "FlowLoop", "awaitable_sleep", "on_loop", "replay_check", "run_flow"]
+__all__ = ["FLOW_LOOP", "awaitable_sleep", "on_loop", "replay_check", "run_flow"]
 
 #: Set by the engine's async API around a drive it runs on a thread: the caller's event
 #: loop, where an async flow's code runs (its ctx calls journal from there).
@@ -134,35 +133,6 @@ def _raise_error(unwind: Unwind) -> None:
     """A drive a ctx call stopped on an error: raise it to the caller (a park returns)."""
     if unwind.error is not None:
         raise unwind.error from None
-
-
-class FlowLoop:
-    """An event loop on a thread of its own, where async flows' code runs as tasks
-    side by side (a worker's drives set `FLOW_LOOP` to it)."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="loom-flows", daemon=True)
-
-    def start(self) -> FlowLoop:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        """Stop the loop (the drives waiting on it have ended) and close it."""
-        if self._thread.is_alive():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join()
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        try:
-            self.loop.run_forever()
-        finally:
-            for task in asyncio.all_tasks(self.loop):
-                task.cancel()
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
 
 
 def awaitable_sleep(sleep: Callable[[float], None]) -> Callable[[float], Awaitable[None]]:

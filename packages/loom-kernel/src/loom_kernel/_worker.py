@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
-from loom_kernel._driving import FLOW_LOOP, FlowLoop
 from loom_kernel._engine import NOT_STARTED, QueuedDrive
 from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
 from loom_kernel._leases import driving_here
@@ -163,7 +162,6 @@ class Worker:
         self._pool: ThreadPoolExecutor | None = None  # while it runs
         self._signals = 0
         self._turn = 0  # which partition of each queue a poll serves first
-        self._flows: FlowLoop | None = None  # while it runs: where async flows run
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -210,7 +208,6 @@ class Worker:
         """
         try:
             previous = self._install_signals() if handle_signals else {}
-            self._flows = FlowLoop().start()
         except BaseException:
             self._ready.set()  # start() returns, and finds the worker stopped
             raise
@@ -231,8 +228,6 @@ class Worker:
             with self._lock:
                 self._pool = None
             pool.shutdown(wait=True)
-            self._flows.stop()
-            self._flows = None
             self._let_go_handed(everything=True)
             for number, handler in previous.items():
                 signal.signal(number, handler)
@@ -692,8 +687,6 @@ class Worker:
         """Run a task, then the queued ones, one after another, until none is left;
         every drive made here is released when the worker's grace is over."""
         token = RELEASE.set(self._released)
-        flows = self._flows
-        loop = FLOW_LOOP.set(None if flows is None else flows.loop)  # async flows run there
         try:
             task: _Task | None = first
             while task is not None:
@@ -719,7 +712,6 @@ class Worker:
                         self._in_flight.add(task.execution_id)
                     self.stats.in_flight = len(self._in_flight)
         finally:
-            FLOW_LOOP.reset(loop)
             RELEASE.reset(token)
         self._wake.set()  # a slot is free
 
