@@ -173,3 +173,68 @@ def test_a_lost_reply_really_takes_the_confirmation_path(tmp_path: Path) -> None
     with pytest.raises(ConflictError):
         store.append("s", 1, _records(1, "stale"))  # refused inside: nothing to confirm
     assert CountingConfirmStore.confirmations == 1
+
+
+class _BeginThenInterrupt:
+    """A connection whose next BEGIN is granted and then interrupted (a Ctrl-C that
+    lands as the busy wait for the lock ends)."""
+
+    def __init__(self, real: sqlite3.Connection) -> None:
+        self._real = real
+        self.armed = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def execute(self, sql: str, *parameters: Any) -> Any:
+        result = self._real.execute(sql, *parameters)
+        if self.armed and sql.startswith("BEGIN"):
+            self.armed = False
+            raise KeyboardInterrupt
+        return result
+
+
+@pytest.mark.parametrize("interrupted", ["trim", "a two-record append"])
+def test_an_interrupt_as_begin_returns_leaves_no_transaction_and_loses_no_later_append(
+    tmp_path: Path, interrupted: str
+) -> None:
+    path = str(tmp_path / "begin.db")
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("s", 0, _records(1))
+    real = store._connection
+    store._local.connection = _BeginThenInterrupt(real)
+    with pytest.raises(KeyboardInterrupt):
+        if interrupted == "trim":
+            store.trim("s", 1)
+        else:
+            store.append("s", 1, _records(2, "lost"))
+    store._local.connection = real
+    assert not real.in_transaction, "the lock was given back"
+    assert store.append("s", 1, _records(1, "next")) == 2
+    other = open_sqlite_store(f"sqlite://{path}?timeout=0")  # another process, no waiting
+    assert [r.payload for r in other.read("s")] == [b"r0", b"next0"], "committed, for real"
+    assert other.append("s", 2, _records(1, "other")) == 3, "no write lock was left behind"
+
+
+def test_a_lone_append_on_a_connection_left_in_a_transaction_commits_for_real(
+    tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "left.db")
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("s", 0, _records(1))
+    store._connection.execute("BEGIN IMMEDIATE")  # left open by something interrupted
+    assert store.append("s", 1, _records(1, "next")) == 2
+    other = open_sqlite_store(f"sqlite://{path}?timeout=0")
+    assert [r.payload for r in other.read("s")] == [b"r0", b"next0"]
+
+
+def test_a_record_too_big_for_a_deleted_stream_says_deleted(tmp_path: Path) -> None:
+    from loom_kernel.spi import StreamDeletedError
+
+    store = open_sqlite_store(f"sqlite://{tmp_path}/big.db")
+    store.append("s", 0, _records(1))
+    store.delete("s")
+    connection = store._connection
+    connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100)
+    with pytest.raises(StreamDeletedError):
+        store.append("s", 1, [NewRecord("k", b"x" * 1000, 1.0)])

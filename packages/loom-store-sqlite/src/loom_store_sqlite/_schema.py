@@ -93,7 +93,14 @@ def ensure_schema(connection: sqlite3.Connection, location: str) -> None:
     if found == SCHEMA_VERSION:
         return
     db = sqlite_utils.Database(connection)
-    connection.execute("BEGIN IMMEDIATE")
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error:
+        raise
+    except BaseException:  # an interrupt as SQLite granted the lock: give it back
+        if connection.in_transaction:
+            connection.execute("ROLLBACK")
+        raise
     try:
         db["loom_meta"].create(  # type: ignore[union-attr]
             {"key": str, "value": str}, pk="key", not_null={"key", "value"}, if_not_exists=True

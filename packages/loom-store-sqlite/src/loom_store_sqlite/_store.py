@@ -139,6 +139,23 @@ def _alone(append: PendingAppend) -> bool:
     return append.expected > 0 and len(append.rows) == 1
 
 
+def begin_transaction(connection: sqlite3.Connection, begin: str) -> None:
+    """Run `begin`; an interrupt (KeyboardInterrupt, a signal handler raising) that
+    arrives as it returns, after SQLite granted the lock, rolls it back, or the
+    connection would stay in a transaction holding the write lock.
+
+    Raises:
+        sqlite3.Error: SQLite refused to begin.
+    """
+    try:
+        connection.execute(begin)
+    except sqlite3.Error:
+        raise
+    except BaseException:
+        _roll_back(connection)
+        raise
+
+
 def _roll_back(connection: sqlite3.Connection) -> None:
     """End the connection's transaction, if one is open, without raising."""
     if connection.in_transaction:
@@ -239,7 +256,7 @@ class SqliteStore(FaultInjection, JournalStore):
     def _open_transaction(self, begin: str) -> Iterator[sqlite3.Connection]:
         connection = self._connection
         try:
-            connection.execute(begin)
+            begin_transaction(connection, begin)
         except sqlite3.Error as exc:
             raise store_error(f"sqlite {begin} failed on {self.path!r}", exc) from exc
         try:
@@ -343,7 +360,7 @@ class SqliteStore(FaultInjection, JournalStore):
         """Commit `batch` in one transaction; the appends that landed, or None when an
         insert of a group tried without savepoints failed (nothing landed)."""
         try:
-            connection.execute("BEGIN IMMEDIATE")
+            begin_transaction(connection, "BEGIN IMMEDIATE")
         except sqlite3.Error as exc:
             for append in batch:
                 append.error = store_error(f"sqlite BEGIN failed on {self.path!r}", exc)
@@ -387,6 +404,10 @@ class SqliteStore(FaultInjection, JournalStore):
         which SQLite runs as a transaction of its own: the head check and the insert
         (`_INSERT_AT_HEAD`) with no BEGIN and no COMMIT around them, so a step costs
         one statement, not three. Its write lock is taken as the statement starts."""
+        if connection.in_transaction:
+            # Left open by something interrupted (nothing in it was acknowledged): the
+            # statement would join it and commit nothing. Never here on a healthy path.
+            _roll_back(connection)
         try:
             inserted = (
                 connection.execute(_INSERT_AT_HEAD, (*append.rows[0], append.expected)).rowcount
@@ -528,6 +549,8 @@ class SqliteStore(FaultInjection, JournalStore):
         if found is not None and found[0] == txn:
             return expected + count
         head = 0 if row is None else row[0]
+        if row is not None and row[2]:
+            raise StreamDeletedError(stream, head)  # whatever failed, it never will land
         if head == expected:
             why = str(cause) or "its reply was lost"
             raise StoreUnavailableError(
