@@ -203,11 +203,13 @@ def test_an_interrupt_as_begin_returns_leaves_no_transaction_and_loses_no_later_
     store.append("s", 0, _records(1))
     real = store._connection
     store._local.connection = _BeginThenInterrupt(real)
+    call = (
+        (lambda: store.trim("s", 1))
+        if interrupted == "trim"
+        else (lambda: store.append("s", 1, _records(2, "lost")))
+    )
     with pytest.raises(KeyboardInterrupt):
-        if interrupted == "trim":
-            store.trim("s", 1)
-        else:
-            store.append("s", 1, _records(2, "lost"))
+        call()
     store._local.connection = real
     assert not real.in_transaction, "the lock was given back"
     assert store.append("s", 1, _records(1, "next")) == 2
