@@ -628,3 +628,44 @@ def test_a_step_record_that_is_not_a_json_object_is_a_schema_error(payload: byte
     box.store.append(stream, box.store.head(stream), [NewRecord("STEP_COMPLETED", payload, 1.0)])
     with pytest.raises(SchemaError):
         box.new_engine().get("j")
+
+
+def test_looking_whether_another_process_lives_sends_it_no_signal() -> None:
+    import subprocess
+    import sys
+
+    from loom_kernel._leases import abandoned_here, default_worker_id
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        machine = default_worker_id().partition(":")[0]
+        assert abandoned_here(f"{machine}:{child.pid}:nonce", "r") is False, "it lives"
+        with pytest.raises(subprocess.TimeoutExpired):  # the look did not signal it
+            child.wait(timeout=0.5)
+    finally:
+        child.kill()
+        child.wait()
+    assert abandoned_here(f"{machine}:{child.pid}:nonce", "r") is True, "it exited"
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"index":"0","name":"s","result":1,"attempts":1}',
+        b'{"index":0,"name":7,"result":1,"attempts":1}',
+        b'{"index":0,"name":"s","result":1,"attempts":"1"}',
+    ],
+)
+def test_a_step_record_with_a_field_of_the_wrong_type_is_a_schema_error(data: bytes) -> None:
+    from loom_kernel import SchemaError
+    from loom_kernel.events import EVENT_SCHEMA, ExecutionStarted, encode_event
+    from loom_kernel.spi import NewRecord
+
+    store = MemoryStore()
+    start = encode_event(ExecutionStarted("counter", counter.code_hash, 0), 1.0)
+    step = NewRecord(
+        "STEP_COMPLETED", b'{"v":"' + EVENT_SCHEMA.encode() + b'","d":' + data + b"}", 1.0
+    )
+    store.append("ex/typed", 0, [start, step])
+    with pytest.raises(SchemaError):
+        Engine(store, [counter]).get("typed")

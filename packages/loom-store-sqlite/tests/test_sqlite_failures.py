@@ -240,3 +240,22 @@ def test_a_record_too_big_for_a_deleted_stream_says_deleted(tmp_path: Path) -> N
     connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 100)
     with pytest.raises(StreamDeletedError):
         store.append("s", 1, [NewRecord("k", b"x" * 1000, 1.0)])
+
+
+def test_a_closed_store_refuses_every_call(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/closed.db")
+    store.append("s", 0, _records(1))
+    store.close()
+    for call in (
+        lambda: store.append("s", 1, _records(1)),
+        lambda: store.read("s"),
+        lambda: store.head("s"),
+    ):
+        with pytest.raises(StoreUnavailableError, match="closed"):
+            call()
+
+
+@pytest.mark.parametrize("url", ["memory://x", "s3://bucket/p", "sqlitex:///a.db"])
+def test_a_url_of_another_scheme_is_refused_by_the_sqlite_opener(url: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="not a sqlite store URL"):
+        open_sqlite_store(url)

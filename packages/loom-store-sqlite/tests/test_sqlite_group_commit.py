@@ -98,6 +98,7 @@ def test_appends_queued_behind_a_commit_go_in_one_transaction_each_with_its_own_
     assert [r.payload for r in store.read("a")] == [b"a1"]
     assert [r.payload for r in store.read("b")] == [b"b1"]
     assert len(store.read("c")) == 1
+    assert store._group._queue == [], "a group taken is off the queue: never committed twice"
 
 
 def test_an_interrupted_leader_lands_nothing_and_its_followers_are_told_to_retry(
