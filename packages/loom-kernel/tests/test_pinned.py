@@ -669,3 +669,24 @@ def test_a_step_record_with_a_field_of_the_wrong_type_is_a_schema_error(data: by
     store.append("ex/typed", 0, [start, step])
     with pytest.raises(SchemaError):
         Engine(store, [counter]).get("typed")
+
+
+@pytest.mark.parametrize("to", ["", 5, 1.5])
+def test_a_version_that_is_neither_a_flow_nor_a_name_is_refused(to: Any) -> None:
+    box = sandbox(counter)
+    box.engine.start("counter", 0, key="versioned")
+    with pytest.raises(InvalidArgumentError, match="a version is a Flow"):
+        box.engine.replay_check("versioned", to=to)
+
+
+def test_a_second_start_by_key_of_a_run_just_started_writes_no_second_hint() -> None:
+    from loom_kernel._run_index import partition_of
+
+    box = sandbox(counter)
+    box.engine.enqueue("counter", 0, key="once")  # no worker: its start is its only record
+    assert box.store.head("ex/once") == 1
+    hints = f"runs/open/{partition_of('once')}"
+    before = box.store.head(hints)
+    box.engine.enqueue("counter", 0, key="once")
+    box.engine.start("counter", 0, key="once")
+    assert box.store.head(hints) == before
