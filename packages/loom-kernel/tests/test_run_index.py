@@ -484,3 +484,20 @@ def test_a_run_the_index_cannot_close_is_logged_and_left_open_for_recover(
     store.refuse = False
     engine.recover()
     assert list(engine.runs.open_runs()) == [], "closed by the next recover()"
+
+
+def test_runs_closed_in_a_damaged_partition_are_filed_under_their_status_when_it_is_rewritten() -> (
+    None
+):
+    store = MemoryStore()
+    engine = _engine(store)
+    parked = engine.start("work", "park", key="p")
+    partition = partition_of("p")
+    failed = next(f"f{i}" for i in range(1000) if partition_of(f"f{i}") == partition)
+    engine.start("work", "fail", key=failed)  # closed in the partition that will be damaged
+    stream = "runs/open/" + partition
+    store.append(stream, store.head(stream), [NewRecord("loom.run.open", b"{not json", 0.0)])
+    assert engine.recover() == []
+    assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
+    assert (failed, "work") in set(engine.runs.ended(Status.FAILED)), "filed, not dropped"
+    assert [e.id for e in engine.executions(status="failed")] == [failed]
