@@ -288,3 +288,25 @@ def test_a_poll_reads_the_overdue_stream_from_where_it_trimmed_it() -> None:
     store.afters.clear()
     poller.fire_due_timers()
     assert store.afters == [store.head(OVERDUE)], "from its trimmed head: one read, nothing"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b'{"origin": -1, "floor": null}',
+        b'{"origin": "5", "floor": null}',
+        b'{"origin": 5, "floor": -1}',
+        b'{"origin": 5, "floor": "7"}',
+        b'{"origin": 5, "floor": 7.5}',
+        b'{"origin": 5, "floor": true}',
+        b'{"origin": 5}',
+    ],
+)
+def test_a_floor_mark_with_a_field_out_of_its_range_is_damaged(payload: bytes) -> None:
+    from loom_kernel._timer_floor import _parse
+    from loom_kernel.spi import Record
+
+    with pytest.raises(SchemaError, match="damaged timer floor mark"):
+        _parse(Record(1, FLOOR_KIND, payload, 0.0))
+    assert _parse(Record(1, FLOOR_KIND, b'{"origin": 5, "floor": null}', 0.0)).floor is None
+    assert _parse(Record(1, FLOOR_KIND, b'{"origin": 0, "floor": 0}', 0.0)).floor == 0
