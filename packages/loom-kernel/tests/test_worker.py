@@ -730,3 +730,17 @@ def test_a_handle_wakes_when_a_drive_of_its_engine_ends_the_run_not_at_its_next_
         handle = engine.enqueue("slow", "w", key="woken")
         threading.Timer(0.1, gate.set).start()
         assert handle.result(timeout=30) == "w:after"
+
+
+def test_run_on_the_main_thread_stops_gracefully_on_sigterm() -> None:
+    import os
+    import signal
+
+    assert threading.current_thread() is threading.main_thread(), "pytest runs tests there"
+    engine = _engine(MemoryStore())
+    worker = Worker(engine, idle_poll=0.05)
+    previous = signal.getsignal(signal.SIGTERM)
+    threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGTERM)).start()
+    worker.run()  # the first SIGTERM stops it; the process lives on
+    assert worker._stopped.is_set()
+    assert signal.getsignal(signal.SIGTERM) is previous, "its handler is taken back"
