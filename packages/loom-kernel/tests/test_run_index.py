@@ -501,3 +501,24 @@ def test_runs_closed_in_a_damaged_partition_are_filed_under_their_status_when_it
     assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
     assert (failed, "work") in set(engine.runs.ended(Status.FAILED)), "filed, not dropped"
     assert [e.id for e in engine.executions(status="failed")] == [failed]
+
+
+def test_a_compaction_that_fails_is_logged_and_leaves_the_partition_readable(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from loom_kernel import StoreUnavailableError
+
+    class NoTrim(MemoryStore):
+        def _trim(self, stream: str, before: int) -> None:
+            raise StoreUnavailableError("trims are failing")
+
+    store = NoTrim()
+    engine = _engine(store)
+    keys = [f"t{n}" for n in range(2000) if partition_of(f"t{n}") == partition_of("t0")][:40]
+    for key in keys:  # 40 closed in one partition: a reader compacts it
+        engine.start("work", "done", key=key)
+    with caplog.at_level("WARNING", logger="loom"):
+        open_runs = list(engine.runs.open_runs())
+    assert open_runs == []
+    assert "not compacted" in caplog.text
+    assert len(list(engine.executions(status="completed"))) == 40
