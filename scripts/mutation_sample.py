@@ -269,9 +269,12 @@ def _tests_for(mutant: Mutant, lines: Coverage) -> list[str] | None:
     """The tests that run the mutant's line; None for the package's whole suite (a line
     run at import time), [] when no test runs it."""
     by_line = lines.get(str(mutant.path), {})
-    if mutant.statement_line not in by_line:
+    # A statement spread over lines (a multi-line condition) may record no event on
+    # its first line, only on the lines of its parts: the mutant's own line counts too.
+    ran = [by_line[line] for line in (mutant.statement_line, mutant.line) if line in by_line]
+    if not ran:
         return []
-    tests = {test for test in by_line[mutant.statement_line] if "rgw" not in test}
+    tests = {test for found in ran for test in found if "rgw" not in test}
     return sorted(tests) if tests else None
 
 

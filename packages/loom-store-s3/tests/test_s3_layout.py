@@ -100,6 +100,10 @@ def test_markers_keep_start_and_count() -> None:
         b'{"v":1,"commit":"c","start":0,"count":1,"state":"live","kinds":["k"],'
         b'"ts":[1.0],"sizes":[5]}\nabc',
         b'{"v":1,"commit":"c","start":0,"count":1,"state":"zombie"}',
+        b'{"v":1,"commit":"c","start":-1,"count":0,"state":"stub"}',
+        b'{"v":1,"commit":"c","start":"1","count":0,"state":"stub"}',
+        b'{"v":1,"commit":"c","start":0,"count":true,"state":"stub"}',
+        b'{"v":1,"commit":"c","start":0,"count":-2,"state":"tomb"}',
     ],
 )
 def test_a_damaged_batch_is_store_unavailable_naming_the_key(body: bytes) -> None:

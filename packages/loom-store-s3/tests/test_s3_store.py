@@ -524,3 +524,16 @@ def test_a_store_of_the_fewest_or_most_shards_opens_again(
     again = moto_server.twin(store)
     assert [r.payload for r in again.read("s")] == [b"r0"]
     assert again._layout.shards == shards
+
+
+def test_a_trim_beyond_the_head_is_refused(moto_server: S3Server) -> None:
+    from loom_kernel.spi import InvalidArgumentError, NewRecord  # noqa: PLC0415
+
+    client = moto_server.client(retries={"max_attempts": 0})
+    store = S3Store(moto_server.new_bucket(), "p", client=client)
+    store.append("s", 0, [NewRecord("k", b"r", 1.0)])
+    with pytest.raises(InvalidArgumentError, match="its head is 1"):
+        store.trim("s", 5)
+    assert [record.payload for record in store.read("s")] == [b"r"], "nothing trimmed"
+    store.trim("s", 2)  # everything: the most a trim may drop
+    assert store.read("s", 1) == []
