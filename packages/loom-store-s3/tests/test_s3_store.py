@@ -527,7 +527,7 @@ def test_a_store_of_the_fewest_or_most_shards_opens_again(
 
 
 def test_a_trim_beyond_the_head_is_refused(moto_server: S3Server) -> None:
-    from loom_kernel.spi import InvalidArgumentError, NewRecord  # noqa: PLC0415
+    from loom_kernel.spi import InvalidArgumentError, NewRecord
 
     client = moto_server.client(retries={"max_attempts": 0})
     store = S3Store(moto_server.new_bucket(), "p", client=client)
