@@ -227,9 +227,15 @@ def test_a_run_a_stopping_worker_process_lets_go_is_taken_by_another_at_once(
         try:
             assert engine.handle(released).wait(timeout=10).status is Status.COMPLETED
             assert first.poll() is None, "the stopping worker still drives the other run"
-        finally:
             busy_hold.unlink()
             assert first.wait(60) == 0, log.read_text()[-3000:]  # its last run released
+            # ... and back on its queue, for the worker still running to take.
+            assert engine.handle(busy).wait(timeout=60).status is Status.COMPLETED
             _stop([second], log)
-        engine.handle(busy).wait(timeout=60)
+        finally:
+            busy_hold.unlink(missing_ok=True)
+            for worker in (first, second):
+                if worker.poll() is None:  # a failed assertion above: do not leave it
+                    worker.kill()
+                    worker.wait(30)
         _check_journals(engine, [released, busy])
