@@ -21,7 +21,8 @@ from typing import Any, Final
 
 import attrs
 
-from loom_kernel._errors import ConflictError, SchemaError
+from loom_kernel._appends import append_anywhere
+from loom_kernel._errors import SchemaError
 from loom_kernel._ids import validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord, Record
 
@@ -76,13 +77,8 @@ class Inbox:
         """Append a message wherever the inbox's head is now; its position."""
         stream = self.stream(execution_id)
         payload = json.dumps({"topic": topic, "key": key, "message": message}).encode()
-        head = self._known_head(execution_id)
-        while True:
-            record = NewRecord(MESSAGE_KIND, payload, self._clock())
-            try:
-                return self._store.append(stream, head, [record])
-            except ConflictError as exc:
-                head = exc.actual if exc.actual != head else self._store.head(stream)
+        record = NewRecord(MESSAGE_KIND, payload, self._clock())
+        return append_anywhere(self._store, stream, [record], self._known_head(execution_id))
 
     def sent(self, execution_id: str, key: str) -> int | None:
         """The position of the first message sent with `key`, if any."""

@@ -15,7 +15,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final
 
-from loom_kernel._errors import ConflictError, SchemaError
+from loom_kernel._appends import append_anywhere
+from loom_kernel._errors import SchemaError
 from loom_kernel._ids import validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord
 
@@ -45,12 +46,8 @@ class Published:
         payload = json.dumps({"key": key, "value": value}).encode()
         with self._lock:
             head = self._read.get(execution_id, (0, {}))[0]
-        while True:
-            try:
-                self._store.append(stream, head, [NewRecord(EVENT_KIND, payload, self._clock())])
-                return
-            except ConflictError as exc:
-                head = exc.actual if exc.actual != head else self._store.head(stream)
+        record = NewRecord(EVENT_KIND, payload, self._clock())
+        append_anywhere(self._store, stream, [record], head)
 
     def values(self, execution_id: str) -> dict[str, Any]:
         """Every key's latest value (read from where this reader last stopped)."""

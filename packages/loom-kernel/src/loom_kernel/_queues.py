@@ -34,6 +34,7 @@ from typing import Any, Final
 
 import attrs
 
+from loom_kernel._appends import append_anywhere
 from loom_kernel._errors import (
     ConflictError,
     InvalidArgumentError,
@@ -558,12 +559,7 @@ class QueueBook:
         """Append one record wherever the stream's head is now."""
         with self._lock(stream):
             head = self._heads.get(stream, 0)
-            while True:
-                try:
-                    self._heads[stream] = self._store.append(stream, head, [record])
-                    return
-                except ConflictError as exc:
-                    head = exc.actual if exc.actual != head else self._store.head(stream)
+            self._heads[stream] = append_anywhere(self._store, stream, [record], head)
 
     def _compact(self, name: str, partition: int) -> None:
         """Checkpoint the fold at the exact head read, then trim below it."""

@@ -41,6 +41,7 @@ from typing import Any, Final
 
 import attrs
 
+from loom_kernel._appends import append_anywhere
 from loom_kernel._errors import (
     ConflictError,
     LoomError,
@@ -163,12 +164,7 @@ class RunIndex:
         append here, so a quiet stream costs one request)."""
         record = NewRecord(record.kind, record.payload, self._clock())
         head = self._heads.get(stream, 0)
-        while True:
-            try:
-                self._heads[stream] = self._store.append(stream, head, [record])
-                return
-            except ConflictError as exc:
-                head = exc.actual if exc.actual != head else self._store.head(stream)
+        self._heads[stream] = append_anywhere(self._store, stream, [record], head)
 
     # -- the built marker -------------------------------------------------------
 
