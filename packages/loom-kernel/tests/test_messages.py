@@ -681,3 +681,20 @@ def test_reading_a_run_refuses_an_id_that_is_not_a_str_before_any_lookup(bad: An
     for call in (lambda: engine.get(bad), lambda: engine.state(bad), lambda: engine.cancel(bad)):
         with pytest.raises(InvalidIdError):
             call()
+
+
+def test_a_value_that_cannot_be_published_stops_the_drive_before_it_is_journaled() -> None:
+    from loom_kernel import StoreUnavailableError
+
+    store = MemoryStore()
+    engine = _engine(store)
+
+    def down(*_args: Any) -> None:
+        raise StoreUnavailableError("the store went away")
+
+    engine._published.set = down  # type: ignore[method-assign]
+    with pytest.raises(StoreUnavailableError):
+        engine.start("inbox.progress", 3, key="down")
+    assert engine.get("down").status is Status.RUNNING, "stopped, not failed or ended"
+    names = [getattr(entry.event, "name", "") for entry in engine.history("down")]
+    assert not any(name.startswith("loom.event:") for name in names), "nothing journaled"
