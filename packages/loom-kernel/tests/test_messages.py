@@ -692,7 +692,7 @@ def test_a_value_that_cannot_be_published_stops_the_drive_before_it_is_journaled
     def down(*_args: Any) -> None:
         raise StoreUnavailableError("the store went away")
 
-    engine._published.set = down  # type: ignore[method-assign]
+    engine._published.set = down  # type: ignore[method-assign,assignment]
     with pytest.raises(StoreUnavailableError):
         engine.start("inbox.progress", 3, key="down")
     assert engine.get("down").status is Status.RUNNING, "stopped, not failed or ended"
