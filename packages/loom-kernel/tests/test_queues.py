@@ -535,3 +535,9 @@ def test_a_busy_partition_does_not_starve_another() -> None:
         for handle in rest:
             handle.result(timeout=30)
     assert _order.index("urgent") < 8, f"served in turn: {_order.index('urgent')}"
+
+
+def test_a_queues_limits_are_named_never_positional() -> None:
+    with pytest.raises(TypeError):
+        Queue("q", 3)  # type: ignore[call-arg]
+    assert Queue("q", concurrency=3).concurrency == 3
