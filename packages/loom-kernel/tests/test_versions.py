@@ -146,6 +146,34 @@ def test_a_replay_check_that_stops_short_of_the_history_is_refused() -> None:
         _engine(store, order_v1, order_v4).replay_check("o")
 
 
+class _Crash(BaseException):
+    """Stands in for the process dying mid-run: nothing in the engine catches it."""
+
+
+@pytest.mark.parametrize("gate", ["suspend", "sleep"])
+def test_a_replay_check_that_reaches_a_new_gate_writes_nothing(gate: str) -> None:
+    @flow(name="gated", version="1")
+    def crashes(ctx: Context, _input: Any) -> Any:
+        ctx.step("quote", lambda: 10)
+        raise _Crash  # the run stays running, its history ending after the quote
+
+    @flow(name="gated", version="2")
+    def waits(ctx: Context, _input: Any) -> Any:
+        ctx.step("quote", lambda: 10)
+        if gate == "sleep":
+            ctx.sleep(60)
+        return ctx.suspend("manager")
+
+    store = MemoryStore()
+    with pytest.raises(_Crash):
+        _engine(store, crashes).start("gated", key="g")
+    streams = store.streams("")
+    heads = {stream: store.head(stream) for stream in streams}
+    _engine(store, crashes, waits).replay_check("g", "2")  # the history replays
+    assert store.streams("") == streams, "a replay-check wrote a stream (a timer hint?)"
+    assert {stream: store.head(stream) for stream in streams} == heads
+
+
 # -- ctx.patched ----------------------------------------------------------------------
 
 
