@@ -23,6 +23,7 @@ from loom_kernel.events import (
     ExecutionResumed,
     ExecutionStarted,
     ExecutionSuspended,
+    QueuePlace,
     StepCompleted,
     StepFailed,
     decode_event,
@@ -123,6 +124,33 @@ def test_newer_minor_of_the_same_major_is_read() -> None:
 def test_corrupt_payloads_are_schema_errors(payload: Any, message: str) -> None:
     with pytest.raises(SchemaError, match=message):
         decode_event(_record("EXECUTION_SUSPENDED", payload), "exec/1")
+
+
+@pytest.mark.parametrize(
+    "place",
+    [
+        "q",
+        {"partition": 0},
+        {"name": 7},
+        {"name": "q", "partition": "0"},
+        {"name": "q", "priority": 1.5},
+        {"name": "q", "priority": True},
+        {"name": "q", "key": 7},
+        {"name": "q", "key": ["c7"]},
+    ],
+)
+def test_a_start_with_a_malformed_queue_place_is_a_schema_error(place: Any) -> None:
+    start = {"flow": "f", "code_hash": "sha256:0", "input": None, "queue": place}
+    with pytest.raises(SchemaError, match="queue place"):
+        decode_event(_record("EXECUTION_STARTED", {"v": "1.18.0", "d": start}), "exec/1")
+
+
+def test_a_start_with_a_queue_place_reads_back_exactly() -> None:
+    place = {"name": "q", "partition": 2, "priority": -4, "key": "c7"}
+    start = {"flow": "f", "code_hash": "sha256:0", "input": None, "queue": place}
+    event = decode_event(_record("EXECUTION_STARTED", {"v": "1.18.0", "d": start}))
+    assert isinstance(event, ExecutionStarted)
+    assert event.queue == QueuePlace("q", 2, -4, "c7")
 
 
 def test_upcasters_lift_old_payloads_in_order() -> None:
