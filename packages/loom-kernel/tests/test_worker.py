@@ -3,9 +3,11 @@ timers fire on their own, and a stopping worker lets go of what it holds."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -702,6 +704,27 @@ def test_an_interrupt_as_a_run_is_handed_over_leaves_the_worker_whole() -> None:
         assert worker.stats.in_flight == 0
         assert engine.enqueue("three", "y", key="y").result(timeout=10) == ["y:0", "y:1", "y:2"]
         assert engine.handle("x").result(timeout=10) == ["x:0", "x:1", "x:2"], "found by a poll"
+
+
+def test_a_handed_run_whose_drive_cannot_begin_is_let_go_and_found_by_a_poll() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    original = engine._locks.hold
+    holds: list[str] = []
+
+    @contextlib.contextmanager
+    def hold(key: str) -> Iterator[None]:
+        holds.append(key)
+        if holds.count("x") == 2:  # the enqueue's hold, then the handed drive's
+            raise RuntimeError("the drive could not take the run's lock")
+        with original(key):
+            yield
+
+    engine._locks.hold = hold  # type: ignore[method-assign]
+    with Worker(engine, concurrency=1, idle_poll=0.02):
+        handle = engine.enqueue("three", "x", key="x")
+        assert handle.result(timeout=10) == ["x:0", "x:1", "x:2"], "let go, then polled"
+    assert holds.count("x") >= 3
 
 
 def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:
