@@ -14,6 +14,12 @@ the same run (a workflow: its start, 10 steps, its end, and its two run index
 records). Group commit is what lets Loom pass 1x: appends of threads that wait on
 one sync share the next one.
 
+With `--sync-delay-ms N` the whole run (Loom and the raw writer alike) goes on a
+simulated disk whose every sync takes N ms longer (bench/slow_sync.c, compiled with
+the machine's `cc` and loaded with LD_PRELOAD; Linux): a disk that acknowledges a sync
+from its cache, as a VM's often does, makes a sync too cheap to show what group
+commit saves, and this shows it. The table says when it is simulated.
+
 Then the fan-out: a parent that awaits N children (`await_children`), each a step
 that takes CHILD_SECONDS, driven by a `Worker` of N + 1 slots on the parent's engine
 (children take its slots side by side) and inline with no worker (one after
@@ -23,7 +29,11 @@ another): wall time as a multiple of one child's.
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -155,17 +165,55 @@ def _level(directory: Path, synchronous: str, threads: int, seconds: float) -> s
     )
 
 
+_SHIM = Path(__file__).with_name("slow_sync.c")
+
+
+def _on_slow_disk(delay_ms: float) -> None:
+    """Run this benchmark again with every sync delayed by `delay_ms` (see the module)."""
+    if os.environ.get("SLOW_SYNC_US"):
+        return  # this is the run on the simulated disk
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise SystemExit("--sync-delay-ms needs a C compiler (cc) to build bench/slow_sync.c")
+    library = Path(tempfile.mkdtemp(prefix="loom-slow-sync-")) / "slow_sync.so"
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-O2", "-o", str(library), str(_SHIM), "-ldl"], check=True
+    )
+    preload = " ".join(filter(None, [str(library), os.environ.get("LD_PRELOAD")]))
+    environment = {
+        **os.environ,
+        "LD_PRELOAD": preload,
+        "SLOW_SYNC_US": str(round(delay_ms * 1000)),
+    }
+    os.execve(sys.executable, [sys.executable, *sys.argv], environment)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seconds", type=float, default=1.0, help="per side per round")
     parser.add_argument("--fan-out", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument(
+        "--synchronous", nargs="+", choices=["full", "normal"], default=["full", "normal"]
+    )
+    parser.add_argument(
+        "--sync-delay-ms",
+        type=float,
+        default=0.0,
+        help="simulate a disk whose every sync takes this much longer (needs cc; Linux)",
+    )
     args = parser.parse_args()
+    if args.sync_delay_ms > 0:
+        _on_slow_disk(args.sync_delay_ms)
+        print(
+            f"Simulated disk: every sync takes {args.sync_delay_ms:g} ms longer "
+            "(bench/slow_sync.c), for Loom and the raw writer alike.\n"
+        )
     print(f"## Loom steps/s ÷ one raw writer's commits/s ({ROUNDS} alternating rounds)")
     print("| synchronous | concurrent runs | ratio, median (range) | step p50 | step p99 |")
     print("| --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as scratch:
-        for synchronous in ("full", "normal"):
+        for synchronous in args.synchronous:
             for threads in args.levels:
                 print(_level(Path(scratch), synchronous, threads, args.seconds), flush=True)
         print(f"\n## Fan-out: wall time ÷ one child's ({CHILD_SECONDS} s), synchronous=full")
