@@ -3,6 +3,8 @@ first of several things, and published progress (set_event, get_event)."""
 
 from __future__ import annotations
 
+import json
+import logging
 import threading
 import time
 from typing import Any
@@ -24,8 +26,9 @@ from loom_kernel import (
     Woken,
     flow,
 )
+from loom_kernel._run_index import partition_of
 from loom_kernel.events import ExecutionSuspended
-from loom_kernel.spi import JournalStore
+from loom_kernel.spi import JournalStore, NewRecord, SchemaError
 from loom_kernel.testing import FakeClock
 
 
@@ -698,3 +701,58 @@ def test_a_value_that_cannot_be_published_stops_the_drive_before_it_is_journaled
     assert engine.get("down").status is Status.RUNNING, "stopped, not failed or ended"
     names = [getattr(entry.event, "name", "") for entry in engine.history("down")]
     assert not any(name.startswith("loom.event:") for name in names), "nothing journaled"
+
+
+# -- damaged inboxes and published values ----------------------------------------------
+
+_DAMAGED_MESSAGES = [
+    ("loom.other", b'{"topic": null, "key": null, "message": 1}', "unknown kind"),
+    ("loom.message", b"{not json", "a damaged message"),
+    ("loom.message", b'{"topic": 7, "key": null, "message": 1}', "topic and key"),
+    ("loom.message", b'{"topic": null, "key": ["k"], "message": 1}', "topic and key"),
+    ("loom.message", b'{"topic": null, "key": null}', "message"),
+    ("loom.message", b"[1, 2]", "a damaged message"),
+]
+
+
+@pytest.mark.parametrize(("kind", "payload", "says"), _DAMAGED_MESSAGES)
+def test_a_damaged_message_is_reported_and_the_run_stays_where_it_was(
+    kind: str, payload: bytes, says: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    assert engine.start("inbox.two", None, key="r").waiting_on == "loom.receive:null"
+    store.append("inbox/r", 0, [NewRecord(kind, payload, 0.0)])
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert engine.send("r", "hello") == 2
+    assert "a damaged message" in caplog.text
+    assert says in caplog.text
+    assert "'inbox/r', position 1" in caplog.text
+    execution = engine.get("r")
+    assert (execution.status, execution.position) == (Status.SUSPENDED, 2), "nothing consumed"
+    hints = [json.loads(r.payload) for r in store.read(f"runs/open/{partition_of('r')}")]
+    nudge = {"id": "r", "flow": "inbox.two", "by": None, "nudge": True}
+    assert nudge in hints, "workers look again"
+
+
+@pytest.mark.parametrize(
+    ("kind", "payload"),
+    [
+        ("loom.other", b'{"key": "done", "value": 1}'),
+        ("loom.event", b"{not json"),
+        ("loom.event", b'{"key": 7, "value": 1}'),
+        ("loom.event", b'{"key": "done"}'),
+        ("loom.event", b'"done"'),
+    ],
+)
+def test_a_damaged_published_value_is_a_schema_error_naming_where(
+    kind: str, payload: bytes
+) -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.progress", 1, key="p")
+    assert engine.get_event("p", "done") == 1
+    store.append("events/p", 1, [NewRecord(kind, payload, 0.0)])
+    with pytest.raises(SchemaError, match="a damaged published value") as caught:
+        engine.get_event("p", "done")
+    assert (caught.value.stream, caught.value.position) == ("events/p", 2)
