@@ -11,7 +11,16 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel import AsyncContext, Context, Engine, MemoryStore, RetryPolicy, Status, flow
+from loom_kernel import (
+    AsyncContext,
+    Context,
+    Engine,
+    MemoryStore,
+    Queue,
+    RetryPolicy,
+    Status,
+    flow,
+)
 from loom_kernel.spi import InvalidArgumentError, NewRecord, StoreUnavailableError
 from loom_kernel.testing import FakeClock
 
@@ -211,3 +220,37 @@ def test_kernel_errors_cross_a_process_pool_whole() -> None:
     ):
         again = pickle.loads(pickle.dumps(error))
         assert (type(again), str(again), vars(again)) == (type(error), str(error), vars(error))
+
+
+@pytest.mark.parametrize("thing", [7, "a string"])
+def test_flow_refuses_what_is_not_a_function(thing: Any) -> None:
+    with pytest.raises(InvalidArgumentError, match="@flow needs a function"):
+        flow(thing)
+
+
+@pytest.mark.parametrize("name", ["", "1st", "has space", "x" * 101, "slash/ed", "é"])
+def test_flow_refuses_a_name_the_rules_do_not_allow(name: str) -> None:
+    with pytest.raises(InvalidArgumentError, match="invalid flow name"):
+        flow(name=name)(lambda ctx, _input: None)
+
+
+@pytest.mark.parametrize("name", ["a", "_x", "orders.v2:charge-1", "x" * 100])
+def test_flow_takes_a_name_the_rules_allow(name: str) -> None:
+    assert flow(name=name)(lambda ctx, _input: None).name == name
+
+
+def test_a_queue_has_at_most_256_partitions_and_an_engine_takes_only_queues() -> None:
+    assert Queue("q", partitions=256).partitions == 256
+    with pytest.raises(InvalidArgumentError, match="partitions is at most 256, not 257"):
+        Queue("q", partitions=257)
+    with pytest.raises(InvalidArgumentError, match="queues holds Queue objects, not 'q'"):
+        Engine(MemoryStore(), [], queues=["q"])  # type: ignore[list-item]
+
+
+def test_a_run_handle_is_named_by_its_id_and_hashes_as_it() -> None:
+    engine = Engine(MemoryStore(), [])
+    handle = engine.handle("order-1")
+    assert repr(handle) == "RunHandle('order-1')"
+    assert handle == engine.handle("order-1") != engine.handle("order-2")
+    assert len({handle, engine.handle("order-1"), engine.handle("order-2")}) == 2
+    assert hash(handle) == hash("order-1")
