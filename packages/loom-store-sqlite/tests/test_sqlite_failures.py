@@ -259,3 +259,28 @@ def test_a_closed_store_refuses_every_call(tmp_path: Path) -> None:
 def test_a_url_of_another_scheme_is_refused_by_the_sqlite_opener(url: str) -> None:
     with pytest.raises(InvalidArgumentError, match="not a sqlite store URL"):
         open_sqlite_store(url)
+
+
+@pytest.mark.parametrize(
+    ("call", "says"),
+    [
+        (lambda store: store.read("s"), "cannot read 's'"),
+        (lambda store: store.head("s"), "cannot read the head of 's'"),
+        (lambda store: store.streams(""), "cannot list streams"),
+        (lambda store: store.trim("s", 2), "cannot trim 's'"),
+        (lambda store: store.delete("s"), "cannot delete 's'"),
+        (lambda store: store.append("s", 2, _records(1)), "cannot confirm an append to 's'"),
+    ],
+)
+def test_a_database_whose_tables_are_gone_fails_each_call_with_the_stores_error(
+    tmp_path: Path, call: Any, says: str
+) -> None:
+    store = open_sqlite_store(f"sqlite:///{tmp_path / 'gone.db'}")
+    store.append("s", 0, _records(2))
+    vandal = sqlite3.connect(tmp_path / "gone.db", isolation_level=None)
+    vandal.execute("DROP TABLE loom_records")
+    vandal.execute("DROP TABLE loom_streams")
+    vandal.close()
+    with pytest.raises(StoreUnavailableError, match=f"{says}: no such table"):
+        call(store)
+    store.close()
