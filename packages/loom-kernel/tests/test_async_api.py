@@ -8,6 +8,7 @@ import threading
 from typing import Any
 
 import pytest
+from loom_kernel import _driving
 from loom_kernel import (
     AsyncContext,
     Context,
@@ -76,6 +77,23 @@ def test_an_async_flow_runs_on_the_callers_loop_and_its_api_is_awaitable() -> No
         return len(loops)
 
     assert asyncio.run(main()) == 2
+
+
+def test_an_async_flow_on_the_callers_loop_may_await_longer_than_a_loop_check(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_driving, "_LOOP_CHECK", 0.01)  # the drive looks at the loop often
+
+    @flow(name="api.slow")
+    async def slow(ctx: AsyncContext, _input: Any) -> Any:
+        return await ctx.step("slow", lambda: asyncio.sleep(0.15, result="slept"))
+
+    engine = Engine(MemoryStore(), [slow], listeners=[])
+
+    async def main() -> Any:
+        return (await engine.start_async("api.slow")).result
+
+    assert asyncio.run(main()) == "slept", "a running loop is no reason to stop the drive"
 
 
 def test_resume_async_get_event_async_and_failures() -> None:
