@@ -8,7 +8,6 @@ import threading
 from typing import Any
 
 import pytest
-from loom_kernel import _driving
 from loom_kernel import (
     AsyncContext,
     Context,
@@ -17,6 +16,7 @@ from loom_kernel import (
     MemoryStore,
     ResultTimeoutError,
     Status,
+    _driving,
     flow,
 )
 
