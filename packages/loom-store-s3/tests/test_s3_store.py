@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import pytest
@@ -74,6 +75,21 @@ def test_url_options_are_parsed_and_checked() -> None:
             parse_s3_url(bad)
 
 
+@pytest.mark.parametrize(
+    ("query", "says"),
+    [
+        ("attempts=0", "attempts must be at least 1, not 0"),
+        ("workers=0", "workers must be at least 1, not 0"),
+        ("shards=257", "shards must be 1 to 256, not 257"),
+    ],
+)
+def test_url_options_below_their_floor_are_refused_naming_the_option(query: str, says: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=says):
+        parse_s3_url(f"s3://b/p?{query}")
+    floor = parse_s3_url("s3://b/p?attempts=1&workers=1&shards=256")[2]
+    assert (floor.attempts, floor.workers, floor.shards) == (1, 1, 256)
+
+
 def test_open_store_finds_the_s3_scheme(moto_server: S3Server, monkeypatch: Any) -> None:
     for name, value in moto_server.environment().items():
         monkeypatch.setenv(name, value)
@@ -123,6 +139,28 @@ def test_a_bucket_written_by_a_newer_format_is_refused(moto_server: S3Server) ->
         Body=json.dumps({"format": 99, "shards": 2}).encode(),
     )
     with pytest.raises(SchemaError, match="newer loom-store-s3"):
+        moto_server.reopen(store)
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        (b"{not json", "damaged layout descriptor"),
+        (b'{"shards": 2}', "damaged layout descriptor"),
+        (b"[1, 2]", "damaged layout descriptor"),
+        (b'{"format": 1, "shards": 0}', "shards=0"),
+        (b'{"format": 1, "shards": 257}', "shards=257"),
+        (b'{"format": 1, "shards": "2"}', "shards='2'"),
+    ],
+)
+def test_a_damaged_layout_descriptor_is_a_misconfiguration(
+    moto_server: S3Server, body: bytes, says: str
+) -> None:
+    store = moto_server.store()
+    moto_server.client().put_object(
+        Bucket=store.bucket, Key=store.prefix + "!layout.json", Body=body
+    )
+    with pytest.raises(StoreMisconfiguredError, match=re.escape(says)):
         moto_server.reopen(store)
 
 
