@@ -89,6 +89,15 @@ def test_unknown_kind_names_kind_version_and_stream() -> None:
     assert "position 4" in message
 
 
+def test_an_unknown_kind_whose_payload_is_not_json_says_unknown_kind_first() -> None:
+    for payload in (b"{not json", b"\xff\xfe"):
+        with pytest.raises(SchemaError, match="unknown record kind") as caught:
+            decode_event(_record("CHILD_COMPLETED", payload), "exec/9")
+        assert (caught.value.kind, caught.value.stream) == ("CHILD_COMPLETED", "exec/9")
+    with pytest.raises(SchemaError, match="payload is not JSON"):
+        decode_event(_record("EXECUTION_SUSPENDED", b"{not json"), "exec/9")
+
+
 def test_newer_major_is_refused_with_kind_version_and_stream() -> None:
     payload = {"v": "2.0.0", "d": {"payload": 1, "key": None}}
     with pytest.raises(SchemaError) as caught:
