@@ -7,9 +7,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import Context, Engine, MemoryStore, RetryPolicy, Status, flow
+from loom_kernel import (
+    Context,
+    Engine,
+    MemoryStore,
+    NotSuspendedError,
+    RetryPolicy,
+    Status,
+    flow,
+)
 from loom_kernel.spi import JournalStore, NewRecord
 from loom_kernel.testing import FakeClock
 
@@ -204,3 +213,28 @@ def test_any_mix_of_gates_sleeps_and_steps(
     # The state the engine built while driving is the fold of what it journaled.
     fresh = Engine(engine.store, [scripted], clock=clock).state(ex.id)
     assert repr(engine.state(ex.id)) == repr(fresh)
+
+
+@flow(name="gates.first")
+def first_of(ctx: Context, _input: Any) -> Any:
+    return ctx.wait_first(gates=["a", "b"], topics=["t"], timeout=60).name
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["{not json", '{"gates": "a", "topics": []}', '{"gates": [""], "topics": []}', '{"gates": []}'],
+)
+def test_a_damaged_wait_first_gate_name_is_reported_not_guessed(spec: str) -> None:
+    store = MemoryStore()
+    engine = Engine(store, [first_of], clock=FakeClock(), listeners=[])
+    assert engine.start("gates.first", key="w").gates == ("a", "b")
+    entry = store._state.streams["ex/w"]
+    suspended = entry.records[-1]
+    envelope = json.loads(suspended.payload)
+    assert envelope["d"]["on"].startswith("loom.first:")
+    envelope["d"]["on"] = "loom.first:" + spec
+    entry.records[-1] = suspended._replace(payload=json.dumps(envelope).encode())
+    view = Engine(store, [first_of], clock=FakeClock(), listeners=[]).get("w")
+    assert (view.status, view.gates, view.topics) == (Status.SUSPENDED, (), ())
+    with pytest.raises(NotSuspendedError, match="a damaged gate name"):
+        Engine(store, [first_of], clock=FakeClock(), listeners=[]).resume("w", "go", on="a")
