@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
+from loom_kernel._executions import SNAPSHOT_KIND
 from loom_kernel.spi import NewRecord, SchemaError
 from loom_kernel.testing import sandbox
 
@@ -116,3 +118,38 @@ def test_snapshots_that_keep_changing_under_a_reader_are_an_error_to_retry() -> 
     store.churn = True
     with pytest.raises(StoreUnavailableError, match="kept changing"):
         _engine(store).get(run.id)
+
+
+@pytest.mark.parametrize(
+    ("payload", "says"),
+    [(b"{not json", "snapshot is not JSON"), (b"[1, 2]", "snapshot is not an object")],
+)
+def test_a_damaged_snapshot_is_a_schema_error_naming_where(payload: bytes, says: str) -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    run = engine.start("charge", None, key="snapped")
+    engine.compact(run.id)
+    head = store.head("snap/snapped")
+    store.append("snap/snapped", head, [NewRecord(SNAPSHOT_KIND, payload, 0.0)])
+    with pytest.raises(SchemaError, match=says) as caught:
+        _engine(store).get(run.id)
+    assert (caught.value.stream, caught.value.position) == ("snap/snapped", head + 1)
+
+
+@pytest.mark.parametrize(
+    "snapshot",
+    [{"state": {}}, {"state": {"position": "7"}}, {"state": {"position": True}}, {"nothing": 1}],
+)
+def test_compacting_over_a_snapshot_that_names_no_position_is_a_schema_error(
+    snapshot: dict[str, Any],
+) -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    run = engine.start("charge", None, key="snapped")
+    engine.compact(run.id)
+    head = store.head("snap/snapped")
+    damaged = NewRecord(SNAPSHOT_KIND, json.dumps(snapshot).encode(), 0.0)
+    store.append("snap/snapped", head, [damaged])
+    with pytest.raises(SchemaError, match="snapshot names no position") as caught:
+        engine.compact(run.id)  # its cached state: only the compaction reads the snapshot
+    assert (caught.value.stream, caught.value.position) == ("snap/snapped", head + 1)
