@@ -4,6 +4,7 @@ any two of its writes."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from typing import Any
 
@@ -522,3 +523,40 @@ def test_a_compaction_that_fails_is_logged_and_leaves_the_partition_readable(
     assert open_runs == []
     assert "not compacted" in caplog.text
     assert len(list(engine.executions(status="completed"))) == 40
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"),
+    [
+        ("loom.run.other", {"id": "p", "flow": "work", "by": None}),
+        ("loom.run.open", {"id": "p", "flow": "work", "by": None, "queue": 7}),
+        ("loom.run.open", {"id": "p", "by": None}),
+        ("loom.run.closed", {"id": "p", "status": "exploded", "flow": "work"}),
+        ("loom.run.closed", {"status": "completed", "flow": "work"}),
+    ],
+)
+def test_each_kind_of_damaged_partition_record_is_a_schema_error_naming_where(
+    kind: str, data: dict[str, Any]
+) -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("work", "park", key="p")
+    stream = "runs/open/" + partition_of("p")
+    head = store.head(stream)
+    store.append(stream, head, [NewRecord(kind, json.dumps(data).encode(), 0.0)])
+    with pytest.raises(SchemaError) as caught:
+        list(engine.runs.open_runs())
+    assert (caught.value.stream, caught.value.position) == (stream, head + 1)
+
+
+@pytest.mark.parametrize(
+    "payload", [b"{not json", b'{"runs": 7}', b'{"runs": [["only-an-id"]]}', b'{"no": 1}']
+)
+def test_a_damaged_ended_record_is_a_schema_error_naming_where(payload: bytes) -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    stream = "runs/completed/" + partition_of("d")
+    store.append(stream, 0, [NewRecord("loom.run.ended", payload, 0.0)])
+    with pytest.raises(SchemaError) as caught:
+        list(engine.runs.ended(Status.COMPLETED))
+    assert (caught.value.stream, caught.value.position) == (stream, 1)
