@@ -19,6 +19,7 @@ from loom_kernel import (
     MemoryStore,
     Queue,
     Rate,
+    SchemaError,
     Status,
     StoreUnavailableError,
     TrimmedError,
@@ -541,3 +542,30 @@ def test_a_queues_limits_are_named_never_positional() -> None:
     with pytest.raises(TypeError):
         Queue("q", 3)  # type: ignore[call-arg]
     assert Queue("q", concurrency=3).concurrency == 3
+
+
+@pytest.mark.parametrize(
+    ("kind", "data"),
+    [
+        ("loom.queue.other", {"id": "x"}),
+        ("loom.queue.add", {"id": "x", "flow": "busy", "priority": "1", "key": None}),
+        ("loom.queue.add", {"id": "x", "flow": "busy", "priority": 0, "key": 7}),
+        ("loom.queue.add", {"id": "x", "flow": 7, "priority": 0, "key": None}),
+        ("loom.queue.take", {"ids": ["x"]}),
+        ("loom.queue.done", {"take": 1}),
+        ("loom.queue.checkpoint", {"waiting": [["x", "busy", 0, 1, None]], "active": []}),
+        ("loom.queue.checkpoint", {"waiting": [["x", "busy", 0, 1.5, None, ""]], "active": []}),
+        ("loom.queue.checkpoint", {"waiting": [], "active": [[["x"], 1, "w", 0.0]]}),
+    ],
+)
+def test_each_kind_of_damaged_queue_record_is_a_schema_error_naming_where(
+    kind: str, data: dict[str, Any]
+) -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q"))
+    engine.enqueue("busy", {"tag": "a", "s": 0.0}, queue="q")
+    head = store.head("queues/q/0")
+    store.append("queues/q/0", head, [NewRecord(kind, json.dumps(data).encode(), 0.0)])
+    with pytest.raises(SchemaError, match="damaged queue record") as caught:
+        _engine(store, Queue("q")).queue("q")
+    assert (caught.value.stream, caught.value.position) == ("queues/q/0", head + 1)
