@@ -4,12 +4,21 @@ ever left below it, whatever writers and polls do at the same moment."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loom_kernel import Context, Engine, MemoryStore, Status, StoreUnavailableError, flow
+from loom_kernel import (
+    Context,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    Status,
+    StoreUnavailableError,
+    flow,
+)
 from loom_kernel._timer_floor import FLOOR_KIND, FLOOR_STREAM, SEALS_PER_POLL
 from loom_kernel._timers import OVERDUE, SEAL_KIND, TimerIndex
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError
@@ -310,3 +319,16 @@ def test_a_floor_mark_with_a_field_out_of_its_range_is_damaged(payload: bytes) -
         _parse(Record(1, FLOOR_KIND, payload, 0.0))
     assert _parse(Record(1, FLOOR_KIND, b'{"origin": 5, "floor": null}', 0.0)).floor is None
     assert _parse(Record(1, FLOOR_KIND, b'{"origin": 0, "floor": 0}', 0.0)).floor == 0
+
+
+@pytest.mark.parametrize("moment", [math.nan, math.inf, -math.inf])
+def test_a_hint_or_a_poll_at_a_time_that_is_not_finite_is_refused_and_writes_nothing(
+    moment: float,
+) -> None:
+    store, clock = MemoryStore(), FakeClock()
+    index = TimerIndex(store, clock)
+    with pytest.raises(InvalidArgumentError, match="a wake time must be a finite number"):
+        index.add("run", 0, moment)
+    with pytest.raises(InvalidArgumentError, match="a wake time must be a finite number"):
+        index.fire_due(moment, lambda _entry: True)
+    assert store.streams("") == []
