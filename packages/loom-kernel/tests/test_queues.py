@@ -569,3 +569,51 @@ def test_each_kind_of_damaged_queue_record_is_a_schema_error_naming_where(
     with pytest.raises(SchemaError, match="damaged queue record") as caught:
         _engine(store, Queue("q")).queue("q")
     assert (caught.value.stream, caught.value.position) == ("queues/q/0", head + 1)
+
+
+class _Crash(BaseException):
+    """Stands in for a process dying mid-run: the run stays running, owned."""
+
+
+def test_an_admission_is_stale_once_its_taker_no_longer_drives_the_run() -> None:
+    import subprocess
+
+    from loom_kernel._leases import _THIS_MACHINE
+
+    @flow(name="stale.crash")
+    def crash(ctx: Context, _input: Any) -> Any:
+        ctx.step("one", lambda: 1)
+        raise _Crash
+
+    @flow(name="stale.done")
+    def done(ctx: Context, _input: Any) -> Any:
+        return "done"
+
+    store, clock = MemoryStore(), FakeClock()
+
+    def engine(worker_id: str) -> Engine:
+        return Engine(store, [crash, done], clock=clock, listeners=[], worker_id=worker_id)
+
+    me = engine("me")
+    assert me._queued_stale("nobody", "me") is False, "gone: nothing to give back"
+    me.start("stale.done", key="d")
+    assert me._queued_stale("d", "me") is False, "finished: nothing to give back"
+    with pytest.raises(_Crash):
+        me.start("stale.crash", key="c")
+    assert me._queued_stale("c", "taker") is True, "the taker never claimed it"
+    assert me._queued_stale("c", "me") is True, "ours, and no drive of ours holds it"
+    with me._heartbeat.holding("c"):
+        assert me._queued_stale("c", "me") is None, "a drive of ours holds it"
+
+    with pytest.raises(_Crash):
+        engine("elsewhere").start("stale.crash", key="o")
+    assert me._queued_stale("o", "elsewhere") is None, "its taker was seen within a lease"
+    clock.advance(me.lease + 1)
+    assert me._queued_stale("o", "elsewhere") is True, "its taker's lease ran out"
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process of this machine that has exited
+    dead = f"{_THIS_MACHINE}:{gone.pid}:abc123"
+    with pytest.raises(_Crash):
+        engine(dead).start("stale.crash", key="x")
+    assert me._queued_stale("x", dead) is True, "its taker's process is gone, lease or not"
