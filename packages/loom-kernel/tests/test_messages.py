@@ -756,3 +756,20 @@ def test_a_damaged_published_value_is_a_schema_error_naming_where(
     with pytest.raises(SchemaError, match="a damaged published value") as caught:
         engine.get_event("p", "done")
     assert (caught.value.stream, caught.value.position) == ("events/p", 2)
+
+
+def test_get_event_waiting_returns_what_a_run_published_as_it_finished() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.progress", 1, key="p")
+    engine.resume("p", "go")
+    assert engine.get("p").status is Status.COMPLETED
+    real = engine._published.values
+    reads: list[str] = []
+
+    def racing(execution_id: str) -> dict[str, Any]:
+        reads.append(execution_id)  # the first read is from before the run published
+        return {} if len(reads) == 1 else real(execution_id)
+
+    engine._published.values = racing  # type: ignore[method-assign]
+    assert engine.get_event("p", "done", timeout=5) == 1, "read again once it finished"
+    assert reads == ["p", "p"]
