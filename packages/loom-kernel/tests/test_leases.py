@@ -409,6 +409,23 @@ def test_a_process_of_another_boot_or_host_of_the_same_name_is_not_judged_here()
     assert abandoned_here(f"{_THIS_MACHINE}:3999999:abcdef", "r"), "no such pid here"
 
 
+def test_a_process_that_may_not_be_signalled_is_not_judged_gone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from loom_kernel import _leases
+
+    owner = f"{_leases._THIS_MACHINE}:3999999:abcdef"
+    assert _leases.abandoned_here(owner, "r"), "no such pid here"
+
+    def refused(pid: int, signal: int) -> None:
+        raise PermissionError(1, "Operation not permitted")  # alive, another user's
+
+    monkeypatch.setattr(os, "kill", refused)
+    assert not _leases.abandoned_here(owner, "r"), "it exists: its lease decides"
+
+
 def test_the_heartbeat_thread_ends_with_the_last_drive_and_a_failed_start_leaks_no_hold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
