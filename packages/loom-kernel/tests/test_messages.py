@@ -773,3 +773,22 @@ def test_get_event_waiting_returns_what_a_run_published_as_it_finished() -> None
     engine._published.values = racing  # type: ignore[method-assign]
     assert engine.get_event("p", "done", timeout=5) == 1, "read again once it finished"
     assert reads == ["p", "p"]
+
+
+def test_the_inboxes_and_published_values_kept_parsed_are_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loom_kernel import _inbox, _published
+
+    monkeypatch.setattr(_inbox, "_KEPT", 3)
+    monkeypatch.setattr(_published, "_KEPT", 3)
+    engine = _engine(MemoryStore())
+    for number in range(5):
+        engine.start("inbox.two", None, key=f"p{number}")
+        engine.send(f"p{number}", "hello")  # the run reads its inbox
+        engine.start("inbox.progress", 1, key=f"p{number}-progress")
+        assert engine.get_event(f"p{number}-progress", "done") == 1
+    assert list(engine._inbox._parsed) == ["p2", "p3", "p4"], "the least recent dropped"
+    kept = list(engine._published._read)
+    assert kept == ["p2-progress", "p3-progress", "p4-progress"], "the least recent dropped"
+    assert engine.get_event("p0-progress", "done") == 1, "read again from the store"
