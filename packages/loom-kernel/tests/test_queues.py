@@ -617,3 +617,21 @@ def test_an_admission_is_stale_once_its_taker_no_longer_drives_the_run() -> None
     with pytest.raises(_Crash):
         engine(dead).start("stale.crash", key="x")
     assert me._queued_stale("x", dead) is True, "its taker's process is gone, lease or not"
+
+
+def test_a_queued_runs_wake_that_fails_to_land_is_raised_and_puts_nothing_on_the_queue() -> None:
+    from loom_kernel.spi import Fault
+
+    store = MemoryStore()
+    engine = _engine(store, Queue("q"))
+    parked = engine.enqueue("parks", "p", queue="q")
+    with Worker(engine):
+        _wait(lambda: parked.get().status is Status.SUSPENDED)
+    store.inject_fault(Fault.UNAVAILABLE)  # the wake's append fails, nothing landed
+    with pytest.raises(StoreUnavailableError):
+        engine.resume(parked.id, "yes", on="go")
+    assert parked.get().status is Status.SUSPENDED, "not woken"
+    assert engine.queue("q").waiting == [], "nothing to drive was queued"
+    assert engine.resume(parked.id, "yes", on="go").status is Status.RUNNING, "tried again"
+    with Worker(engine):
+        assert parked.result(timeout=10) == "p:after:yes"
