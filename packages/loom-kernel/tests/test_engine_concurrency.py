@@ -154,6 +154,34 @@ def test_a_step_may_cancel_its_own_run() -> None:
     assert later == []
 
 
+def test_a_key_held_by_one_thread_keeps_another_out_until_it_is_let_go() -> None:
+    locks = KeyedLocks()
+    release = threading.Event()
+    held = threading.Event()
+    entered = threading.Event()
+
+    def first() -> None:
+        with locks.hold("k"):
+            held.set()
+            release.wait(WAIT)
+
+    def second() -> None:
+        with locks.hold("k"):
+            entered.set()
+
+    holder, _ = _in_thread(first)
+    assert held.wait(WAIT)
+    waiter, _ = _in_thread(second)
+    assert not entered.wait(0.2), "the second thread got in while the key was held"
+    with locks.hold("other"):
+        pass  # another key is free meanwhile
+    release.set()
+    assert entered.wait(WAIT), "the second thread got in once the key was let go"
+    holder.join(WAIT)
+    waiter.join(WAIT)
+    assert len(locks) == 0
+
+
 def test_keyed_locks_serialise_one_key_and_leave_nothing_behind() -> None:
     locks = KeyedLocks()
     inside: list[str] = []
