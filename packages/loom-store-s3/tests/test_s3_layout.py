@@ -104,11 +104,28 @@ def test_markers_keep_start_and_count() -> None:
         b'{"v":1,"commit":"c","start":"1","count":0,"state":"stub"}',
         b'{"v":1,"commit":"c","start":0,"count":true,"state":"stub"}',
         b'{"v":1,"commit":"c","start":0,"count":-2,"state":"tomb"}',
+        b'{"v":1,"commit":"c","start":0,"count":1,"state":"live","kinds":[7],'
+        b'"ts":[1.0],"sizes":[3]}\nabc',
+        b'{"v":1,"commit":"c","start":0,"count":1,"state":"live","kinds":["k"],'
+        b'"ts":["1.0"],"sizes":[3]}\nabc',
+        b'{"v":1,"commit":"c","start":0,"count":1,"state":"live","kinds":["k"],'
+        b'"ts":[true],"sizes":[3]}\nabc',
     ],
 )
 def test_a_damaged_batch_is_store_unavailable_naming_the_key(body: bytes) -> None:
     with pytest.raises(StoreUnavailableError, match="damaged batch object 'the/key'"):
         decode_batch("the/key", body)
+
+
+def test_a_record_with_a_bad_kind_or_timestamp_is_named_by_its_position() -> None:
+    body = (
+        b'{"v":1,"commit":"c","start":4,"count":2,"state":"live","kinds":["k","k"],'
+        b'"ts":[1.0,null],"sizes":[1,2]}\nabc'
+    )
+    with pytest.raises(StoreUnavailableError, match="record 6 has a bad kind or timestamp"):
+        decode_batch("the/key", body)
+    good = body.replace(b"null", b"2")
+    assert [record.position for record in decode_batch("the/key", good).records] == [5, 6]
 
 
 def test_a_batch_from_a_newer_format_asks_for_an_upgrade() -> None:
