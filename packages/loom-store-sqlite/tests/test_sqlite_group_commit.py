@@ -350,3 +350,43 @@ def test_an_interrupt_between_a_groups_two_tries_leaves_no_conflict_judged_on_th
     assert store.head("k") == 0
     assert not isinstance(second.error, ConflictError), "nothing landed to conflict with"
     store.close()
+
+
+class _SavepointsFail:
+    """A connection on which the insert of stream `b`'s second record fails, and so does
+    the rollback to its savepoint (the transaction staying open)."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self._connection = connection
+
+    def execute(self, sql: str, parameters: Any = ()) -> Any:
+        if sql == "ROLLBACK TO loom_append":
+            raise sqlite3.OperationalError("cannot rollback savepoint - statements in progress")
+        return self._connection.execute(sql, parameters)
+
+    def executemany(self, sql: str, rows: Any) -> Any:
+        rows = list(rows)
+        if any(row[0] == "b" for row in rows):
+            raise sqlite3.OperationalError("database or disk is full")
+        return self._connection.executemany(sql, rows)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+
+def test_a_failed_rollback_to_an_appends_savepoint_fails_the_group_and_tears_no_append(
+    tmp_path: Path,
+) -> None:
+    store = SqliteStore(str(tmp_path / "torn.db"))
+    store.append("a", 0, _record("a0"))
+    store.append("b", 0, _record("b0"))
+    store._local.connection = _SavepointsFail(store._connection)
+    lone = PendingAppend("a", 1, [("a", 2, "k", b"a1", 1.0, "txn-a")])
+    pair = PendingAppend(
+        "b", 1, [("b", 2, "k", b"b1", 1.0, "txn-b"), ("b", 3, "k", b"b2", 1.0, None)]
+    )
+    store._commit_group([lone, pair])
+    assert isinstance(pair.error, StoreUnavailableError)
+    assert [record.payload for record in store.read("b")] == [b"b0"], "no half of it landed"
+    assert [record.payload for record in store.read("a")] == [b"a0"]
+    assert lone.error is not None, "rolled back with the group: its caller confirms, not told"
