@@ -21,6 +21,7 @@ from loom_kernel import (
     RunHandle,
     SchemaError,
     Status,
+    StoreUnavailableError,
     Worker,
     flow,
 )
@@ -641,6 +642,44 @@ def test_a_visit_that_raises_a_bug_is_logged_and_counted(caplog: Any) -> None:
         worker._work(_Task("buggy", broken_visit))
     assert worker.stats.failures == 1
     assert any("working on buggy failed" in record.getMessage() for record in caplog.records)
+
+
+def test_a_visit_that_meets_a_store_fault_is_logged_counted_and_its_slot_freed(
+    caplog: Any,
+) -> None:
+    import logging
+
+    from loom_kernel._worker import _Task
+
+    worker = Worker(_engine(MemoryStore()))
+
+    def faulty_visit() -> None:
+        raise StoreUnavailableError("the store is away")
+
+    worker._in_flight.add("faulty")
+    worker.stats.in_flight = 1
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        worker._work(_Task("faulty", faulty_visit))
+    assert worker.stats.failures == 1
+    assert (worker.stats.in_flight, worker._in_flight) == (0, set()), "its slot is free"
+    assert any(
+        "faulty: StoreUnavailableError: the store is away" in record.getMessage()
+        for record in caplog.records
+    )
+
+
+def test_stop_returns_once_the_runs_in_flight_have_parked_or_ended() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    worker = Worker(engine, concurrency=1, idle_poll=0.02, grace=30.0).start()
+    handle = engine.enqueue("slow", "s", key="s")
+    deadline = time.monotonic() + 10
+    while worker.stats.in_flight == 0 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    threading.Timer(0.2, gate.set).start()
+    worker.stop()
+    assert handle.get().status is Status.COMPLETED, "stop waited for the run in flight"
+    assert effects["s:after"] == 1
 
 
 def test_a_second_signal_stops_the_process_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
