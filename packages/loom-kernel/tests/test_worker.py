@@ -253,7 +253,9 @@ def test_a_visit_that_has_not_started_driving_is_released_too() -> None:
     assert engine.get("late").status is Status.RUNNING
 
 
-def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it() -> None:
+def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from loom_kernel._run_index import partition_of
     from loom_kernel.spi import NewRecord
 
@@ -263,7 +265,7 @@ def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it() ->
     stream = "runs/open/" + partition_of("x")
     store.append(stream, store.head(stream), [NewRecord("loom.run.open", b"{not json", 0.0)])
     handles = [engine.enqueue("three", f"e{n}") for n in range(6)]
-    with Worker(_engine(store), idle_poll=0.02) as worker:
+    with caplog.at_level("INFO", logger="loom"), Worker(_engine(store), idle_poll=0.02) as worker:
         for handle in handles:
             handle.wait(timeout=10)
         deadline = time.monotonic() + 10
@@ -275,6 +277,7 @@ def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it() ->
                 assert time.monotonic() < deadline, "the worker never repaired the index"
                 time.sleep(0.02)
     assert worker.stats.failures <= 2, "repaired at once, not met at every poll"
+    assert "loom: indexing runs from the journals (recover)" in caplog.messages, "said"
 
 
 def test_a_worker_on_a_store_from_before_the_index_indexes_it_and_takes_its_runs() -> None:
@@ -806,3 +809,32 @@ def test_run_on_the_main_thread_stops_gracefully_on_sigterm() -> None:
     worker.run()  # the first SIGTERM stops it; the process lives on
     assert worker._stopped.is_set()
     assert signal.getsignal(signal.SIGTERM) is previous, "its handler is taken back"
+
+
+def test_a_signal_stops_an_idle_worker_at_once_not_at_its_next_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal
+
+    from loom_kernel import _worker
+
+    monkeypatch.setattr(_worker, "_FASTEST_POLL", 60.0)  # every poll waits out a long pause
+    worker = Worker(_engine(MemoryStore()), idle_poll=60.0).start()
+    time.sleep(0.1)
+    began = time.monotonic()
+    worker._on_signal(signal.SIGTERM, None)
+    assert worker._thread is not None
+    worker._thread.join(10)
+    assert not worker._thread.is_alive()
+    assert time.monotonic() - began < 5, "woken by the signal, not by its next poll"
+
+
+def test_each_run_a_worker_drives_is_counted_once_as_visited_and_driven() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    with Worker(engine, concurrency=2, idle_poll=60.0) as worker:
+        handles = [engine.enqueue("three", f"h{n}", key=f"h{n}") for n in range(3)]
+        for handle in handles:
+            handle.result(timeout=10)
+        assert _driven(worker, 3) == 3
+        assert worker.stats.visited == 3, "a run handed to a free slot is one visit"
