@@ -289,16 +289,20 @@ def test_a_stopping_worker_gives_its_runs_back_to_the_queue() -> None:
         assert handle.result(timeout=10) == "two"
 
 
-def test_a_damaged_queue_record_is_mended_by_a_worker() -> None:
+def test_a_damaged_queue_record_is_mended_by_a_worker(caplog: pytest.LogCaptureFixture) -> None:
     store = MemoryStore()
     engine = _engine(store, Queue("q"))
     first = engine.enqueue("busy", {"tag": "a", "s": 0.0}, queue="q")
     head = store.head("queues/q/0")
     store.append("queues/q/0", head, [NewRecord("loom.queue.add", b"{not json", 0.0)])
     second = engine.enqueue("busy", {"tag": "b", "s": 0.0}, queue="q")
-    with Worker(engine):
+    with caplog.at_level("WARNING", logger="loom"), Worker(engine) as worker:
         assert first.result(timeout=10) == "a"
         assert second.result(timeout=10) == "b"
+    assert worker.stats.failures >= 1
+    assert any(
+        message.startswith("loom: queue q/0: damaged queue record") for message in caplog.messages
+    ), "the damage is said, with the partition"
     with pytest.raises(TrimmedError) as trimmed:
         store.read("queues/q/0")
     kinds = [record.kind for record in store.read("queues/q/0", trimmed.value.floor)]
@@ -635,3 +639,13 @@ def test_a_queued_runs_wake_that_fails_to_land_is_raised_and_puts_nothing_on_the
     assert engine.resume(parked.id, "yes", on="go").status is Status.RUNNING, "tried again"
     with Worker(engine):
         assert parked.result(timeout=10) == "p:after:yes"
+
+
+def test_a_queued_run_a_worker_drives_counts_once_as_visited_and_driven() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", concurrency=2))
+    with Worker(engine, idle_poll=60.0) as worker:
+        handles = [engine.enqueue("busy", {"tag": f"t{n}", "s": 0.0}, queue="q") for n in range(3)]
+        assert [handle.result(timeout=10) for handle in handles] == ["t0", "t1", "t2"]
+        _wait(lambda: worker.stats.driven == 3)
+        assert worker.stats.visited == 3, "one visit each"
