@@ -560,3 +560,23 @@ def test_a_damaged_ended_record_is_a_schema_error_naming_where(payload: bytes) -
     with pytest.raises(SchemaError) as caught:
         list(engine.runs.ended(Status.COMPLETED))
     assert (caught.value.stream, caught.value.position) == (stream, 1)
+
+
+def test_a_checkpoint_replaces_what_the_partition_held_before_it() -> None:
+    from loom_kernel._run_index import _fold_readable
+
+    store, clock = MemoryStore(), FakeClock()
+    index = RunIndex(store, clock)
+    gone, kept, ended = [f"r{n}" for n in range(400) if partition_of(f"r{n}") == "0"][:3]
+    index.opened(gone, "work", None)
+    index.opened(kept, "work", None)
+    index.opened(ended, "work", None)
+    index.closed(ended, Status.COMPLETED, "work")
+    stream = "runs/open/0"
+    hint = {"id": kept, "flow": "work", "by": None, "at": 0.0}
+    checkpoint = NewRecord("loom.run.checkpoint", json.dumps({"open": [hint]}).encode(), 0.0)
+    store.append(stream, store.head(stream), [checkpoint])
+    opened, closed, damaged = _fold_readable(stream, store.read(stream))
+    assert not damaged
+    assert list(opened) == [kept], "what was open before it and is not in it is not open"
+    assert closed == {}, "what was closed before it was moved out by it"
