@@ -189,6 +189,20 @@ def test_a_bucket_sealed_by_a_poll_that_failed_to_delete_it_is_deleted_next_time
     assert bucket not in TimerIndex(store, clock).buckets()
 
 
+def test_a_bucket_whose_settling_fails_holds_the_floor_and_its_hint_fires_later() -> None:
+    store, clock = FailingOnce(), FakeClock(BASE)
+    _engine(store, clock).fire_due_timers()
+    TimerIndex(store, clock).add("ghost", 0, clock.now + 90)
+    clock.advance(600)
+    store.fail = {"trim"}  # the bucket's settling (a trim below its open hint) fails
+    woken, failures = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: None)
+    assert woken == []
+    assert [str(failure) for failure in failures] == ["trim failed (injected)"]
+    assert _floor(store)["floor"] == int((BASE + 90) // 60), "not past the unsettled minute"
+    woken, _ = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True)
+    assert woken == ["ghost"]
+
+
 def test_a_failed_trim_is_reported_and_the_next_poll_finishes_it() -> None:
     store, clock = FailingOnce(), FakeClock(BASE)
     engine = _engine(store, clock)
