@@ -199,3 +199,23 @@ def test_a_timeout_after_landing_with_the_check_failing_too_is_unavailable_and_l
     assert _journal(store) == [b"base0", b"base1", b"maybe0"]
     with pytest.raises(ConflictError):
         store.append("s", 2, _records("again"))
+
+
+def test_a_lasting_outage_backs_off_longer_between_attempts(
+    faulty: tuple[S3Store, _Injector, S3Server], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import types
+
+    from loom_store_s3 import _transport
+
+    store, injector, _ = faulty
+    pauses: list[float] = []
+    monkeypatch.setattr(_transport, "time", types.SimpleNamespace(sleep=pauses.append))
+    injector.before, injector.times = (lambda: _error(503, "SlowDown")), 100
+    with pytest.raises(StoreUnavailableError):
+        store.append("s", 2, _records("lost"))
+    attempts = store._transport.attempts
+    assert len(pauses) == attempts - 1, "a pause between each two attempts"
+    for attempt, pause in enumerate(pauses):
+        cap = min(1.0, 0.02 * 2**attempt)
+        assert cap * 0.5 <= pause <= cap * 1.5, f"attempt {attempt} paused {pause}"
