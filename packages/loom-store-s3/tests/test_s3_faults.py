@@ -201,21 +201,29 @@ def test_a_timeout_after_landing_with_the_check_failing_too_is_unavailable_and_l
         store.append("s", 2, _records("again"))
 
 
+@pytest.mark.parametrize("call", ["append", "read"])
 def test_a_lasting_outage_backs_off_longer_between_attempts(
-    faulty: tuple[S3Store, _Injector, S3Server], monkeypatch: pytest.MonkeyPatch
+    faulty: tuple[S3Store, _Injector, S3Server], monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
     import types
 
     from loom_store_s3 import _transport
 
     store, injector, _ = faulty
+    cold = S3Store(store.bucket, store.prefix, store.options, client=store._transport.client)
     pauses: list[float] = []
     monkeypatch.setattr(_transport, "time", types.SimpleNamespace(sleep=pauses.append))
-    injector.before, injector.times = (lambda: _error(503, "SlowDown")), 100
-    with pytest.raises(StoreUnavailableError):
-        store.append("s", 2, _records("lost"))
+    if call == "append":
+        injector.before, injector.times = (lambda: _error(503, "SlowDown")), 100
+        with pytest.raises(StoreUnavailableError):
+            store.append("s", 2, _records("lost"))
+    else:  # a GET or a LIST, each retried on its own
+        events = store._transport.client.meta.events
+        events.register_first("before-send.s3", lambda **_: _error(503, "SlowDown"))
+        with pytest.raises(StoreUnavailableError):
+            cold.read("s")
     attempts = store._transport.attempts
-    assert len(pauses) == attempts - 1, "a pause between each two attempts"
-    for attempt, pause in enumerate(pauses):
+    assert len(pauses) >= attempts - 1, "a pause between each two attempts"
+    for attempt, pause in enumerate(pauses[: attempts - 1]):
         cap = min(1.0, 0.02 * 2**attempt)
         assert cap * 0.5 <= pause <= cap * 1.5, f"attempt {attempt} paused {pause}"
