@@ -833,6 +833,9 @@ def test_each_run_a_worker_drives_is_counted_once_as_visited_and_driven() -> Non
     store = MemoryStore()
     engine = _engine(store)
     with Worker(engine, concurrency=2, idle_poll=60.0) as worker:
+        deadline = time.monotonic() + 10
+        while len(worker._heads) < 16 and time.monotonic() < deadline:
+            time.sleep(0.005)  # its first sweep is over: the next is far
         handles = [engine.enqueue("three", f"h{n}", key=f"h{n}") for n in range(3)]
         for handle in handles:
             handle.result(timeout=10)
