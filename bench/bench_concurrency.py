@@ -170,8 +170,12 @@ _SHIM = Path(__file__).with_name("slow_sync.c")
 
 def _on_slow_disk(delay_ms: float) -> None:
     """Run this benchmark again with every sync delayed by `delay_ms` (see the module)."""
-    if os.environ.get("SLOW_SYNC_US"):
-        return  # this is the run on the simulated disk
+    if os.environ.get("SLOW_SYNC_US"):  # this is the run on the simulated disk: is it?
+        if "slow_sync.so" not in Path("/proc/self/maps").read_text():
+            raise SystemExit("the slow-sync library did not load: no disk is simulated")
+        return
+    if not sys.platform.startswith("linux"):
+        raise SystemExit("--sync-delay-ms works on Linux only (LD_PRELOAD and /proc)")
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise SystemExit("--sync-delay-ms needs a C compiler (cc) to build bench/slow_sync.c")
