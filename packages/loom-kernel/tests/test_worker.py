@@ -841,3 +841,16 @@ def test_each_run_a_worker_drives_is_counted_once_as_visited_and_driven() -> Non
             handle.result(timeout=10)
         assert _driven(worker, 3) == 3
         assert worker.stats.visited == 3, "a run handed to a free slot is one visit"
+
+
+def test_a_task_a_freed_slot_takes_from_the_backlog_is_in_flight_while_it_runs() -> None:
+    from loom_kernel._worker import _Task
+
+    worker = Worker(_engine(MemoryStore()), concurrency=1)
+    seen: list[set[str]] = []
+    worker._in_flight.add("first")
+    worker._backlog.append(_Task("queued", lambda: seen.append(set(worker._in_flight))))
+    worker._queued.add("queued")
+    worker._work(_Task("first", lambda: None))
+    assert seen == [{"queued"}], "in flight while it runs: no second drive of it starts"
+    assert (worker._in_flight, worker._queued, worker.stats.in_flight) == (set(), set(), 0)
