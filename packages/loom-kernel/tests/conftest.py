@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import pytest
 from loom_kernel import Engine, Flow, MemoryStore, RetryPolicy
+from loom_kernel._driving import FLOW_LOOP
+from loom_kernel._servant import LoopThread
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock, sandbox
 
@@ -30,3 +32,19 @@ def make_engine(store: JournalStore, clock: FakeClock) -> Callable[..., Engine]:
         return sandbox(*flows, store=store, clock=clock, **options).engine
 
     return make
+
+
+@pytest.fixture(params=["a loop per drive", "one loop of another thread"])
+def flow_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Async flows run on a loop of their drive's own, or (as under a worker or the
+    async API) on one loop of another thread, the drive's thread serving their calls."""
+    if request.param == "a loop per drive":
+        yield
+        return
+    flows = LoopThread("test-flows")
+    token = FLOW_LOOP.set(flows.loop)
+    try:
+        yield
+    finally:
+        FLOW_LOOP.reset(token)
+        flows.close()

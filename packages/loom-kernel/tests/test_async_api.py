@@ -16,7 +16,7 @@ from loom_kernel import (
     MemoryStore,
     ResultTimeoutError,
     Status,
-    _driving,
+    _servant,
     flow,
 )
 
@@ -82,7 +82,7 @@ def test_an_async_flow_runs_on_the_callers_loop_and_its_api_is_awaitable() -> No
 def test_an_async_flow_on_the_callers_loop_may_await_longer_than_a_loop_check(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_driving, "_LOOP_CHECK", 0.01)  # the drive looks at the loop often
+    monkeypatch.setattr(_servant, "LOOP_CHECK", 0.01)  # the drive looks at the loop often
 
     @flow(name="api.slow")
     async def slow(ctx: AsyncContext, _input: Any) -> Any:

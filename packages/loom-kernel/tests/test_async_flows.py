@@ -12,6 +12,9 @@ from hypothesis import strategies as st
 from loom_kernel import AsyncContext, Engine, MemoryStore, RetryPolicy, Status, flow
 from loom_kernel.testing import FakeClock
 
+#: Each test runs with a loop per drive and on one loop of another thread.
+pytestmark = pytest.mark.usefixtures("flow_loop")
+
 
 class Crash(BaseException):
     """Stands in for the process dying mid-flow: nothing in the engine catches it."""

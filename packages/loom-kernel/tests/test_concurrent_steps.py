@@ -27,6 +27,9 @@ from loom_kernel import (
 )
 from loom_kernel.testing import sandbox
 
+#: Each test runs with a loop per drive and on one loop of another thread.
+pytestmark = pytest.mark.usefixtures("flow_loop")
+
 calls: list[str] = []
 
 

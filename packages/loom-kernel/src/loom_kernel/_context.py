@@ -48,6 +48,7 @@ from loom_kernel._inbox import Inbox, Message
 from loom_kernel._journal import JournalStore, NewRecord
 from loom_kernel._numbers import finite_number
 from loom_kernel._published import Published
+from loom_kernel._servant import unwrap
 from loom_kernel._state import ExecutionState, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerIndex, timer_resume_key
 from loom_kernel._waits import (
@@ -62,6 +63,7 @@ from loom_kernel._waits import (
 
 if TYPE_CHECKING:
     from loom_kernel._engine import Engine
+    from loom_kernel._servant import Servant
 
 __all__ = ["MAX_SLEEP", "AsyncContext", "Context", "DriveControl", "Runtime", "Unwind"]
 
@@ -328,8 +330,13 @@ class _Replay:
         index, frame = self._claim_step(name)
         if frame is not None:
             return index, self._replayed(frame, returns)
-        self._check_owner()
+        self._before_new_step()
         return index, _MISSING
+
+    def _before_new_step(self) -> None:
+        """A new step was claimed: a sync context checks the owner at once (an async
+        one does when the step's coroutine starts, off the loop)."""
+        self._check_owner()
 
     def _retry_delay(
         self, policy: RetryPolicy, index: int, name: str, exc: Exception, attempt: int
@@ -823,6 +830,62 @@ class AsyncContext(_Replay):
         self._own_step = False  # the flow's own task is running a new step's function
         self._finished_elsewhere = False  # a new step finished in another task
         self._replaying: dict[int, asyncio.Future[None] | None] = {}  # see _in_call_order
+        # On a loop of another thread's (see Servant), that thread makes the blocking
+        # calls; `_lock` keeps them and the loop's own journaling ctx calls (ctx.now)
+        # one at a time, and `_halt_lock` (never held over a call to the store) keeps
+        # a stop from one thread from overwriting the other's.
+        self._servant: Servant | None = None
+        self._lock = threading.RLock()
+        self._halt_lock = threading.Lock()
+
+    def served_by(self, servant: Servant) -> None:
+        """Have `servant` (the drive's thread) make this run's blocking calls."""
+        self._servant = servant
+
+    def _halt(self, error: LoomError | None = None) -> Unwind:
+        with self._halt_lock:
+            return super()._halt(error)
+
+    def _replay_again(self) -> Unwind:
+        with self._halt_lock:
+            return super()._replay_again()
+
+    def _recorded(self, name: str, produce: Callable[[], Any]) -> Any:
+        with self._lock:  # on the loop, even beside a servant: ctx.now() is no awaitable
+            return super()._recorded(name, produce)
+
+    def _before_new_step(self) -> None:
+        """The owner is checked when the new step's coroutine starts (`_new_step`)."""
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)`, a call that reads or writes the journal: on the servant's thread
+        when there is one (the loop goes on meanwhile), else here.
+
+        A cancel that reaches the flow while the servant makes the call stops the
+        drive: the call still finishes, but the code saw it fail, so a replay (which
+        sees it done) could not match what the code did next.
+        """
+        servant = self._servant
+        if servant is None:
+            return fn(*args)
+        try:
+            outcome = await servant.call(self._locked, fn, *args)
+        except asyncio.CancelledError:
+            self._halt(
+                InvalidArgumentError(
+                    "a ctx call was cancelled (asyncio.timeout, a cancelled task) while it "
+                    "was being journaled: the code saw it fail although it may have been "
+                    "recorded, so a replay could not match it; put timeouts inside the "
+                    "step function"
+                )
+            )
+            raise
+        result: T = unwrap(outcome)
+        return result
+
+    def _locked(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            return fn(*args)
 
     async def run(self, flow: Coroutine[Any, Any, Any]) -> Any:
         """Run the flow's coroutine as the task its ctx calls must come from; however
@@ -995,6 +1058,7 @@ class AsyncContext(_Replay):
         self._in_flight.add(index)
         self._own_step = self._own_step or own
         try:
+            await self._blocking(self._check_owner)
             value = await self._attempts(index, name, call, policy, returns)
         finally:
             self._in_flight.discard(index)
@@ -1016,11 +1080,16 @@ class AsyncContext(_Replay):
         policy: RetryPolicy,
         returns: type[T] | None,
     ) -> Any:
+        servant = None if inspect.iscoroutinefunction(call) else self._servant
         for attempt in itertools.count(1):
             running = _RUNNING_STEP.set((self, name))
             try:
                 try:
-                    value = call()
+                    if servant is None:
+                        value = call()
+                    else:  # a sync function: on the drive's thread, never holding the loop
+                        copied = contextvars.copy_context()
+                        value = unwrap(await servant.call(call, context=copied))
                     if inspect.isawaitable(value):
                         value = await value
                 finally:
@@ -1029,13 +1098,13 @@ class AsyncContext(_Replay):
                 raise
             except Exception as exc:
                 await self._runtime.async_sleep(
-                    self._retry_delay(policy, index, name, exc, attempt)
+                    await self._blocking(self._retry_delay, policy, index, name, exc, attempt)
                 )
                 continue
             except BaseException as exc:
                 self._cut_short(name, exc)
                 raise
-            return self._journal_success(index, name, value, attempt, returns)
+            return await self._blocking(self._journal_success, index, name, value, attempt, returns)
         raise AssertionError("unreachable")  # pragma: no cover
 
     def suspend(
@@ -1077,7 +1146,7 @@ class AsyncContext(_Replay):
         """Make a gate's call in the flow's own task (as a suspend is)."""
         self._unstarted.pop(token, None)
         self._gate_in_own_task(call)
-        return gate(*args)
+        return await self._blocking(gate, *args)
 
     def sleep(self, duration: float | timedelta) -> Coroutine[Any, Any, None]:
         """As `Context.sleep`, awaitable; awaited by the flow's own task."""
@@ -1086,4 +1155,4 @@ class AsyncContext(_Replay):
     async def _sleep(self, token: object, duration: float | timedelta) -> None:
         self._unstarted.pop(token, None)
         self._gate_in_own_task("ctx.sleep")
-        self._gate(TIMER_GATE, self._sleep_seconds(duration))
+        await self._blocking(self._gate, TIMER_GATE, self._sleep_seconds(duration))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
@@ -14,16 +13,16 @@ from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, U
 from loom_kernel._errors import LoomError, NonDeterminismError
 from loom_kernel._events import ExecutionCompleted, ExecutionFailed, error_info
 from loom_kernel._flows import Flow
+from loom_kernel._servant import LoopStoppedError, Servant
 from loom_kernel._state import ExecutionState
 
 T = TypeVar("T")
-#: Seconds between looks at whether the async API caller's loop still runs.
-_LOOP_CHECK = 0.5
 
 __all__ = ["FLOW_LOOP", "awaitable_sleep", "on_loop", "replay_check", "run_flow"]
 
-#: Set by the engine's async API around a drive it runs on a thread: the caller's event
-#: loop, where an async flow's code runs (its ctx calls journal from there).
+#: Set around a drive made on a thread for an event loop: the async API caller's loop,
+#: or a worker's, where an async flow's code runs (its blocking calls are made by the
+#: drive's thread, see `Servant`).
 FLOW_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
     "loom_flow_loop", default=None
 )
@@ -109,7 +108,7 @@ def _execute_once(
     )
     try:
         if isinstance(context, AsyncContext):
-            result = _run_coroutine(context.run(definition.fn(context, state.input)))
+            result = _run_coroutine(context, definition.fn(context, state.input))
         else:
             result = definition.fn(context, state.input)
     except Unwind as unwind:
@@ -154,9 +153,10 @@ def on_loop(loop: asyncio.AbstractEventLoop, call: Callable[..., T]) -> Callable
     return bound
 
 
-def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
-    """Run an async flow to its end: on the loop of the async API's caller (this thread
-    waits), in this thread, or, under a running loop, in a helper thread.
+def _run_coroutine(context: AsyncContext, flow: Coroutine[Any, Any, Any]) -> Any:
+    """Run an async flow to its end: on the loop of the async API's caller or of a
+    worker (this thread making its blocking calls), in this thread, or, under a
+    running loop, in a helper thread.
 
     The coroutine runs in a copy of this context, so it holds what its caller holds
     (the run's lock, the listener queue) instead of waiting for it.
@@ -164,26 +164,28 @@ def _run_coroutine(coroutine: Coroutine[Any, Any, Any]) -> Any:
     try:
         asyncio.get_running_loop()
     except RuntimeError:
+        under_a_loop = False
+    else:
+        under_a_loop = True
+    if not under_a_loop:  # outside the except: a drive's errors are not "during" it
         caller = FLOW_LOOP.get()
         if caller is not None and not caller.is_closed():
-            return _on_callers_loop(coroutine, caller)
-        return asyncio.run(coroutine)
-    context = contextvars.copy_context()
-    context.run(FLOW_LOOP.set, None)  # the helper's nested drives must not wait on a loop
+            return _on_callers_loop(context, flow, caller)
+        return asyncio.run(context.run(flow))
+    copied = contextvars.copy_context()
+    copied.run(FLOW_LOOP.set, None)  # the helper's nested drives must not wait on a loop
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-flow") as pool:
-        return pool.submit(context.run, asyncio.run, coroutine).result()
+        return pool.submit(copied.run, asyncio.run, context.run(flow)).result()
 
 
-def _on_callers_loop(coroutine: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop) -> Any:
-    """Run the flow's coroutine on the async API caller's loop, this thread waiting; a
-    loop that stops or closes meanwhile stops the drive (the journal as it was)."""
-    future = asyncio.run_coroutine_threadsafe(coroutine, loop)
-    while True:
-        try:
-            return future.result(timeout=_LOOP_CHECK)
-        except concurrent.futures.TimeoutError:
-            if loop.is_closed() or not loop.is_running():
-                future.cancel()
-                raise Unwind(
-                    LoomError("the event loop running the flow stopped during its drive")
-                ) from None
+def _on_callers_loop(
+    context: AsyncContext, flow: Coroutine[Any, Any, Any], loop: asyncio.AbstractEventLoop
+) -> Any:
+    """Run the flow's coroutine on `loop` while this thread makes its blocking calls;
+    a loop that stops or closes meanwhile stops the drive (the journal as it was)."""
+    servant = Servant(loop)
+    context.served_by(servant)
+    try:
+        return servant.serve(asyncio.run_coroutine_threadsafe(context.run(flow), loop))
+    except LoopStoppedError as exc:
+        raise Unwind(LoomError(str(exc))) from None

@@ -6,7 +6,9 @@ A worker polls two indexes kept on the journal: the timer buckets, and the run i
 visited again on a sweep, every half lease, so a run whose owner stopped is taken over
 within about one and a half leases. A visit is `Engine.recover_open`: the run is
 claimed at the journal's exact head (one worker wins) and driven until it parks or
-ends. Runs are driven on a pool of `concurrency` threads.
+ends. Runs are driven on a pool of `concurrency` threads; the code of async flows runs
+as tasks of the worker's one event loop, each drive's thread making its flow's
+journal writes and sync step functions (so the loop never waits on a disk).
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
+from loom_kernel._driving import FLOW_LOOP
 from loom_kernel._engine import NOT_STARTED, QueuedDrive
 from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
 from loom_kernel._run_index import OpenHint, partition_of
+from loom_kernel._servant import LoopThread
 from loom_kernel._timers import TimerEntry
 
 if TYPE_CHECKING:
@@ -160,6 +164,7 @@ class Worker:
         self._handed: set[str] = set()  # of those, runs enqueue handed over (or will)
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None  # while it runs
+        self._flows: LoopThread | None = None  # where async flows run, while it runs
         self._signals = 0
         self._turn = 0  # which partition of each queue a poll serves first
 
@@ -212,6 +217,7 @@ class Worker:
             self._ready.set()  # start() returns, and finds the worker stopped
             raise
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="loom-drive")
+        self._flows = LoopThread("loom-flows")
         with self._lock:
             self._pool = pool
         self.engine._local_workers.append(self)
@@ -228,6 +234,7 @@ class Worker:
             with self._lock:
                 self._pool = None
             pool.shutdown(wait=True)
+            self._flows.close()
             self._let_go_handed(everything=True)
             for number, handler in previous.items():
                 signal.signal(number, handler)
@@ -687,6 +694,7 @@ class Worker:
         """Run a task, then the queued ones, one after another, until none is left;
         every drive made here is released when the worker's grace is over."""
         token = RELEASE.set(self._released)
+        loop = FLOW_LOOP.set(None if self._flows is None else self._flows.loop)
         try:
             task: _Task | None = first
             while task is not None:
@@ -695,7 +703,7 @@ class Worker:
                 except LoomError as exc:
                     self.stats.failures += 1
                     logger.warning("loom: %s: %s: %s", task.execution_id, type(exc).__name__, exc)
-                except Exception:
+                except BaseException:  # SystemExit from a step: on this thread, not the process's
                     self.stats.failures += 1
                     logger.exception("loom: working on %s failed", task.execution_id)
                 with self._lock:
@@ -712,6 +720,7 @@ class Worker:
                         self._in_flight.add(task.execution_id)
                     self.stats.in_flight = len(self._in_flight)
         finally:
+            FLOW_LOOP.reset(loop)
             RELEASE.reset(token)
         self._wake.set()  # a slot is free
 

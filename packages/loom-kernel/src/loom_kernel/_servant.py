@@ -1,0 +1,148 @@
+"""The thread of a drive whose async flow runs on another thread's event loop.
+
+Such a drive (the async API's, or a worker's) waits while its flow's code runs on the
+loop. Instead of idling, its thread makes the flow's blocking calls: the journal
+writes and reads of each ctx call, and sync step functions. The loop never waits on a
+disk sync, so the writes of many runs sharing one loop reach the store side by side
+(and share the SQLite store's group commits) instead of one after another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import contextvars
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["LOOP_CHECK", "LoopStoppedError", "LoopThread", "Outcome", "Servant", "unwrap"]
+
+T = TypeVar("T")
+#: Seconds between looks at whether the loop running the flow still runs.
+LOOP_CHECK = 0.5
+
+#: How a call made on the drive's thread ended: (its value, None) or (None, the error).
+Outcome = tuple[Any, BaseException | None]
+_Call = tuple[
+    contextvars.Context | None, Callable[..., Any], tuple[Any, ...], "asyncio.Future[Outcome]"
+]
+
+
+class LoopStoppedError(Exception):
+    """Internal: the event loop running the flow stopped or closed during its drive."""
+
+
+def unwrap(outcome: Outcome) -> Any:
+    """The value of a call made on the drive's thread, or its error raised here (in
+    the caller's own frame, so a StopIteration stays what it was)."""
+    value, error = outcome
+    if error is not None:
+        raise error
+    return value
+
+
+class Servant:
+    """Calls the flow's code (on `loop`) hands to the drive's thread, and that thread's
+    service of them until the flow's coroutine is done."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
+        self._fatal: BaseException | None = None
+
+    async def call(
+        self, fn: Callable[..., Any], *args: Any, context: contextvars.Context | None = None
+    ) -> Outcome:
+        """On the loop: have the drive's thread run `fn(*args)` (in `context` when one
+        is given, else in the drive's own), and await how it ended.
+
+        A cancel of the awaiting task does not stop the call: it finishes on the drive's
+        thread (the drive waits for it), and its outcome is dropped.
+        """
+        future: asyncio.Future[Outcome] = self._loop.create_future()
+        self._calls.put((context, fn, args, future))
+        return await future
+
+    def serve(self, done: concurrent.futures.Future[Any]) -> Any:
+        """On the drive's thread: run the calls handed over until `done` (the flow's
+        coroutine, on the loop) is, and return its result or raise its error.
+
+        Raises:
+            LoopStoppedError: the loop stopped or closed first (the coroutine is cancelled).
+            KeyboardInterrupt, SystemExit: a call raised it (re-raised here, the drive's
+                thread, instead of on the loop, which it would stop for every run).
+        """
+        done.add_done_callback(lambda _: self._calls.put(None))
+        while True:
+            try:
+                call = self._calls.get(timeout=LOOP_CHECK)
+            except queue.Empty:
+                if self._loop.is_closed() or not self._loop.is_running():
+                    done.cancel()
+                    raise LoopStoppedError(
+                        "the event loop running the flow stopped during its drive"
+                    ) from None
+                continue
+            if call is None:
+                break
+            self._run(*call)
+        if self._fatal is not None:
+            raise self._fatal
+        return done.result()
+
+    def _run(
+        self,
+        context: contextvars.Context | None,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        future: asyncio.Future[Outcome],
+    ) -> None:
+        try:
+            value = fn(*args) if context is None else context.run(fn, *args)
+        except (KeyboardInterrupt, SystemExit) as exc:
+            self._fatal = exc  # raised by serve() once the flow's code has unwound
+            outcome: Outcome = (None, asyncio.CancelledError(f"{type(exc).__name__} in a step"))
+        except BaseException as exc:
+            outcome = (None, exc)
+        else:
+            outcome = (value, None)
+        with contextlib.suppress(RuntimeError):  # a closed loop: serve() sees it next
+            self._loop.call_soon_threadsafe(_settle, future, outcome)
+
+
+def _settle(future: asyncio.Future[Outcome], outcome: Outcome) -> None:
+    if not future.cancelled():
+        future.set_result(outcome)
+
+
+class LoopThread:
+    """An event loop running in a thread of its own: where a worker's async flows run,
+    as tasks side by side, while each drive's thread serves its flow's blocking calls."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        loop = self.loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_forever()
+        finally:  # as asyncio.run ends: what flows left running is cancelled first
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            loop.close()
+
+    def close(self) -> None:
+        """Stop the loop (once the drives using it are done) and close it."""
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()

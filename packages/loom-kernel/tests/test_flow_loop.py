@@ -1,0 +1,207 @@
+"""Async flows on one loop of another thread (a worker's, the async API caller's): the
+loop never waits on a journal write or a sync step, and each drive's thread makes
+them, so many runs' writes are in flight side by side."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from loom_kernel import (
+    AsyncContext,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    RetryPolicy,
+    Status,
+    StepFailedError,
+    Worker,
+    flow,
+)
+from loom_kernel.spi import NewRecord
+
+
+class HeldStepWrites(MemoryStore):
+    """A store whose appends of step results wait for `release` (or time out)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.writing = threading.Event()  # set once a held write began
+        self.waited: list[bool] = []
+        self.threads: set[int] = set()
+
+    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+        if any(record.kind == "STEP_COMPLETED" for record in records):
+            self.threads.add(threading.get_ident())
+            self.writing.set()
+            self.waited.append(self.release.wait(5))
+        return super().append(stream, expected, records)
+
+
+async def instant() -> str:
+    return "done"
+
+
+@flow(name="loop.one_step")
+async def one_step(ctx: AsyncContext, _input: Any) -> Any:
+    return await ctx.step("s", instant)
+
+
+def test_the_async_apis_journal_writes_never_hold_the_callers_loop() -> None:
+    store = HeldStepWrites()
+    engine = Engine(store, [one_step], listeners=[])
+
+    async def main() -> Any:
+        async def release_once_writing() -> None:
+            while not store.writing.is_set():  # runs only while the loop is free
+                await asyncio.sleep(0.001)
+            store.release.set()
+
+        releaser = asyncio.create_task(release_once_writing())
+        done = await engine.start_async("loop.one_step")
+        await releaser
+        return done.result, threading.get_ident()
+
+    result, loop_thread = asyncio.run(main())
+    assert result == "done"
+    assert store.waited == [True], "the loop ran while the step's result was written"
+    assert loop_thread not in store.threads
+
+
+def test_a_sync_step_of_an_async_flow_runs_off_the_callers_loop() -> None:
+    loop_ran = threading.Event()
+
+    @flow(name="loop.sync_step")
+    async def sync_step(ctx: AsyncContext, _input: Any) -> Any:
+        return await ctx.step("wait", lambda: loop_ran.wait(5))
+
+    engine = Engine(MemoryStore(), [sync_step], listeners=[])
+
+    async def main() -> Any:
+        async def meanwhile() -> None:
+            await asyncio.sleep(0.01)
+            loop_ran.set()
+
+        ticker = asyncio.create_task(meanwhile())
+        done = await engine.start_async("loop.sync_step")
+        await ticker
+        return done.result
+
+    assert asyncio.run(main()) is True
+
+
+class BarrierOnStepWrites(MemoryStore):
+    """A store whose step writes pass only `parties` at a time, all together."""
+
+    def __init__(self, parties: int) -> None:
+        super().__init__()
+        self.barrier = threading.Barrier(parties, timeout=10)
+
+    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+        if any(record.kind == "STEP_COMPLETED" for record in records):
+            self.barrier.wait()
+        return super().append(stream, expected, records)
+
+
+loops_seen: list[asyncio.AbstractEventLoop] = []
+
+
+@flow(name="loop.shared")
+async def shared(ctx: AsyncContext, _input: Any) -> Any:
+    loops_seen.append(asyncio.get_running_loop())
+    return await ctx.step("s", instant)
+
+
+def test_a_workers_async_runs_share_its_loop_and_write_side_by_side() -> None:
+    loops_seen.clear()
+    store = BarrierOnStepWrites(4)  # passes only with 4 step writes in flight at once
+    engine = Engine(store, [shared], listeners=[])
+    with Worker(engine, concurrency=4, idle_poll=0.02):
+        handles = [engine.enqueue("loop.shared", n, key=f"r{n}") for n in range(4)]
+        assert [handle.result(timeout=20) for handle in handles] == ["done"] * 4
+    assert len(loops_seen) == 4
+    assert len({id(loop) for loop in loops_seen}) == 1, "one loop for every run"
+    assert loops_seen[0].is_closed(), "the worker closed its loop as it stopped"
+
+
+def test_a_cancel_while_a_ctx_call_is_journaled_stops_the_drive_and_a_replay_goes_on() -> None:
+    store = HeldStepWrites()
+
+    @flow(name="loop.gives_up", version="1")
+    async def gives_up(ctx: AsyncContext, _input: Any) -> Any:
+        try:
+            async with asyncio.timeout(0.05):
+                return await ctx.step("s", instant)
+        except TimeoutError:
+            return "gave up"
+
+    engine = Engine(store, [gives_up], listeners=[])
+
+    async def main() -> None:
+        async def release_later() -> None:
+            await asyncio.sleep(0.2)  # after the timeout, while the write is held
+            store.release.set()
+
+        releaser = asyncio.create_task(release_later())
+        with pytest.raises(InvalidArgumentError, match=r"cancelled .* being journaled"):
+            await engine.start_async("loop.gives_up", None, key="g")
+        await releaser
+
+    asyncio.run(main())
+    assert store.waited == [True]
+    kinds = [record[1] for record in store.read("ex/g")]
+    assert kinds == ["EXECUTION_STARTED", "STEP_COMPLETED"], "the write landed; no ending"
+    assert Engine(store, [gives_up], listeners=[]).recover() == ["g"]
+    finished = engine.get("g")
+    assert (finished.status, finished.result) == (Status.COMPLETED, "done")
+
+
+def test_a_sync_step_raising_stop_iteration_on_the_drives_thread_fails_as_itself() -> None:
+    def stops() -> None:
+        raise StopIteration("none left")
+
+    @flow(name="loop.stops")
+    async def stopping(ctx: AsyncContext, _input: Any) -> Any:
+        try:
+            await ctx.step("s", stops, retry=RetryPolicy(attempts=1))
+        except StepFailedError as exc:
+            return exc.error_type
+        return "no failure"
+
+    engine = Engine(MemoryStore(), [stopping], listeners=[])
+
+    async def main() -> Any:
+        return (await engine.start_async("loop.stops")).result
+
+    assert asyncio.run(main()) == "StopIteration"
+
+
+def test_a_sync_step_that_exits_leaves_the_workers_loop_running_for_other_runs() -> None:
+    loops_seen.clear()
+
+    @flow(name="loop.exits")
+    async def exits(ctx: AsyncContext, _input: Any) -> Any:
+        loops_seen.append(asyncio.get_running_loop())
+        return await ctx.step("s", sys.exit, 3)
+
+    store = MemoryStore()
+    engine = Engine(store, [exits, shared], listeners=[])
+    with Worker(engine, concurrency=2, idle_poll=0.02) as worker:
+        engine.enqueue("loop.exits", None, key="x")
+        deadline = time.monotonic() + 10
+        while not loops_seen and time.monotonic() < deadline:
+            time.sleep(0.005)
+        time.sleep(0.05)  # the exit has unwound
+        assert engine.enqueue("loop.shared", None, key="y").result(timeout=10) == "done"
+        assert worker.stats.failures >= 1  # each visit of it exits again
+    assert worker.stats.in_flight == 0, "the exit freed its slot"
+    assert loops_seen[0] is loops_seen[1], "the second run ran on the same, living loop"
+    exited = engine.get("x")
+    assert exited.status is Status.RUNNING, "a step cut short journals nothing"
+    assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
