@@ -20,6 +20,11 @@ the machine's `cc` and loaded with LD_PRELOAD; Linux): a disk that acknowledges 
 from its cache, as a VM's often does, makes a sync too cheap to show what group
 commit saves, and this shows it. The table says when it is simulated.
 
+With `--async-levels`: N tasks on one event loop each `await engine.start_async` of
+an async workflow of 10 steps (each an `async def`), the loop's default executor sized
+to N: the flows' code runs on the caller's loop, and each drive's thread makes its
+journal writes, so N runs' appends still share group commits. Printed as above.
+
 Then the fan-out: a parent that awaits N children (`await_children`), each a step
 that takes CHILD_SECONDS, driven by a `Worker` of N + 1 slots on the parent's engine
 (children take its slots side by side) and inline with no worker (one after
@@ -29,6 +34,7 @@ another): wall time as a multiple of one child's.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import shutil
 import statistics
@@ -37,10 +43,11 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from loom_kernel import Context, Engine, Worker, flow, open_store
+from loom_kernel import AsyncContext, Context, Engine, Worker, flow, open_store
 from loom_orchestration import await_children
 
 STEPS = 10
@@ -53,6 +60,17 @@ PAYLOAD = b'{"v":"1.16.0","d":{"index":1,"name":"step","result":{"n":1,"ok":true
 def ten_steps(ctx: Context, _input: Any) -> int:
     for index in range(STEPS):
         ctx.step(f"step-{index}", lambda i=index: {"n": i, "ok": True})
+    return STEPS
+
+
+async def _step_result(index: int) -> dict[str, Any]:
+    return {"n": index, "ok": True}
+
+
+@flow(name="bench.ten_steps_async", version="1")
+async def ten_steps_async(ctx: AsyncContext, _input: Any) -> int:
+    for index in range(STEPS):
+        await ctx.step(f"step-{index}", _step_result, index)
     return STEPS
 
 
@@ -113,6 +131,26 @@ def _loom_round(engine: Engine, threads: int, seconds: float) -> tuple[float, li
     return done[0] * STEPS / elapsed, per_step
 
 
+def _async_round(engine: Engine, runs: int, seconds: float) -> tuple[float, list[float]]:
+    """As `_loom_round`, with `runs` tasks of one event loop calling `start_async`."""
+    per_step: list[float] = []
+
+    async def run(stop: float) -> None:
+        while time.perf_counter() < stop:
+            began = time.perf_counter()
+            await engine.start_async("bench.ten_steps_async")
+            per_step.append((time.perf_counter() - began) / STEPS)
+
+    async def main() -> float:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(runs))
+        began = time.perf_counter()
+        await asyncio.gather(*(run(began + seconds) for _ in range(runs)))
+        return time.perf_counter() - began
+
+    elapsed = asyncio.run(main())
+    return len(per_step) * STEPS / elapsed, per_step
+
+
 def _work() -> str:
     time.sleep(CHILD_SECONDS)
     return "done"
@@ -142,16 +180,18 @@ def _fan_out(directory: Path, count: int) -> str:
     return f"| {count} | {worker / CHILD_SECONDS:.2f}x | {inline / CHILD_SECONDS:.2f}x |"
 
 
-def _level(directory: Path, synchronous: str, threads: int, seconds: float) -> str:
-    store = open_store(
-        f"sqlite://{directory / f'loom-{synchronous}-{threads}.db'}?synchronous={synchronous}"
-    )
-    engine = Engine(store, [ten_steps], listeners=[])
-    raw = RawWriter(directory / f"raw-{synchronous}-{threads}.db", synchronous)
+def _level(
+    directory: Path, synchronous: str, threads: int, seconds: float, *, on_a_loop: bool = False
+) -> str:
+    name = f"{'async-' if on_a_loop else ''}{synchronous}-{threads}"
+    store = open_store(f"sqlite://{directory / f'loom-{name}.db'}?synchronous={synchronous}")
+    engine = Engine(store, [ten_steps, ten_steps_async], listeners=[])
+    raw = RawWriter(directory / f"raw-{name}.db", synchronous)
     ratios: list[float] = []
     latencies: list[float] = []
+    one_round = _async_round if on_a_loop else _loom_round
     for _ in range(ROUNDS):
-        steps, per_step = _loom_round(engine, threads, seconds)
+        steps, per_step = one_round(engine, threads, seconds)
         commits = raw.commits_per_second(seconds)
         ratios.append(steps / commits)
         latencies.extend(per_step)
@@ -196,6 +236,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64])
     parser.add_argument("--seconds", type=float, default=1.0, help="per side per round")
+    parser.add_argument("--async-levels", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--fan-out", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument(
         "--synchronous", nargs="+", choices=["full", "normal"], default=["full", "normal"]
@@ -220,6 +261,14 @@ def main() -> None:
         for synchronous in args.synchronous:
             for threads in args.levels:
                 print(_level(Path(scratch), synchronous, threads, args.seconds), flush=True)
+        if args.async_levels:
+            print("\n## Async flows, `start_async` from tasks of one event loop: the same ratio")
+            print("| synchronous | concurrent runs | ratio, median (range) | step p50 | step p99 |")
+            print("| --- | --- | --- | --- | --- |")
+            for synchronous in args.synchronous:
+                for runs in args.async_levels:
+                    row = _level(Path(scratch), synchronous, runs, args.seconds, on_a_loop=True)
+                    print(row, flush=True)
         print(f"\n## Fan-out: wall time ÷ one child's ({CHILD_SECONDS} s), synchronous=full")
         print("| children | a worker of N + 1 slots | inline, no worker |")
         print("| --- | --- | --- |")

@@ -20,6 +20,7 @@ from loom_kernel import (
     ConflictError,
     Context,
     InvalidArgumentError,
+    LoomError,
     MemoryStore,
     Status,
     StepFailedError,
@@ -241,3 +242,14 @@ def test_a_store_error_while_a_pass_settles_ends_the_drive_and_runs_nothing_agai
         run = box.engine.get("c")
     assert calls.count("slow") == 1, "the step whose append was refused did not run again"
     assert run.status is Status.CANCELLED
+
+
+def test_a_pass_that_would_run_again_having_journaled_nothing_stops_instead_of_looping() -> None:
+    @flow(name="spins", version="1")
+    async def spins(ctx: AsyncContext, _input: Any) -> Any:
+        raise ctx._replay_again()  # what a bug in the kernel's pass bookkeeping would do
+
+    box = sandbox(spins)
+    with pytest.raises(LoomError, match="journaled nothing"):
+        box.engine.start("spins", key="s")
+    assert [record[1] for record in box.store.read("ex/s")] == ["EXECUTION_STARTED"]

@@ -23,6 +23,9 @@ from loom_kernel import (
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import sandbox
 
+#: Each test runs with a loop per drive and on one loop of another thread.
+pytestmark = pytest.mark.usefixtures("flow_loop")
+
 
 def _kinds(store: JournalStore, execution_id: str) -> list[str]:
     return [record.kind for record in store.read("ex/" + execution_id)]

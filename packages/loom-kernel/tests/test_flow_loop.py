@@ -205,3 +205,38 @@ def test_a_sync_step_that_exits_leaves_the_workers_loop_running_for_other_runs()
     exited = engine.get("x")
     assert exited.status is Status.RUNNING, "a step cut short journals nothing"
     assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
+
+
+@pytest.mark.usefixtures("flow_loop")
+@pytest.mark.parametrize("call", ["suspend", "sleep", "set_event"])
+def test_a_ctx_call_inside_an_async_step_function_is_refused_on_either_loop(call: str) -> None:
+    @flow(name="loop.inside", version="1")
+    async def inside(ctx: AsyncContext, _input: Any) -> Any:
+        async def nested() -> None:
+            if call == "suspend":
+                await ctx.suspend("x")
+            elif call == "sleep":
+                await ctx.sleep(1)
+            else:
+                await ctx.set_event("k", 1)
+
+        return await ctx.step("outer", nested)
+
+    store = MemoryStore()
+    with pytest.raises(InvalidArgumentError, match="inside the function of step 'outer'"):
+        Engine(store, [inside], listeners=[]).start("loop.inside", None, key="i")
+    assert [record[1] for record in store.read("ex/i")] == ["EXECUTION_STARTED"]
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_step_not_yet_started_at_a_new_gate_is_refused_on_either_loop() -> None:
+    @flow(name="loop.unstarted", version="1")
+    async def unstarted(ctx: AsyncContext, _input: Any) -> Any:
+        task = asyncio.ensure_future(ctx.step("s", instant))
+        await ctx.suspend("x")
+        return await task
+
+    store = MemoryStore()
+    with pytest.raises(InvalidArgumentError, match="never awaited before the flow parked"):
+        Engine(store, [unstarted], listeners=[]).start("loop.unstarted", None, key="u")
+    assert [record[1] for record in store.read("ex/u")] == ["EXECUTION_STARTED"]

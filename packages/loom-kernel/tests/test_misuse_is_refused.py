@@ -24,6 +24,9 @@ from loom_kernel import (
 from loom_kernel.spi import InvalidArgumentError, NewRecord, StoreUnavailableError
 from loom_kernel.testing import FakeClock
 
+#: Each test runs with a loop per drive and on one loop of another thread.
+pytestmark = pytest.mark.usefixtures("flow_loop")
+
 INSIDE_A_STEP: dict[str, Callable[[Any], Any]] = {
     "step": lambda ctx: ctx.step("inner", lambda: 1),
     "now": lambda ctx: ctx.now(),

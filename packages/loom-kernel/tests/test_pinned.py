@@ -11,6 +11,9 @@ from loom_kernel._ids import validate_prefix, validate_stream_id
 from loom_kernel.spi import InvalidArgumentError
 from loom_kernel.testing import FakeClock, sandbox
 
+#: Each test runs with a loop per drive and on one loop of another thread.
+pytestmark = pytest.mark.usefixtures("flow_loop")
+
 
 @pytest.mark.parametrize("bad", [123, None, b"id", 1.5])
 def test_an_execution_id_that_is_not_a_str_is_an_invalid_id(bad: Any) -> None:

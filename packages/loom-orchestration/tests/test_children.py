@@ -372,6 +372,37 @@ def test_children_run_side_by_side_on_a_workers_slots() -> None:
         assert handle.result(timeout=20) == [0, 1, 2, 3]
 
 
+def test_async_children_of_an_async_parent_run_side_by_side_on_the_workers_loop() -> None:
+    import asyncio
+    import time
+
+    from loom_kernel import AsyncContext, Worker
+
+    arrived: list[asyncio.AbstractEventLoop] = []
+
+    async def meet(number: int) -> int:
+        arrived.append(asyncio.get_running_loop())
+        deadline = time.monotonic() + 10
+        while len(arrived) < 4 and time.monotonic() < deadline:  # all 4 at once, or fail
+            await asyncio.sleep(0.001)
+        assert len(arrived) >= 4, "the children did not run side by side"
+        return number
+
+    @flow(name="meets_async")
+    async def meets_async(ctx: AsyncContext, number: int) -> Any:
+        return await ctx.step("meet", meet, number)
+
+    @flow(name="fans_out_async")
+    async def fans_out_async(ctx: AsyncContext, count: int) -> Any:
+        return await await_children(ctx, [(meets_async, n) for n in range(count)])
+
+    engine = Engine(MemoryStore(), [meets_async, fans_out_async], listeners=[])
+    with Worker(engine, concurrency=5, idle_poll=0.05):
+        handle = engine.enqueue("fans_out_async", 4, key="fan")
+        assert handle.result(timeout=20) == [0, 1, 2, 3]
+    assert len({id(loop) for loop in arrived}) == 1, "every child ran on the worker's one loop"
+
+
 @flow(name="async_parent")
 async def async_parent(ctx: Any, value: int) -> Any:
     from loom_orchestration import child_gate

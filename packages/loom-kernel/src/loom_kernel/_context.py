@@ -854,6 +854,11 @@ class AsyncContext(_Replay):
         with self._lock:  # on the loop, even beside a servant: ctx.now() is no awaitable
             return super()._recorded(name, produce)
 
+    def patched(self, change: str) -> bool:
+        """As `Context.patched` (it reads the recorded steps a servant may be adding to)."""
+        with self._lock:
+            return super().patched(change)
+
     def _before_new_step(self) -> None:
         """The owner is checked when the new step's coroutine starts (`_new_step`)."""
 
@@ -868,8 +873,10 @@ class AsyncContext(_Replay):
         servant = self._servant
         if servant is None:
             return fn(*args)
-        try:
-            outcome = await servant.call(self._locked, fn, *args)
+        try:  # in this task's context: what the call would see here (the running step)
+            outcome = await servant.call(
+                self._locked, fn, *args, context=contextvars.copy_context()
+            )
         except asyncio.CancelledError:
             self._halt(
                 InvalidArgumentError(
@@ -960,9 +967,24 @@ class AsyncContext(_Replay):
         )
 
     def _before_new_gate(self) -> None:
+        if self._servant is None:  # else made on the loop, before the gate is handed over
+            self._refuse_new_gate_now()
+
+    def _refuse_new_gate_now(self) -> None:
+        """A new gate waits for no step: an unawaited one is refused, and one still
+        running ends the pass (it is journaled, and the code runs again)."""
         self._refuse_unawaited("parked")
         if self._in_flight:
             raise self._replay_again()
+
+    def _checks_before_handing_a_gate(self, call: str) -> None:
+        """With a servant: the checks of the loop's own bookkeeping `_before_new_gate`
+        makes, made here, on the loop, before a new gate goes to the drive's thread
+        (after the one `_gate` makes before it: a gate inside a step never waits for
+        that step to end)."""
+        if self._servant is not None and self._gate_index >= len(self._state.gates):
+            self._refuse_inside_step(call)
+            self._refuse_new_gate_now()
 
     def _gate_in_own_task(self, call: str) -> None:
         if self._halted is not None:
@@ -1140,13 +1162,20 @@ class AsyncContext(_Replay):
     def set_event(self, key: str, value: Any) -> Coroutine[Any, Any, None]:
         """As `Context.set_event`, awaitable; awaited by the flow's own task."""
         call = f"ctx.set_event({key!r})"
-        return self._track(call, lambda token: self._own(token, call, self._publish, key, value))
+        return self._track(
+            call, lambda token: self._own(token, call, self._publish, key, value, gate=False)
+        )
 
-    async def _own(self, token: object, call: str, gate: Callable[..., T], *args: Any) -> T:
-        """Make a gate's call in the flow's own task (as a suspend is)."""
+    async def _own(
+        self, token: object, call: str, fn: Callable[..., T], *args: Any, gate: bool = True
+    ) -> T:
+        """Make a gate's call (or `set_event`'s, with `gate` false) in the flow's own
+        task (as a suspend is)."""
         self._unstarted.pop(token, None)
         self._gate_in_own_task(call)
-        return await self._blocking(gate, *args)
+        if gate:
+            self._checks_before_handing_a_gate(call)
+        return await self._blocking(fn, *args)
 
     def sleep(self, duration: float | timedelta) -> Coroutine[Any, Any, None]:
         """As `Context.sleep`, awaitable; awaited by the flow's own task."""
@@ -1155,4 +1184,6 @@ class AsyncContext(_Replay):
     async def _sleep(self, token: object, duration: float | timedelta) -> None:
         self._unstarted.pop(token, None)
         self._gate_in_own_task("ctx.sleep")
-        await self._blocking(self._gate, TIMER_GATE, self._sleep_seconds(duration))
+        seconds = self._sleep_seconds(duration)
+        self._checks_before_handing_a_gate("ctx.sleep")
+        await self._blocking(self._gate, TIMER_GATE, seconds)

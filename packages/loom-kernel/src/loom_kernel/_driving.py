@@ -93,9 +93,16 @@ def _execute(
     """Run the code from the top, again while a pass asks to (`Context.replay_again`):
     each such pass journaled the steps it left running, so the next one gets further."""
     while True:
+        before = state.position
         ending, context = _execute_once(definition, runtime, state, control)
         if not context.replay_again:
             return ending, context
+        if state.position == before:  # the next pass would end the same way, forever
+            raise LoomError(
+                f"run {state.id!r}: a pass of its code ended to run again having "
+                "journaled nothing, so the next would too; the drive stops, the journal "
+                "as it was (a bug in Loom: please report it)"
+            )
 
 
 def _execute_once(
