@@ -201,6 +201,29 @@ def test_the_issue_example_a_fraud_check_inserted_before_a_passed_gate() -> None
     assert box.store.read("ex/o") == journal
 
 
+def test_a_gate_added_before_a_recorded_step_names_the_step_it_found_instead() -> None:
+    @flow(name="order", version="1")
+    def recorded(ctx: Context, _input: Any) -> Any:
+        approved = ctx.suspend("approve")
+        return [approved, ctx.step("ship", lambda: "shipped")]
+
+    @flow(name="order", version="2")
+    def changed(ctx: Context, _input: Any) -> Any:
+        approved = ctx.suspend("approve")
+        manager = ctx.suspend("manager")  # new, where the journal has the step next
+        return [approved, manager, ctx.step("ship", lambda: "shipped")]
+
+    box = sandbox(recorded)
+    box.engine.start(recorded, key="o")
+    assert box.engine.resume("o", "yes").result == ["yes", "shipped"]
+    journal = box.store.read("ex/o")
+    both = Engine(box.store, [recorded, changed], clock=box.clock, listeners=[])
+    with pytest.raises(NonDeterminismError, match=r"step #0 'ship'") as caught:
+        both.replay_check("o", "2")
+    assert (caught.value.index, caught.value.found) == (1, "manager")
+    assert box.store.read("ex/o") == journal
+
+
 def _cut_short(ops: list[Op], after: int, ending: str) -> Any:
     @flow(name="program", version="1")
     def program(ctx: Context, _input: Any) -> Any:

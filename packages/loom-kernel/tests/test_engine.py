@@ -666,3 +666,14 @@ def test_recover_and_timers_try_every_run_then_raise_the_first_error(
         "broken": Status.COMPLETED,
         "healthy": Status.COMPLETED,
     }
+
+
+def test_resuming_a_run_whose_flow_this_engine_lacks_names_the_flow_and_changes_nothing(
+    make_engine: EngineFactory, store: JournalStore
+) -> None:
+    make_engine([flow(lambda ctx, _i: ctx.suspend("g"), name="gate")]).start("gate", key="r")
+    journal = store.read("ex/r")
+    other = make_engine([flow(lambda ctx, _i: 1, name="other")])
+    with pytest.raises(UnknownFlowError, match=r"no flow named 'gate'.*registered: other"):
+        other.resume("r", 1)
+    assert store.read("ex/r") == journal

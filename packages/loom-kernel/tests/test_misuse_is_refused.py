@@ -45,9 +45,13 @@ def test_a_ctx_call_inside_a_step_function_is_refused(call: str) -> None:
 
     store = MemoryStore()
     engine = Engine(store, [nested], retry=RetryPolicy(attempts=3, backoff=0), listeners=[])
-    with pytest.raises(InvalidArgumentError, match="inside the function of step 'outer'"):
+    inside = "inside the function of step 'outer'"
+    with pytest.raises(InvalidArgumentError, match=inside) as refused:
         engine.start("nested", key="n")
     assert [r.kind for r in store.read("ex/n")] == ["EXECUTION_STARTED"], "nothing journaled"
+    named = {"suspend": "ctx.suspend('gate')", "sleep": "ctx.sleep", "step": "ctx.step('inner')"}
+    if call in named:
+        assert str(refused.value).startswith(f"{named[call]} was called inside"), refused.value
     assert store.streams("timers/") == []
 
 
