@@ -41,7 +41,7 @@ def flow_loop(request: pytest.FixtureRequest) -> Iterator[None]:
     if request.param == "a loop per drive":
         yield
         return
-    flows = LoopThread("test-flows")
+    flows = LoopThread("test-flows", 64)
     token = FLOW_LOOP.set(flows.loop)
     try:
         yield

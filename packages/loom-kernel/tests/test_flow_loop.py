@@ -5,6 +5,7 @@ them, so many runs' writes are in flight side by side."""
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import threading
 import time
@@ -130,7 +131,7 @@ def test_a_workers_async_runs_share_its_loop_and_write_side_by_side() -> None:
     assert loops_seen[0].is_closed(), "the worker closed its loop as it stopped"
 
 
-def test_a_cancel_while_a_ctx_call_is_journaled_stops_the_drive_and_a_replay_goes_on() -> None:
+def test_a_cancel_while_a_ctx_call_is_journaled_is_not_delivered_as_on_a_held_loop() -> None:
     store = HeldStepWrites()
 
     @flow(name="loop.gives_up", version="1")
@@ -143,23 +144,166 @@ def test_a_cancel_while_a_ctx_call_is_journaled_stops_the_drive_and_a_replay_goe
 
     engine = Engine(store, [gives_up], listeners=[])
 
-    async def main() -> None:
+    async def main() -> Any:
         async def release_later() -> None:
             await asyncio.sleep(0.2)  # after the timeout, while the write is held
             store.release.set()
 
         releaser = asyncio.create_task(release_later())
-        with pytest.raises(InvalidArgumentError, match=r"cancelled .* being journaled"):
-            await engine.start_async("loop.gives_up", None, key="g")
+        done = await engine.start_async("loop.gives_up", None, key="g")
         await releaser
+        return done.result
 
-    asyncio.run(main())
+    assert asyncio.run(main()) == "done", "the code saw the call end as the journal says"
     assert store.waited == [True]
     kinds = [record[1] for record in store.read("ex/g")]
-    assert kinds == ["EXECUTION_STARTED", "STEP_COMPLETED"], "the write landed; no ending"
-    assert Engine(store, [gives_up], listeners=[]).recover() == ["g"]
-    finished = engine.get("g")
-    assert (finished.status, finished.result) == (Status.COMPLETED, "done")
+    assert kinds == ["EXECUTION_STARTED", "STEP_COMPLETED", "EXECUTION_COMPLETED"]
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_timeout_around_a_sync_step_changes_nothing_on_either_loop() -> None:
+    ran: list[str] = []
+
+    def slow() -> str:
+        ran.append("slow")
+        time.sleep(0.15)
+        return "done"
+
+    @flow(name="loop.timed", version="1")
+    async def timed(ctx: AsyncContext, _input: Any) -> Any:
+        try:
+            async with asyncio.timeout(0.02):
+                return await ctx.step("s", slow)
+        except TimeoutError:
+            return "timed out"
+
+    engine = Engine(MemoryStore(), [timed], listeners=[])
+    assert engine.start("loop.timed").result == "done"
+    assert ran == ["slow"], "the step ran once"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_set_event_in_an_async_flow_publishes_on_either_loop() -> None:
+    @flow(name="loop.publishes", version="1")
+    async def publishes(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.set_event("stage", "half")
+        return await ctx.step("s", instant)
+
+    engine = Engine(MemoryStore(), [publishes], listeners=[])
+    assert engine.start("loop.publishes", None, key="p").result == "done"
+    assert engine.get_event("p", "stage") == "half"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_ctx_call_from_a_task_left_running_after_the_pass_is_refused_on_either_loop() -> None:
+    left: list[asyncio.Task[Any]] = []
+
+    @flow(name="loop.leaves", version="1")
+    async def leaves(ctx: AsyncContext, _input: Any) -> Any:
+        async def later() -> Any:
+            await asyncio.sleep(0.05)
+            return await ctx.step("late", instant)
+
+        left.append(asyncio.ensure_future(later()))
+        return "returned"
+
+    store = MemoryStore()
+    engine = Engine(store, [leaves], listeners=[])
+    assert engine.start("loop.leaves", None, key="l").result == "returned"
+    time.sleep(0.2)  # a shared loop goes on running the task
+    assert [record[1] for record in store.read("ex/l")] == [
+        "EXECUTION_STARTED",
+        "EXECUTION_COMPLETED",
+    ]
+    task = left[0]
+    if task.done() and not task.cancelled():  # a loop per drive cancelled it as it closed
+        refused = getattr(task.exception(), "error", None)
+        assert isinstance(refused, InvalidArgumentError), task.exception()
+        assert "after the flow's pass ended" in str(refused)
+
+
+class Crash(BaseException):
+    """Cuts a step short, as a process dying in it would."""
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_replay_check_stops_at_new_work_on_either_loop() -> None:
+    crash = [True]
+
+    def second() -> str:
+        if crash:
+            crash.clear()
+            raise Crash
+        return "b"
+
+    @flow(name="loop.checked", version="1")
+    async def checked(ctx: AsyncContext, _input: Any) -> Any:
+        first = await ctx.step("a", instant)
+        task = asyncio.ensure_future(ctx.step("b", second))
+        await asyncio.sleep(0)
+        return [first, await task]
+
+    store = MemoryStore()
+    engine = Engine(store, [checked], listeners=[])
+    with pytest.raises(InvalidArgumentError, match="cut short by Crash"):
+        engine.start("loop.checked", None, key="c")
+    journal = store.read("ex/c")
+    assert [record[1] for record in journal] == ["EXECUTION_STARTED", "STEP_COMPLETED"]
+    engine.replay_check("c")  # the history replays; it stops at step b, writing nothing
+    assert store.read("ex/c") == journal
+
+
+def test_an_async_step_that_exits_leaves_the_workers_loop_running_for_other_runs() -> None:
+    started = threading.Event()
+
+    @flow(name="loop.exits_async")
+    async def exits_async(ctx: AsyncContext, _input: Any) -> Any:
+        async def leave() -> None:
+            sys.exit(3)
+
+        return await ctx.step("s", leave)
+
+    @flow(name="loop.bystander")
+    async def bystander(ctx: AsyncContext, _input: Any) -> Any:
+        async def wait() -> str:
+            started.set()
+            await asyncio.sleep(0.2)
+            return "waited"
+
+        return await ctx.step("w", wait)
+
+    store = MemoryStore()
+    engine = Engine(store, [exits_async, bystander], listeners=[])
+    with Worker(engine, concurrency=2, idle_poll=0.02, grace=5) as worker:
+        waiting = engine.enqueue("loop.bystander", None, key="b")
+        assert started.wait(10)
+        engine.enqueue("loop.exits_async", None, key="x")
+        assert waiting.result(timeout=10) == "waited"
+        assert not worker._flows.loop.is_closed()  # type: ignore[union-attr]
+    assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
+
+
+def test_a_workers_runs_that_start_children_from_async_steps_do_not_starve_its_executor() -> None:
+    count = min(32, (os.cpu_count() or 1) + 4) + 1  # more than asyncio's default executor
+
+    @flow(name="loop.child")
+    async def child(ctx: AsyncContext, number: int) -> Any:
+        async def work() -> int:
+            return await asyncio.to_thread(lambda: number)
+
+        return await ctx.step("work", work)
+
+    @flow(name="loop.parent")
+    async def parent(ctx: AsyncContext, number: int) -> Any:
+        async def start() -> Any:
+            return (await ctx.engine.start_async("loop.child", number, key=f"c{number}")).result
+
+        return await ctx.step("start", start)
+
+    engine = Engine(MemoryStore(), [child, parent], listeners=[])
+    with Worker(engine, concurrency=count + 1, idle_poll=0.02):
+        handles = [engine.enqueue("loop.parent", n, key=f"p{n}") for n in range(count)]
+        assert [handle.result(timeout=20) for handle in handles] == list(range(count))
 
 
 def test_a_sync_step_raising_stop_iteration_on_the_drives_thread_fails_as_itself() -> None:

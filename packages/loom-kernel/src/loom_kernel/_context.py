@@ -837,6 +837,7 @@ class AsyncContext(_Replay):
         self._servant: Servant | None = None
         self._lock = threading.RLock()
         self._halt_lock = threading.Lock()
+        self._ended = False  # the pass is over: a task it left may not journal
 
     def served_by(self, servant: Servant) -> None:
         """Have `servant` (the drive's thread) make this run's blocking calls."""
@@ -866,27 +867,14 @@ class AsyncContext(_Replay):
         """`fn(*args)`, a call that reads or writes the journal: on the servant's thread
         when there is one (the loop goes on meanwhile), else here.
 
-        A cancel that reaches the flow while the servant makes the call stops the
-        drive: the call still finishes, but the code saw it fail, so a replay (which
-        sees it done) could not match what the code did next.
+        The call cannot be cancelled (see `Servant.call`), as it could not be when it
+        held the loop: the code never sees a call fail that the journal records.
         """
         servant = self._servant
         if servant is None:
             return fn(*args)
-        try:  # in this task's context: what the call would see here (the running step)
-            outcome = await servant.call(
-                self._locked, fn, *args, context=contextvars.copy_context()
-            )
-        except asyncio.CancelledError:
-            self._halt(
-                InvalidArgumentError(
-                    "a ctx call was cancelled (asyncio.timeout, a cancelled task) while it "
-                    "was being journaled: the code saw it fail although it may have been "
-                    "recorded, so a replay could not match it; put timeouts inside the "
-                    "step function"
-                )
-            )
-            raise
+        # In this task's context: what the call would see here (the running step).
+        outcome = await servant.call(self._locked, fn, *args, context=contextvars.copy_context())
         result: T = unwrap(outcome)
         return result
 
@@ -906,6 +894,7 @@ class AsyncContext(_Replay):
             return result
         finally:
             self._task = None
+            self._ended = True
             for _what, coroutine in self._unstarted.values():
                 coroutine.close()
             while self._in_flight:
@@ -925,7 +914,11 @@ class AsyncContext(_Replay):
     def _before_claim(self, call: str) -> None:
         task = self._task
         if task is None:
+            self._refuse_after_the_pass(call)
             return
+        servant = self._servant
+        if servant is not None and servant.serving_here():
+            return  # a call the flow's own task handed over (set_event's), checked there
         try:
             current = asyncio.current_task()
         except RuntimeError:  # another thread, with no loop
@@ -986,9 +979,22 @@ class AsyncContext(_Replay):
             self._refuse_inside_step(call)
             self._refuse_new_gate_now()
 
+    def _refuse_after_the_pass(self, call: str) -> None:
+        """A ctx call from a task the flow left running once its pass was over."""
+        if self._ended:
+            raise self._halt(
+                InvalidArgumentError(
+                    f"{call} was called after the flow's pass ended, by a task it left "
+                    "running: a run journals only what its own code does while it runs; "
+                    "await every task the flow starts"
+                )
+            )
+
     def _gate_in_own_task(self, call: str) -> None:
         if self._halted is not None:
             raise self._halted
+        if self._task is None:
+            self._refuse_after_the_pass(call)
         if self._task is not None and asyncio.current_task() is not self._task:
             raise self._halt(
                 InvalidArgumentError(
@@ -1076,6 +1082,8 @@ class AsyncContext(_Replay):
         self._unstarted.pop(token, None)
         if self._halted is not None:
             raise self._halted  # the drive stopped before this step began
+        if self._control.replay_only:
+            raise self._halt()  # a replay-check ends at the first new work, at once
         own = asyncio.current_task() is self._task
         self._in_flight.add(index)
         self._own_step = self._own_step or own

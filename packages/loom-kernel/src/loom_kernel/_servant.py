@@ -16,6 +16,7 @@ import contextvars
 import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 __all__ = ["LOOP_CHECK", "LoopStoppedError", "LoopThread", "Outcome", "Servant", "unwrap"]
@@ -52,6 +53,11 @@ class Servant:
         self._loop = loop
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._fatal: BaseException | None = None
+        self._thread: int | None = None  # the drive's thread, once it serves
+
+    def serving_here(self) -> bool:
+        """Whether this is the drive's thread, making one of the calls."""
+        return self._thread == threading.get_ident()
 
     async def call(
         self, fn: Callable[..., Any], *args: Any, context: contextvars.Context | None = None
@@ -59,12 +65,18 @@ class Servant:
         """On the loop: have the drive's thread run `fn(*args)` (in `context` when one
         is given, else in the drive's own), and await how it ended.
 
-        A cancel of the awaiting task does not stop the call: it finishes on the drive's
-        thread (the drive waits for it), and its outcome is dropped.
+        The call cannot be cancelled: a cancel that reaches the awaiting task meanwhile
+        (`asyncio.timeout`) is not delivered, and the call's outcome is returned, as if
+        the call had run on the loop and held it (the cancel would have come too late).
         """
         future: asyncio.Future[Outcome] = self._loop.create_future()
         self._calls.put((context, fn, args, future))
-        return await future
+        while True:
+            try:
+                return await asyncio.shield(future)
+            except asyncio.CancelledError:
+                if future.cancelled():  # the loop itself is going away
+                    raise
 
     def serve(self, done: concurrent.futures.Future[Any]) -> Any:
         """On the drive's thread: run the calls handed over until `done` (the flow's
@@ -75,6 +87,7 @@ class Servant:
             KeyboardInterrupt, SystemExit: a call raised it (re-raised here, the drive's
                 thread, instead of on the loop, which it would stop for every run).
         """
+        self._thread = threading.get_ident()
         done.add_done_callback(lambda _: self._calls.put(None))
         while True:
             try:
@@ -91,6 +104,8 @@ class Servant:
             self._run(*call)
         if self._fatal is not None:
             raise self._fatal
+        if done.cancelled():
+            raise LoopStoppedError("the flow's task was cancelled: its event loop is closing")
         return done.result()
 
     def _run(
@@ -122,8 +137,14 @@ class LoopThread:
     """An event loop running in a thread of its own: where a worker's async flows run,
     as tasks side by side, while each drive's thread serves its flow's blocking calls."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, executor_threads: int) -> None:
         self.loop = asyncio.new_event_loop()
+        # Flows share it (asyncio.to_thread, start_async): as many threads as a loop per
+        # drive would have had, for every drive at once.
+        self.loop.set_default_executor(
+            ThreadPoolExecutor(executor_threads, thread_name_prefix=f"{name}-executor")
+        )
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -131,7 +152,10 @@ class LoopThread:
         loop = self.loop
         asyncio.set_event_loop(loop)
         try:
-            loop.run_forever()
+            while not self._closing:
+                # One from a flow's task: its drive raises it; the other runs go on.
+                with contextlib.suppress(SystemExit, KeyboardInterrupt):
+                    loop.run_forever()
         finally:  # as asyncio.run ends: what flows left running is cancelled first
             left = asyncio.all_tasks(loop)
             for task in left:
@@ -143,6 +167,7 @@ class LoopThread:
 
     def close(self) -> None:
         """Stop the loop (once the drives using it are done) and close it."""
+        self._closing = True
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join()

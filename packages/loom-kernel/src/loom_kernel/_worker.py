@@ -217,7 +217,8 @@ class Worker:
             self._ready.set()  # start() returns, and finds the worker stopped
             raise
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="loom-drive")
-        self._flows = LoopThread("loom-flows")
+        per_loop = min(32, (os.cpu_count() or 1) + 4)  # asyncio's default executor's size
+        self._flows = LoopThread("loom-flows", self.concurrency * per_loop)
         with self._lock:
             self._pool = pool
         self.engine._local_workers.append(self)
