@@ -384,3 +384,25 @@ def test_a_step_not_yet_started_at_a_new_gate_is_refused_on_either_loop() -> Non
     with pytest.raises(InvalidArgumentError, match="never awaited before the flow parked"):
         Engine(store, [unstarted], listeners=[]).start("loop.unstarted", None, key="u")
     assert [record[1] for record in store.read("ex/u")] == ["EXECUTION_STARTED"]
+
+
+def test_the_callers_loop_closing_mid_drive_stops_the_run_without_failing_it() -> None:
+    pauses = [5.0]  # the first drive's: longer than its caller's loop lives
+
+    @flow(name="loop.waits", version="1")
+    async def waits(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.step("a", instant)
+        await asyncio.sleep(pauses.pop() if pauses else 0)
+        return await ctx.step("b", instant)
+
+    store = MemoryStore()
+    engine = Engine(store, [waits], listeners=[])
+
+    async def main() -> None:
+        asyncio.create_task(engine.start_async("loop.waits", None, key="w"))  # noqa: RUF006
+        await asyncio.sleep(0.2)  # returns: asyncio.run cancels the flow's task
+
+    asyncio.run(main())  # it ends once the default executor's threads (the drive's) do
+    assert [record[1] for record in store.read("ex/w")] == ["EXECUTION_STARTED", "STEP_COMPLETED"]
+    assert Engine(store, [waits], listeners=[]).recover() == ["w"]
+    assert engine.get("w").result == "done"
