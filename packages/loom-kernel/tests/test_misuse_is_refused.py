@@ -261,3 +261,39 @@ def test_a_run_handle_is_named_by_its_id_and_hashes_as_it() -> None:
     assert handle == engine.handle("order-1") != engine.handle("order-2")
     assert len({handle, engine.handle("order-1"), engine.handle("order-2")}) == 2
     assert hash(handle) == hash("order-1")
+
+
+def _sample(annotation: str, name: str) -> Any:
+    if annotation.startswith("int"):
+        return 3
+    if annotation.startswith("float"):
+        return 1.5
+    if annotation.startswith("list"):
+        return ["sha256:a", "version:1"]
+    return f"{name}-value"
+
+
+def test_every_error_with_attributes_keeps_each_argument_and_crosses_a_pickle() -> None:
+    """Each error of the tree that takes arguments keeps every one under its own name
+    (callers read them: `exc.stream`, `exc.after`), and pickles whole."""
+    import inspect
+    import pickle
+
+    import loom_kernel
+
+    checked = []
+    for name in sorted(loom_kernel.__all__):
+        cls = getattr(loom_kernel, name)
+        if not (inspect.isclass(cls) and issubclass(cls, loom_kernel.LoomError)):
+            continue
+        if "__init__" not in vars(cls):
+            continue
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+        arguments = {p.name: _sample(str(p.annotation), p.name) for p in parameters}
+        error = cls(**arguments)
+        kept = {key: value for key, value in arguments.items() if key not in ("message", "detail")}
+        assert {key: getattr(error, key, "(missing)") for key in kept} == kept, name
+        again = pickle.loads(pickle.dumps(error))
+        assert (type(again), str(again), vars(again)) == (type(error), str(error), vars(error))
+        checked.append(name)
+    assert {"TrimmedError", "ResultTimeoutError", "ConflictError"} <= set(checked), checked

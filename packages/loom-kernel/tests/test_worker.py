@@ -854,3 +854,15 @@ def test_a_task_a_freed_slot_takes_from_the_backlog_is_in_flight_while_it_runs()
     worker._work(_Task("first", lambda: None))
     assert seen == [{"queued"}], "in flight while it runs: no second drive of it starts"
     assert (worker._in_flight, worker._queued, worker.stats.in_flight) == (set(), set(), 0)
+
+
+def test_a_start_handed_to_no_worker_runs_inline_and_one_taken_by_a_worker_does_not() -> None:
+    """`_start_or_hand`, what orchestration's start_child uses: with no worker of this
+    engine running, the run is driven inline before the call returns."""
+    store = MemoryStore()
+    engine = _engine(store)
+    handle = engine._start_or_hand("three", "i", "inline", None)
+    assert engine.get(handle.id).status is Status.COMPLETED, "driven before returning"
+    with Worker(engine, idle_poll=0.05):
+        handed = engine._start_or_hand("three", "w", "handed", None)
+        assert handed.result(timeout=10) == ["w:0", "w:1", "w:2"]

@@ -334,11 +334,13 @@ class ResultTimeoutError(LoomError, TimeoutError):
     Attributes:
         execution_id: the execution (it goes on; wait again, or look with `get`).
         status: its status when the wait ended.
+        timeout: the seconds the caller waited.
     """
 
     def __init__(self, execution_id: str, status: str, timeout: float) -> None:
         self.execution_id = execution_id
         self.status = status
+        self.timeout = timeout
         super().__init__(
             f"execution {execution_id!r} is still {status} after {timeout:g} s; it goes on"
         )
