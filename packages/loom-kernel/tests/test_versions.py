@@ -122,10 +122,10 @@ def test_resume_as_refuses_a_run_whose_history_diverges_and_journals_nothing() -
     )
     assert store.read("ex/o") == journal
     assert engine.get("o").code_hash == "version:1"
-    with pytest.raises(UnknownFlowError, match="no registered version 'version:9'") as caught:
+    with pytest.raises(UnknownFlowError, match="no registered version 'version:9'") as unknown:
         engine.resume_as("o", "9")
-    assert "version:1" in str(caught.value)
-    assert "version:3" in str(caught.value)
+    assert "version:1" in str(unknown.value)
+    assert "version:3" in str(unknown.value)
 
 
 def test_a_finished_run_is_not_migrated() -> None:
