@@ -677,3 +677,17 @@ def test_resuming_a_run_whose_flow_this_engine_lacks_names_the_flow_and_changes_
     with pytest.raises(UnknownFlowError, match=r"no flow named 'gate'.*registered: other"):
         other.resume("r", 1)
     assert store.read("ex/r") == journal
+
+
+def test_a_flow_whose_source_cannot_be_read_is_hashed_by_its_bytecode() -> None:
+    def first(ctx: Any, value: Any) -> Any:
+        return value
+
+    def second(ctx: Any, value: Any) -> Any:
+        return [value, value]
+
+    for fn in (first, second):
+        fn.__code__ = fn.__code__.replace(co_filename="<built at run time>")
+    assert code_hash(first).startswith("sha256:")
+    assert code_hash(first) == code_hash(first), "the same code, the same hash"
+    assert code_hash(first) != code_hash(second), "other code, another hash"
