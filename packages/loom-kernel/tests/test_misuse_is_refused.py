@@ -92,6 +92,9 @@ def test_starting_another_flow_from_a_step_is_allowed() -> None:
 def test_a_huge_retry_policy_waits_at_most_its_cap_and_never_overflows() -> None:
     policy = RetryPolicy(attempts=5000, factor=2, max_backoff=60)
     assert [policy.delay(n) for n in (1, 2, 7, 1025, 5000, 10**9)] == [1, 2, 60, 60, 60, 60]
+    small = RetryPolicy(attempts=4, backoff=0.25, factor=2, max_backoff=1)
+    assert [small.delay(n) for n in (1, 2, 3, 4)] == [0.25, 0.5, 1, 1]
+    assert RetryPolicy(attempts=2, backoff=1, max_backoff=0).delay(1) == 0, "a cap of 0"
     failures = {"left": 1100}
 
     def flaky() -> str:
