@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import Engine, Flow, MemoryStore, RetryPolicy
-from loom_kernel._driving import FLOW_LOOP
-from loom_kernel._servant import LoopThread
+from loom_kernel._servant import FLOW_LOOP, LoopThread
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock, sandbox
 

@@ -406,3 +406,104 @@ def test_the_callers_loop_closing_mid_drive_stops_the_run_without_failing_it() -
     assert [record[1] for record in store.read("ex/w")] == ["EXECUTION_STARTED", "STEP_COMPLETED"]
     assert Engine(store, [waits], listeners=[]).recover() == ["w"]
     assert engine.get("w").result == "done"
+
+
+def _tick() -> int:
+    time.sleep(0.01)
+    return 1
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_timeout_that_lands_during_a_step_ends_the_loop_at_its_next_await_on_either_loop() -> (
+    None
+):
+    @flow(name="loop.polls", version="1")
+    async def polls(ctx: AsyncContext, _input: Any) -> Any:
+        count = 0
+        try:
+            async with asyncio.timeout(0.1):
+                while count < 200:  # ended by the timeout, long before
+                    await ctx.step(f"t{count}", _tick)
+                    count += 1
+                    await asyncio.sleep(0)
+        except TimeoutError:
+            return "timed out"
+        return "never timed out"
+
+    engine = Engine(MemoryStore(), [polls], listeners=[])
+    assert engine.start("loop.polls").result == "timed out"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_park_inside_a_task_group_parks_the_run_on_either_loop() -> None:
+    @flow(name="loop.grouped", version="1")
+    async def grouped(ctx: AsyncContext, _input: Any) -> Any:
+        async with asyncio.TaskGroup() as group:
+            group.create_task(ctx.step("a", instant))
+        async with asyncio.TaskGroup():
+            await ctx.sleep(60)
+        return "woke"
+
+    store = MemoryStore()
+    parked = Engine(store, [grouped], listeners=[]).start("loop.grouped", None, key="g")
+    assert parked.status is Status.SUSPENDED
+    assert [record[1] for record in store.read("ex/g")][-1] == "EXECUTION_SUSPENDED"
+
+
+def test_the_callers_loop_closing_while_a_pass_waits_for_a_step_ends_without_a_hang() -> None:
+    def slow() -> str:
+        time.sleep(0.5)
+        return "slow"
+
+    @flow(name="loop.waits_for_step", version="1")
+    async def waits_for_step(ctx: AsyncContext, _input: Any) -> Any:
+        task = asyncio.ensure_future(ctx.step("slow", slow))
+        await asyncio.sleep(0.02)  # the pass ends, to run again once the step is journaled
+        return await task
+
+    store = MemoryStore()
+    engine = Engine(store, [waits_for_step], listeners=[])
+
+    async def main() -> None:
+        asyncio.create_task(engine.start_async("loop.waits_for_step", None, key="w"))  # noqa: RUF006
+        await asyncio.sleep(0.2)  # returns while the step runs
+
+    finished = threading.Event()
+
+    def run_the_caller() -> None:
+        asyncio.run(main())
+        finished.set()
+
+    threading.Thread(target=run_the_caller, daemon=True).start()
+    assert finished.wait(20), "the caller's asyncio.run returned"
+    kinds = [record[1] for record in store.read("ex/w")]
+    assert kinds[:2] == ["EXECUTION_STARTED", "STEP_COMPLETED"], "the running step was journaled"
+    assert "EXECUTION_FAILED" not in kinds
+
+
+def test_a_child_driven_inline_by_a_sync_step_outlives_the_callers_loop() -> None:
+    async def slow() -> int:
+        await asyncio.sleep(0.3)
+        return 1
+
+    @flow(name="loop.kid", version="1")
+    async def kid(ctx: AsyncContext, _input: Any) -> Any:
+        return await ctx.step("a", slow)
+
+    @flow(name="loop.spawner", version="1")
+    async def spawner(ctx: AsyncContext, _input: Any) -> Any:
+        def spawn() -> Any:
+            return ctx.engine.start("loop.kid", None, key="kid").result
+
+        return await ctx.step("spawn", spawn, retry=RetryPolicy(attempts=1))
+
+    store = MemoryStore()
+    engine = Engine(store, [spawner, kid], listeners=[])
+
+    async def main() -> None:
+        asyncio.create_task(engine.start_async("loop.spawner", None, key="p"))  # noqa: RUF006
+        await asyncio.sleep(0.1)  # returns while the child's step awaits
+
+    asyncio.run(main())
+    assert engine.get("kid").status is Status.COMPLETED, "the child ran on a loop of its own"
+    assert "STEP_FAILED" not in [record[1] for record in store.read("ex/p")]

@@ -48,7 +48,7 @@ from loom_kernel._inbox import Inbox, Message
 from loom_kernel._journal import JournalStore, NewRecord
 from loom_kernel._numbers import finite_number
 from loom_kernel._published import Published
-from loom_kernel._servant import unwrap
+from loom_kernel._servant import FLOW_LOOP, unwrap
 from loom_kernel._state import ExecutionState, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerIndex, timer_resume_key
 from loom_kernel._waits import (
@@ -897,9 +897,15 @@ class AsyncContext(_Replay):
             self._ended = True
             for _what, coroutine in self._unstarted.values():
                 coroutine.close()
-            while self._in_flight:
+            stopped = False
+            while self._in_flight:  # even when the loop cancels this task as it closes
                 self._quiet = asyncio.get_running_loop().create_future()
-                await self._quiet
+                try:
+                    await asyncio.shield(self._quiet)
+                except asyncio.CancelledError:
+                    stopped = True
+            if stopped:
+                raise asyncio.CancelledError
 
     def _on_resume(self) -> Unwind | None:
         """The loop resumes the flow's code after new steps ran elsewhere: end the pass."""
@@ -1119,6 +1125,9 @@ class AsyncContext(_Replay):
                         value = call()
                     else:  # a sync function: on the drive's thread, never holding the loop
                         copied = contextvars.copy_context()
+                        # A flow it drives inline gets a loop of its own, as it would
+                        # have under this loop, so this loop closing does not stop it.
+                        copied.run(FLOW_LOOP.set, None)
                         value = unwrap(await servant.call(call, context=copied))
                     if inspect.isawaitable(value):
                         value = await value

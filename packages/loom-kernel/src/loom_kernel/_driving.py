@@ -13,19 +13,12 @@ from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, U
 from loom_kernel._errors import LoomError, NonDeterminismError
 from loom_kernel._events import ExecutionCompleted, ExecutionFailed, error_info
 from loom_kernel._flows import Flow
-from loom_kernel._servant import LoopStoppedError, Servant
+from loom_kernel._servant import FLOW_LOOP, LoopStoppedError, Servant
 from loom_kernel._state import ExecutionState
 
 T = TypeVar("T")
 
 __all__ = ["FLOW_LOOP", "awaitable_sleep", "on_loop", "replay_check", "run_flow"]
-
-#: Set around a drive made on a thread for an event loop: the async API caller's loop,
-#: or a worker's, where an async flow's code runs (its blocking calls are made by the
-#: drive's thread, see `Servant`).
-FLOW_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
-    "loom_flow_loop", default=None
-)
 
 
 def run_flow(
@@ -123,6 +116,14 @@ def _execute_once(
         return None, context
     except (KeyboardInterrupt, SystemExit):
         raise
+    except BaseExceptionGroup as group:  # a TaskGroup's: a stop inside it is a stop
+        stop = context.halted or _unwind_in(group)
+        if stop is None:
+            if isinstance(group, Exception):
+                return ExecutionFailed(error_info(group)), context
+            raise
+        _raise_error(stop)
+        return None, context
     except Exception as exc:
         if context.halted is not None:  # the flow went on past a stop it swallowed
             _raise_error(context.halted)
@@ -133,6 +134,18 @@ def _execute_once(
         return None, context
     completed = ExecutionCompleted(to_json(result, f"the result of flow {definition.name!r}"))
     return completed, context
+
+
+def _unwind_in(group: BaseExceptionGroup[BaseException]) -> Unwind | None:
+    """The first stop of the drive among a group's exceptions, nested ones included."""
+    for exc in group.exceptions:
+        if isinstance(exc, Unwind):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _unwind_in(exc)
+            if found is not None:
+                return found
+    return None
 
 
 def _raise_error(unwind: Unwind) -> None:

@@ -19,11 +19,26 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-__all__ = ["LOOP_CHECK", "LoopStoppedError", "LoopThread", "Outcome", "Servant", "unwrap"]
+__all__ = [
+    "FLOW_LOOP",
+    "LOOP_CHECK",
+    "LoopStoppedError",
+    "LoopThread",
+    "Outcome",
+    "Servant",
+    "unwrap",
+]
 
 T = TypeVar("T")
 #: Seconds between looks at whether the loop running the flow still runs.
 LOOP_CHECK = 0.5
+
+#: Set around a drive made on a thread for an event loop: the async API caller's loop,
+#: or a worker's, where an async flow's code runs (its blocking calls are made by the
+#: drive's thread, see `Servant`).
+FLOW_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop | None] = contextvars.ContextVar(
+    "loom_flow_loop", default=None
+)
 
 #: How a call made on the drive's thread ended: (its value, None) or (None, the error).
 Outcome = tuple[Any, BaseException | None]
@@ -54,6 +69,7 @@ class Servant:
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._fatal: BaseException | None = None
         self._thread: int | None = None  # the drive's thread, once it serves
+        self._closed = False  # the drive is over: calls handed over now are refused
 
     def serving_here(self) -> bool:
         """Whether this is the drive's thread, making one of the calls."""
@@ -65,18 +81,29 @@ class Servant:
         """On the loop: have the drive's thread run `fn(*args)` (in `context` when one
         is given, else in the drive's own), and await how it ended.
 
-        The call cannot be cancelled: a cancel that reaches the awaiting task meanwhile
-        (`asyncio.timeout`) is not delivered, and the call's outcome is returned, as if
-        the call had run on the loop and held it (the cancel would have come too late).
+        The call cannot be cancelled, as it could not be when it held the loop: a
+        cancel that reaches the awaiting task meanwhile (`asyncio.timeout`) waits for
+        the call, and lands where the loop would have let it, at the task's next
+        await, if whoever asked for it still does then (a timeout whose block the code
+        has left by then no longer does).
         """
+        if self._closed:
+            return (None, LoopStoppedError("the drive of this flow is over"))
         future: asyncio.Future[Outcome] = self._loop.create_future()
         self._calls.put((context, fn, args, future))
+        deferred = False
         while True:
             try:
-                return await asyncio.shield(future)
+                outcome = await asyncio.shield(future)
+                break
             except asyncio.CancelledError:
                 if future.cancelled():  # the loop itself is going away
                     raise
+                deferred = True
+        task = asyncio.current_task()
+        if deferred and task is not None:
+            self._loop.call_soon(_cancel_again_if_wanted, task)  # once the task yields
+        return outcome
 
     def serve(self, done: concurrent.futures.Future[Any]) -> Any:
         """On the drive's thread: run the calls handed over until `done` (the flow's
@@ -102,6 +129,16 @@ class Servant:
             if call is None:
                 break
             self._run(*call)
+        self._closed = True  # a call a task of the flow hands over later is refused
+        while True:
+            try:
+                left = self._calls.get_nowait()
+            except queue.Empty:
+                break
+            if left is not None:
+                refused: Outcome = (None, LoopStoppedError("the drive of this flow is over"))
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(_settle, left[3], refused)
         if self._fatal is not None:
             raise self._fatal
         if done.cancelled():
@@ -126,6 +163,14 @@ class Servant:
             outcome = (value, None)
         with contextlib.suppress(RuntimeError):  # a closed loop: serve() sees it next
             self._loop.call_soon_threadsafe(_settle, future, outcome)
+
+
+def _cancel_again_if_wanted(task: asyncio.Task[Any]) -> None:
+    """A cancel a call held back: deliver it at the task's await, unless it was
+    withdrawn meanwhile (`uncancel`, as a timeout's block does when it is left)."""
+    if not task.done() and task.cancelling() > 0:
+        task.uncancel()
+        task.cancel()
 
 
 def _settle(future: asyncio.Future[Outcome], outcome: Outcome) -> None:

@@ -29,14 +29,13 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
-from loom_kernel._driving import FLOW_LOOP
 from loom_kernel._engine import NOT_STARTED, QueuedDrive
 from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
 from loom_kernel._run_index import OpenHint, partition_of
-from loom_kernel._servant import LoopThread
+from loom_kernel._servant import FLOW_LOOP, LoopThread
 from loom_kernel._timers import TimerEntry
 
 if TYPE_CHECKING:
