@@ -17,6 +17,7 @@ from loom_kernel import (
     AsyncContext,
     Engine,
     InvalidArgumentError,
+    LoomError,
     MemoryStore,
     RetryPolicy,
     Status,
@@ -507,3 +508,89 @@ def test_a_child_driven_inline_by_a_sync_step_outlives_the_callers_loop() -> Non
     asyncio.run(main())
     assert engine.get("kid").status is Status.COMPLETED, "the child ran on a loop of its own"
     assert "STEP_FAILED" not in [record[1] for record in store.read("ex/p")]
+
+
+def _slow_step() -> str:
+    time.sleep(0.2)
+    return "slow"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_timeout_due_during_a_step_whose_block_is_left_at_once_lands_nowhere() -> None:
+    @flow(name="loop.left_in_time", version="1")
+    async def left_in_time(ctx: AsyncContext, _input: Any) -> Any:
+        try:
+            async with asyncio.timeout(0.02):
+                await ctx.step("s", _slow_step)
+                await asyncio.sleep(0)  # the task wakes first, then the timer would run
+                return "no timeout"
+        except TimeoutError:
+            return "timed out"
+
+    engine = Engine(MemoryStore(), [left_in_time], listeners=[])
+    assert engine.start("loop.left_in_time").result == "no timeout"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_cancel_held_back_by_a_step_keeps_its_message_and_lands_at_the_next_await() -> None:
+    @flow(name="loop.told", version="1")
+    async def told(ctx: AsyncContext, _input: Any) -> Any:
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().call_later(0.02, task.cancel, "my reason")
+        try:
+            await ctx.step("s", _slow_step)
+            await asyncio.sleep(0.01)
+        except asyncio.CancelledError as cancel:
+            task.uncancel()
+            return list(cancel.args)
+        return "not cancelled"
+
+    engine = Engine(MemoryStore(), [told], listeners=[])
+    assert engine.start("loop.told").result == ["my reason"]
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_withdrawn_cancel_after_a_task_group_is_not_delivered_later() -> None:
+    async def boom() -> None:
+        raise ValueError("child")
+
+    @flow(name="loop.after_group", version="1")
+    async def after_group(ctx: AsyncContext, _input: Any) -> Any:
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(boom())
+        except* ValueError:
+            pass  # 3.11 leaves this task's cancel count at 1 here
+        async with asyncio.timeout(0.02):
+            result = await ctx.step("s", _slow_step)
+        await asyncio.sleep(0)
+        return result
+
+    engine = Engine(MemoryStore(), [after_group], listeners=[])
+    assert engine.start("loop.after_group").result == "slow"
+
+
+def test_a_flow_on_a_loop_that_stops_mid_step_leaves_no_task_behind_when_it_runs_again() -> None:
+    @flow(name="loop.paused", version="1")
+    async def paused(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.step("a", _slow_step)
+        return await ctx.step("b", instant)
+
+    store = MemoryStore()
+    engine = Engine(store, [paused], listeners=[])
+    loop = asyncio.new_event_loop()
+    try:
+        main = loop.create_task(engine.start_async("loop.paused", None, key="p"))
+        loop.run_until_complete(asyncio.sleep(0.05))  # the loop stops while step a runs
+        time.sleep(1.0)  # the drive's thread sees it stopped, and stops the drive
+        with pytest.raises(LoomError, match="stopped during its drive"):
+            loop.run_until_complete(main)
+        left = asyncio.all_tasks(loop)
+        if left:  # the flow's task, refused by the drive that is over: it ends
+            loop.run_until_complete(asyncio.wait(left, timeout=5))
+        assert all(task.done() for task in left)
+    finally:
+        loop.close()
+    kinds = [record[1] for record in store.read("ex/p")]
+    assert kinds == ["EXECUTION_STARTED"], "the journal as it was; the next drive goes on"

@@ -117,6 +117,8 @@ def _execute_once(
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseExceptionGroup as group:  # a TaskGroup's: a stop inside it is a stop
+        if group.subgroup((KeyboardInterrupt, SystemExit)) is not None:
+            raise
         stop = context.halted or _unwind_in(group)
         if stop is None:
             if isinstance(group, Exception):

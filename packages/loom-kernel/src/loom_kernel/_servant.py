@@ -51,6 +51,23 @@ class LoopStoppedError(Exception):
     """Internal: the event loop running the flow stopped or closed during its drive."""
 
 
+class _Held:
+    """A cancel a call held back: the task's cancel count before it, its message."""
+
+    __slots__ = ("awaits_left", "before", "message", "scheduled")
+
+    def __init__(self, before: int, message: Any) -> None:
+        self.before = before
+        self.message = message
+        self.awaits_left = 2
+        self.scheduled = False
+
+
+def _refused() -> Outcome:
+    """What a call handed over once its drive is over gets."""
+    return (None, LoopStoppedError("the drive of this flow is over"))
+
+
 def unwrap(outcome: Outcome) -> Any:
     """The value of a call made on the drive's thread, or its error raised here (in
     the caller's own frame, so a StopIteration stays what it was)."""
@@ -70,6 +87,8 @@ class Servant:
         self._fatal: BaseException | None = None
         self._thread: int | None = None  # the drive's thread, once it serves
         self._closed = False  # the drive is over: calls handed over now are refused
+        self._held: dict[asyncio.Task[Any], _Held] = {}  # cancels held back, by task
+        self._in_call: set[asyncio.Task[Any]] = set()  # tasks awaiting a call
 
     def serving_here(self) -> bool:
         """Whether this is the drive's thread, making one of the calls."""
@@ -88,26 +107,66 @@ class Servant:
         has left by then no longer does).
         """
         if self._closed:
-            return (None, LoopStoppedError("the drive of this flow is over"))
+            return _refused()
         future: asyncio.Future[Outcome] = self._loop.create_future()
         self._calls.put((context, fn, args, future))
-        deferred = False
-        while True:
-            try:
-                outcome = await asyncio.shield(future)
-                break
-            except asyncio.CancelledError:
-                if future.cancelled():  # the loop itself is going away
-                    raise
-                deferred = True
+        if self._closed and not future.done():  # the drive ended as it was handed over
+            future.set_result(_refused())
         task = asyncio.current_task()
-        if deferred and task is not None:
-            self._loop.call_soon(_cancel_again_if_wanted, task)  # once the task yields
+        held = None if task is None else self._held.get(task)
+        before = held.before if held is not None else 0 if task is None else task.cancelling()
+        if task is not None:
+            self._in_call.add(task)
+        try:
+            while True:
+                try:
+                    outcome = await asyncio.shield(future)
+                    break
+                except asyncio.CancelledError as cancel:
+                    if future.cancelled():  # the loop itself is going away
+                        raise
+                    if held is None and task is not None:
+                        message = cancel.args[0] if cancel.args else None
+                        held = self._held[task] = _Held(before, message)
+        finally:
+            if task is not None:
+                self._in_call.discard(task)
+        if held is not None and task is not None:
+            self._look_later(task, held)
         return outcome
+
+    def _look_later(self, task: asyncio.Task[Any], held: _Held) -> None:
+        if not held.scheduled:
+            held.scheduled = True
+            self._loop.call_soon(self._deliver, task)
+
+    def _deliver(self, task: asyncio.Task[Any]) -> None:
+        """A cancel a call held back lands where the loop, had the calls held it,
+        would have delivered it: at the task's second await that is not a call (a
+        timer due while the loop was held runs after the task's next wake-up), unless
+        it was withdrawn by then (`uncancel`, as a timeout's block does when left)."""
+        held = self._held.get(task)
+        if held is None:
+            return
+        held.scheduled = False
+        if task.done():
+            del self._held[task]
+            return
+        if task in self._in_call:
+            return  # that call's end looks again
+        held.awaits_left -= 1
+        if held.awaits_left > 0:
+            self._look_later(task, held)
+            return
+        del self._held[task]
+        if task.cancelling() > held.before:
+            task.uncancel()
+            task.cancel(held.message)
 
     def serve(self, done: concurrent.futures.Future[Any]) -> Any:
         """On the drive's thread: run the calls handed over until `done` (the flow's
-        coroutine, on the loop) is, and return its result or raise its error.
+        coroutine, on the loop) is, and return its result or raise its error. Calls
+        handed over once it returns (or raises) are refused with `LoopStoppedError`.
 
         Raises:
             LoopStoppedError: the loop stopped or closed first (the coroutine is cancelled).
@@ -116,34 +175,39 @@ class Servant:
         """
         self._thread = threading.get_ident()
         done.add_done_callback(lambda _: self._calls.put(None))
-        while True:
-            try:
-                call = self._calls.get(timeout=LOOP_CHECK)
-            except queue.Empty:
-                if self._loop.is_closed() or not self._loop.is_running():
-                    done.cancel()
-                    raise LoopStoppedError(
-                        "the event loop running the flow stopped during its drive"
-                    ) from None
-                continue
-            if call is None:
-                break
-            self._run(*call)
-        self._closed = True  # a call a task of the flow hands over later is refused
-        while True:
-            try:
-                left = self._calls.get_nowait()
-            except queue.Empty:
-                break
-            if left is not None:
-                refused: Outcome = (None, LoopStoppedError("the drive of this flow is over"))
-                with contextlib.suppress(RuntimeError):
-                    self._loop.call_soon_threadsafe(_settle, left[3], refused)
+        try:
+            while True:
+                try:
+                    call = self._calls.get(timeout=LOOP_CHECK)
+                except queue.Empty:
+                    if self._loop.is_closed() or not self._loop.is_running():
+                        done.cancel()
+                        raise LoopStoppedError(
+                            "the event loop running the flow stopped during its drive"
+                        ) from None
+                    continue
+                if call is None:
+                    break
+                self._run(*call)
+        finally:
+            self._close()
         if self._fatal is not None:
             raise self._fatal
         if done.cancelled():
             raise LoopStoppedError("the flow's task was cancelled: its event loop is closing")
         return done.result()
+
+    def _close(self) -> None:
+        """Refuse every call handed over from now on, and those still queued."""
+        self._closed = True
+        while True:
+            try:
+                left = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if left is not None:
+                with contextlib.suppress(RuntimeError):  # a closed loop runs nothing more
+                    self._loop.call_soon_threadsafe(_settle, left[3], _refused())
 
     def _run(
         self,
@@ -165,16 +229,8 @@ class Servant:
             self._loop.call_soon_threadsafe(_settle, future, outcome)
 
 
-def _cancel_again_if_wanted(task: asyncio.Task[Any]) -> None:
-    """A cancel a call held back: deliver it at the task's await, unless it was
-    withdrawn meanwhile (`uncancel`, as a timeout's block does when it is left)."""
-    if not task.done() and task.cancelling() > 0:
-        task.uncancel()
-        task.cancel()
-
-
 def _settle(future: asyncio.Future[Outcome], outcome: Outcome) -> None:
-    if not future.cancelled():
+    if not future.done():
         future.set_result(outcome)
 
 
