@@ -233,6 +233,32 @@ def test_a_run_woken_by_a_timer_is_driven_in_the_pool_and_released_on_stop() -> 
     assert engine.get("n").status is Status.RUNNING
 
 
+def test_a_timer_wake_released_before_its_first_step_journals_the_wake_and_no_step() -> None:
+    woken = threading.Event()
+    hold = threading.Event()
+
+    @flow(name="wakes", version="1")
+    def wakes(ctx: Context, _input: Any) -> Any:
+        ctx.sleep(0.05)
+        woken.set()
+        hold.wait(10)  # released here, before the first step after the wake
+        return ctx.step("after", lambda: _effect("after"))
+
+    store = MemoryStore()
+    engine = Engine(store, [*FLOWS, wakes], listeners=[])
+    engine.start("wakes", key="w")
+    worker = Worker(engine, grace=0.05, idle_poll=0.02).start()
+    assert woken.wait(10)
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    time.sleep(0.2)  # the grace is over: the drive is released
+    hold.set()
+    stopper.join(10)
+    assert "after" not in effects, "a released drive starts no step"
+    kinds = [record.kind for record in store.read("ex/w")]
+    assert kinds[-1] == "EXECUTION_RESUMED", "the wake landed; nothing after it"
+
+
 def test_a_visit_that_has_not_started_driving_is_released_too() -> None:
     class SlowReads(MemoryStore):
         slow = False

@@ -357,6 +357,9 @@ class _Replay:
             raise self._halt()  # a replay-check ends where recorded history does
         if self._control.pending:
             self._write([])  # the pending resume, at the exact head: the same check
+            if self._control.stopped:  # released meanwhile: the resume landed, no step
+                position = self._state.position
+                raise self._halt(ConflictError(self._stream, position, position))
             return
         stopped = self._control.stopped
         if (

@@ -175,12 +175,17 @@ class Servant:
         """
         self._thread = threading.get_ident()
         done.add_done_callback(lambda _: self._calls.put(None))
+        idle_looks = 0  # looks in a row that found the loop not running
         try:
             while True:
                 try:
                     call = self._calls.get(timeout=LOOP_CHECK)
                 except queue.Empty:
-                    if self._loop.is_closed() or not self._loop.is_running():
+                    # Twice in a row: a worker's loop restarting after a SystemExit
+                    # is not running for a moment, and its flows go on.
+                    running = not self._loop.is_closed() and self._loop.is_running()
+                    idle_looks = 0 if running else idle_looks + 1
+                    if self._loop.is_closed() or idle_looks >= 2:
                         done.cancel()
                         raise LoopStoppedError(
                             "the event loop running the flow stopped during its drive"
