@@ -191,6 +191,14 @@ def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it() ->
     assert list(engine.runs.open_runs()) == []
 
 
+def test_a_store_first_used_by_an_indexing_engine_is_marked_built_for_every_engine() -> None:
+    store = MemoryStore()
+    first = _engine(store)
+    assert first.runs.built(), "an empty store is indexed from its first run"
+    first.start("work", "done", key="r1")
+    assert _engine(store).runs.built(), "the mark is in the store, not in one engine"
+
+
 def test_a_store_written_before_the_index_is_indexed_by_its_first_recover() -> None:
     written = MemoryStore()
     engine = _engine(written)
