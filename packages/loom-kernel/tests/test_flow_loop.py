@@ -23,6 +23,7 @@ from loom_kernel import (
     Status,
     StepFailedError,
     Worker,
+    _servant,
     flow,
 )
 from loom_kernel.spi import NewRecord
@@ -571,7 +572,11 @@ def test_a_withdrawn_cancel_after_a_task_group_is_not_delivered_later() -> None:
     assert engine.start("loop.after_group").result == "slow"
 
 
-def test_a_flow_on_a_loop_that_stops_mid_step_leaves_no_task_behind_when_it_runs_again() -> None:
+def test_a_flow_on_a_loop_that_stops_mid_step_leaves_no_task_behind_when_it_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_servant, "LOOP_CHECK", 0.01)  # the drive looks at the loop often
+
     @flow(name="loop.paused", version="1")
     async def paused(ctx: AsyncContext, _input: Any) -> Any:
         await ctx.step("a", _slow_step)
@@ -583,7 +588,7 @@ def test_a_flow_on_a_loop_that_stops_mid_step_leaves_no_task_behind_when_it_runs
     try:
         main = loop.create_task(engine.start_async("loop.paused", None, key="p"))
         loop.run_until_complete(asyncio.sleep(0.05))  # the loop stops while step a runs
-        time.sleep(1.0)  # the drive's thread sees it stopped, and stops the drive
+        time.sleep(1.0)  # the drive's thread sees it stopped (twice), and stops the drive
         with pytest.raises(LoomError, match="stopped during its drive"):
             loop.run_until_complete(main)
         left = asyncio.all_tasks(loop)
