@@ -102,9 +102,9 @@ class Servant:
 
         The call cannot be cancelled, as it could not be when it held the loop: a
         cancel that reaches the awaiting task meanwhile (`asyncio.timeout`) waits for
-        the call, and lands where the loop would have let it, at the task's next
-        await, if whoever asked for it still does then (a timeout whose block the code
-        has left by then no longer does).
+        the call, and lands where the held loop would have let it (see `_deliver`), if
+        whoever asked for it still does then (a timeout whose block the code has left
+        by then no longer does).
         """
         if self._closed:
             return _refused()
