@@ -54,11 +54,17 @@ def napper(ctx: Context, seconds: float) -> Any:
 
 
 gate = threading.Event()
+at_gate = threading.Event()  # set once a "slow" run's step waits at the gate
+
+
+def _wait_at_gate(tag: str) -> Any:
+    at_gate.set()
+    return gate.wait(10) and _effect(f"{tag}:wait")
 
 
 @flow(name="slow", version="1")
 def slow(ctx: Context, tag: str) -> Any:
-    ctx.step("wait", lambda: gate.wait(10) and _effect(f"{tag}:wait"))
+    ctx.step("wait", lambda: _wait_at_gate(tag))
     return ctx.step("after", lambda: _effect(f"{tag}:after"))
 
 
@@ -82,6 +88,7 @@ def _engine(store: MemoryStore, **options: Any) -> Engine:
 def _clean() -> None:
     effects.clear()
     gate.clear()
+    at_gate.clear()
 
 
 def test_enqueue_journals_a_run_no_one_drives_until_a_worker_does() -> None:
@@ -173,9 +180,7 @@ def test_a_stopping_worker_releases_its_run_and_another_takes_it_at_once() -> No
     first = _engine(store, lease=3600.0)  # a lease that would keep the run an hour
     handle = first.enqueue("slow", "s")
     worker = Worker(first, idle_poll=0.02).start()
-    deadline = time.monotonic() + 10
-    while first.get(handle.id).owner is None and time.monotonic() < deadline:
-        time.sleep(0.01)
+    assert at_gate.wait(10), "the step is in flight (not merely claimed) when the stop comes"
     stopper = threading.Thread(target=worker.stop, kwargs={"grace": 0.0})
     stopper.start()
     time.sleep(0.1)
