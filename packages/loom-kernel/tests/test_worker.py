@@ -4,6 +4,7 @@ timers fire on their own, and a stopping worker lets go of what it holds."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections import Counter
@@ -25,6 +26,7 @@ from loom_kernel import (
     Worker,
     flow,
 )
+from loom_kernel._leases import driving_here
 from loom_kernel.events import ExecutionClaimed, ExecutionStarted
 
 effects: Counter[str] = Counter()
@@ -798,6 +800,49 @@ def test_a_handed_run_whose_drive_cannot_begin_is_let_go_and_found_by_a_poll() -
         handle = engine.enqueue("three", "x", key="x")
         assert handle.result(timeout=10) == ["x:0", "x:1", "x:2"], "let go, then polled"
     assert holds.count("x") >= 3
+
+
+def test_a_poll_that_sees_a_run_while_its_failed_drive_ends_looks_at_it_again() -> None:
+    # The poll reads the run's hint after the handed drive let it go but before its
+    # task is over: the run is still in flight there, so that poll cannot visit it.
+    # It must be looked at again once the task ends, not only at the next sweep.
+    store = MemoryStore()
+    engine = _engine(store, lease=600)  # the next sweep is minutes away
+    original_hold = engine._locks.hold
+    original_open_in = engine.runs.open_in
+    holds: list[str] = []
+    read_let_go = threading.Event()
+
+    @contextlib.contextmanager
+    def hold(key: str) -> Iterator[None]:
+        holds.append(key)
+        if holds.count("x") == 2:  # the handed drive's
+            raise RuntimeError("the drive could not take the run's lock")
+        with original_hold(key):
+            yield
+
+    def open_in(partition: str) -> Any:
+        found = original_open_in(partition)
+        if holds.count("x") >= 2 and not driving_here(engine.worker_id, "x"):
+            read_let_go.set()
+        return found
+
+    class WhileTheTaskEnds(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "working on x failed" in record.getMessage():
+                read_let_go.wait(timeout=10)  # a poll reads the hint, the run in flight
+
+    engine._locks.hold = hold  # type: ignore[method-assign]
+    engine.runs.open_in = open_in  # type: ignore[method-assign]
+    handler = WhileTheTaskEnds()
+    logging.getLogger("loom").addHandler(handler)
+    try:
+        with Worker(engine, concurrency=1, idle_poll=0.02):
+            handle = engine.enqueue("three", "x", key="x")
+            assert handle.result(timeout=10) == ["x:0", "x:1", "x:2"], "looked at again"
+    finally:
+        logging.getLogger("loom").removeHandler(handler)
+    assert read_let_go.is_set()
 
 
 def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:

@@ -153,8 +153,10 @@ class Worker:
         self._known: dict[str, set[OpenHint]] = {}
         # runs whose hint was visited before their start landed -> times looked at
         self._not_started: dict[str, int] = {}
-        self._look_again_next: set[str] = set()  # of those, the next poll's
-        self._look_again_after: set[str] = set()  # of those, once their visit ends
+        self._look_again_next: set[str] = set()  # runs the next poll looks at again
+        # runs to look at again once their task in flight ends (not started, or seen
+        # open by a poll while a task of theirs was in flight)
+        self._look_again_after: set[str] = set()
         self._heads: dict[str, int] = {}  # partition -> its head when last read
         self._backlog: deque[_Task] = deque()  # work found while every slot was busy
         self._released = threading.Event()  # set once the grace on stop is over
@@ -548,9 +550,8 @@ class Worker:
                     deferred = True
                     continue
                 known.add(hint)
-                if self._submit(
-                    pool, _Task(hint.execution_id, partial(self._visit, hint)), queue=True
-                ):
+                task = _Task(hint.execution_id, partial(self._visit, hint))
+                if self._submit(pool, task, queue=True, look_again=True):
                     handed += 1
             if deferred:
                 self._heads.pop(partition, None)
@@ -582,11 +583,27 @@ class Worker:
             partition
         ) == self._heads.get(partition)
 
-    def _submit(self, pool: ThreadPoolExecutor, task: _Task, *, queue: bool = False) -> bool:
+    def _submit(
+        self,
+        pool: ThreadPoolExecutor,
+        task: _Task,
+        *,
+        queue: bool = False,
+        look_again: bool = False,
+    ) -> bool:
         """Run `task` on the pool, or (with `queue`) keep it for the next free slot;
-        False when its run is in flight or queued already, or every slot is busy."""
+        False when its run is in flight or queued already, or every slot is busy.
+
+        With `look_again`, a run in flight is looked at again by the first poll after
+        its task ends: the task may have begun before what the poll saw (a handed drive
+        that failed before it held the run, say), and left the run open for nobody.
+        """
         with self._lock:
-            if task.execution_id in self._in_flight or task.execution_id in self._queued:
+            if task.execution_id in self._in_flight:
+                if look_again:
+                    self._look_again_after.add(task.execution_id)
+                return False
+            if task.execution_id in self._queued:
                 return False
             if len(self._in_flight) >= self.concurrency:
                 if not queue:
