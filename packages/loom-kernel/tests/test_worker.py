@@ -185,7 +185,7 @@ def test_a_stopping_worker_releases_its_run_and_another_takes_it_at_once() -> No
     assert at_gate.wait(10), "the step is in flight (not merely claimed) when the stop comes"
     stopper = threading.Thread(target=worker.stop, kwargs={"grace": 0.0})
     stopper.start()
-    time.sleep(0.1)
+    assert worker._released.wait(10)
     gate.set()  # the step in flight finishes; the next one is not started
     stopper.join(10)
     assert not stopper.is_alive()
@@ -195,6 +195,33 @@ def test_a_stopping_worker_releases_its_run_and_another_takes_it_at_once() -> No
     with Worker(_engine(store, lease=3600.0), idle_poll=0.02):
         assert handle.result(timeout=10) == "s:after"
     assert effects == Counter({"s:wait": 1, "s:after": 1})
+
+
+def test_a_run_released_at_a_stop_is_taken_by_a_running_worker_at_its_next_poll() -> None:
+    # The other worker saw the run open (driven by the first) long before the stop:
+    # with a lease of an hour its next sweep is half an hour away.
+    store = MemoryStore()
+    first = _engine(store, lease=3600.0)
+    handle = first.enqueue("slow", "r")
+    worker = Worker(first, idle_poll=0.02).start()
+    assert at_gate.wait(10)
+    other = Worker(_engine(store, lease=3600.0), idle_poll=0.02).start()
+    try:
+        deadline = time.monotonic() + 10
+        while other.stats.visited == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # it has looked at the run, and left it to its owner
+        assert other.stats.visited >= 1
+        assert other.stats.driven == 0
+        stopper = threading.Thread(target=worker.stop, kwargs={"grace": 0.0})
+        stopper.start()
+        assert worker._released.wait(10)
+        gate.set()
+        stopper.join(10)
+        assert first.get(handle.id).status is Status.RUNNING
+        assert handle.result(timeout=10) == "r:after", "taken over at once"
+    finally:
+        other.stop()
+    assert effects == Counter({"r:wait": 1, "r:after": 1})
 
 
 def test_a_worker_does_not_take_a_run_its_owner_is_driving() -> None:

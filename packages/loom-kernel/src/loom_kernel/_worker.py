@@ -36,6 +36,7 @@ from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
 from loom_kernel._run_index import OpenHint, partition_of
 from loom_kernel._servant import FLOW_LOOP, LoopThread
+from loom_kernel._state import Status
 from loom_kernel._timers import TimerEntry
 
 if TYPE_CHECKING:
@@ -160,6 +161,7 @@ class Worker:
         self._heads: dict[str, int] = {}  # partition -> its head when last read
         self._backlog: deque[_Task] = deque()  # work found while every slot was busy
         self._released = threading.Event()  # set once the grace on stop is over
+        self._released_runs: list[str] = []  # the runs in flight then
         self._repair = False  # an index partition could not be read: recover() rewrites it
         self._queued: set[str] = set()  # their ids
         self._handed: set[str] = set()  # of those, runs enqueue handed over (or will)
@@ -241,6 +243,7 @@ class Worker:
             for number, handler in previous.items():
                 signal.signal(number, handler)
             self._release_lease()
+            self._nudge_released()
             if status is not None:
                 status.write("\n")
             logger.info("loom: worker %s stopped: %s", self.engine.worker_id, self.stats)
@@ -823,6 +826,7 @@ class Worker:
             left = sorted(self._in_flight)
         if left:
             logger.info("loom: releasing %d run(s) at their next step: %s", len(left), left)
+        self._released_runs = left
         self._released.set()  # every drive made by this worker stops before its next step
 
     def _release_lease(self) -> None:
@@ -832,6 +836,24 @@ class Worker:
             self.engine._heartbeat.beat()
         except LoomError as exc:
             logger.warning("loom: last beat of %s: %s", self.engine.worker_id, exc)
+
+    def _nudge_released(self) -> None:
+        """After the last beat: a nudge in the run index for each run released at the
+        stop and left running, so that workers already running look at it at their
+        next poll (they saw it open before, while this one drove it), not at their next
+        sweep. A queued run needs none: its release had it wait on its queue again."""
+        engine = self.engine
+        for execution_id in self._released_runs:
+            if driving_here(engine.worker_id, execution_id):
+                continue  # an engine of this process drives it now (an inline resume)
+            try:
+                status, owner, queue, flow_name = engine._view(
+                    execution_id, lambda state: (state.status, state.owner, state.queue, state.flow)
+                )
+                if status is Status.RUNNING and owner == engine.worker_id and queue is None:
+                    engine.runs.nudged(execution_id, flow_name)
+            except LoomError as exc:  # held by no one now: found at the next sweeps
+                logger.warning("loom: releasing %s: %s: %s", execution_id, type(exc).__name__, exc)
 
     def _install_signals(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
