@@ -403,6 +403,14 @@ def _equivalents(listing: Path, mutants: list[Mutant]) -> set[str]:
     return found
 
 
+def _shard(text: str) -> tuple[int, int]:
+    """`K/N` as (K, N), with 1 <= K <= N."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text)
+    if match is None or not 1 <= int(match[1]) <= int(match[2]):
+        raise SystemExit(f"--shard takes K/N with 1 <= K <= N, not {text!r}")
+    return int(match[1]), int(match[2])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sample", type=int, default=200)
@@ -418,7 +426,14 @@ def main() -> int:
         default=None,
         help="run these mutant ids (as printed) instead of a sample, e.g. to check survivors",
     )
+    parser.add_argument(
+        "--shard",
+        default="1/1",
+        help="K/N: run the K-th of N interleaved parts of the sample (N processes, each "
+        "with its own scratch copy, share the cores; add their counts for the score)",
+    )
     args = parser.parse_args()
+    shard, shards = _shard(args.shard)
     packages = [p for group in (args.only or sorted(GROUPS)) for p in GROUPS[group]]
     mutants = _all_mutants(packages)
     equivalent = _equivalents(args.equivalent, mutants) if args.equivalent.exists() else set()
@@ -446,7 +461,10 @@ def main() -> int:
         counts = {"caught": 0, "survived": 0, "timeout": 0, "equivalent": 0}
         survivors: list[Mutant] = []
         started = time.monotonic()
-        for index, mutant in enumerate(sorted(chosen, key=lambda m: (str(m.path), m.number)), 1):
+        in_order = sorted(chosen, key=lambda m: (str(m.path), m.number))
+        for index, mutant in enumerate(in_order, 1):
+            if index % shards != shard - 1:
+                continue
             if mutant.id in equivalent:
                 counts["equivalent"] += 1
                 continue
