@@ -126,3 +126,94 @@ def test_async_multi_gate(payloads: list[str]) -> None:
     for payload in payloads:
         last = engine.resume(ex.id, payload)
     assert last.result == payloads
+
+
+def _async_ship(with_patch: bool, ran: list[str]) -> Any:
+    @flow(name="async_ship", version="1")
+    async def ship(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.step("pack", lambda: "packed")
+        if with_patch and ctx.patched("insure"):
+            await ctx.step("insure", lambda: ran.append("insured"))
+        label = await ctx.suspend("label")
+        return [label, await ctx.suspend("delivered")]
+
+    return ship
+
+
+def test_patched_in_an_async_flow_is_false_for_history_and_true_for_new_runs() -> None:
+    ran: list[str] = []
+    store = MemoryStore()
+    old = Engine(store, [_async_ship(False, ran)]).start("async_ship", key="old")
+    assert old.waiting_on == "label"
+    engine = Engine(store, [_async_ship(True, ran)])
+    assert engine.resume("old", "L1").waiting_on == "delivered"
+    assert ran == [], "history from before the patch replays without the new step"
+    new = engine.start("async_ship", key="new")
+    assert ran == ["insured"]
+    assert [f.name for f in engine.frames(new.id).values()] == [
+        "pack",
+        "loom.patched:insure",
+        "insure",
+    ]
+    fresh = Engine(store, [_async_ship(True, ran)])
+    fresh.resume("new", "L2")
+    assert fresh.resume("new", "ok").result == ["L2", "ok"]
+    assert ran == ["insured"], "a replay of the new run takes the patched branch again"
+
+
+def test_a_typed_async_step_is_structured_again_when_it_replays() -> None:
+    import attrs
+
+    @attrs.frozen
+    class Quote:
+        price: int
+        currency: str
+
+    @flow(name="typed", version="1")
+    async def typed(ctx: AsyncContext, _input: Any) -> Any:
+        quote = await ctx.step("quote", lambda: Quote(10, "EUR"), returns=Quote)
+        assert isinstance(quote, Quote)
+        go = await ctx.suspend("go")
+        return [quote.price, quote.currency, go]
+
+    store = MemoryStore()
+    Engine(store, [typed]).start("typed", key="t")
+    done = Engine(store, [typed]).resume("t", "yes")  # a new engine: the step replays
+    assert done.status is Status.COMPLETED, done.error
+    assert done.result == [10, "EUR", "yes"]
+
+
+def test_a_failure_out_of_a_task_group_fails_the_run_with_the_group() -> None:
+    async def boom() -> None:
+        raise ValueError("child failed")
+
+    @flow(name="grouped_failure", version="1")
+    async def grouped(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.step("before", lambda: 1)
+        async with asyncio.TaskGroup() as tasks:
+            tasks.create_task(boom())
+        return "unreached"
+
+    store = MemoryStore()
+    failed = Engine(store, [grouped]).start("grouped_failure", key="f")
+    assert failed.status is Status.FAILED
+    assert failed.error is not None
+    assert failed.error.type == "ExceptionGroup"
+    assert [record.kind for record in store.read("ex/f")][-1] == "EXECUTION_FAILED"
+
+
+def test_a_group_of_base_exceptions_out_of_a_flow_is_a_crash_not_a_failure() -> None:
+    @flow(name="grouped_crash", version="1")
+    async def grouped(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.step("before", lambda: 1)
+        raise BaseExceptionGroup("the process goes down", [Crash()])
+
+    store = MemoryStore()
+    with pytest.raises(BaseExceptionGroup) as caught:
+        Engine(store, [grouped]).start("grouped_crash", key="c")
+    assert caught.group_contains(Crash)
+    assert Engine(store, [grouped]).get("c").status is Status.RUNNING
+    assert [record.kind for record in store.read("ex/c")] == [
+        "EXECUTION_STARTED",
+        "STEP_COMPLETED",
+    ]

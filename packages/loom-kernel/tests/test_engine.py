@@ -380,10 +380,18 @@ def test_attrs_and_dataclass_results_go_through_the_converter(make_engine: Engin
     }
 
 
+@attrs.define
+class _Half:
+    """An attrs class; an instance made without __init__ lacks its field."""
+
+    n: int
+
+
 @pytest.mark.parametrize(
     "value",
-    [{1, 2}, "\ud800", {"key": ["\udfff"]}],  # a lone surrogate has no UTF-8 form
-    ids=["set", "lone surrogate", "nested lone surrogate"],
+    # A lone surrogate has no UTF-8 form; cattrs cannot unstructure a half-made instance.
+    [{1, 2}, "\ud800", {"key": ["\udfff"]}, object.__new__(_Half)],
+    ids=["set", "lone surrogate", "nested lone surrogate", "unreadable attrs instance"],
 )
 def test_a_step_result_that_is_not_json_is_refused_before_it_is_journaled(
     make_engine: EngineFactory, store: JournalStore, value: Any

@@ -317,6 +317,23 @@ def test_a_gate_after_a_swallowed_park_journals_nothing() -> None:
     assert kinds == ["EXECUTION_STARTED", "EXECUTION_SUSPENDED"]
 
 
+def test_patched_after_a_swallowed_park_journals_nothing() -> None:
+    import contextlib
+
+    @flow(name="stubborn_patch", version="1")
+    def stubborn(ctx: Context, _input: Any) -> Any:
+        with contextlib.suppress(BaseException):
+            ctx.suspend("first")
+        with contextlib.suppress(BaseException):
+            ctx.patched("later")
+        return "went on"
+
+    box = sandbox(stubborn)
+    assert box.engine.start("stubborn_patch", key="s").waiting_on == "first"
+    kinds = [record.kind for record in box.store.read("ex/s")]
+    assert kinds == ["EXECUTION_STARTED", "EXECUTION_SUSPENDED"]
+
+
 @pytest.mark.parametrize("change", ["", 7, None])
 def test_a_change_id_must_be_a_non_empty_str(change: Any) -> None:
     @flow(name="patchy", version="1")
