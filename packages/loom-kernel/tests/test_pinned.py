@@ -710,3 +710,39 @@ def test_a_second_start_by_key_of_a_run_just_started_writes_no_second_hint() -> 
     box.engine.enqueue("counter", 0, key="once")
     box.engine.start("counter", 0, key="once")
     assert box.store.head(hints) == before
+
+
+class _CostlyHeads(MemoryStore):
+    """A store whose head is a round trip (as on S3): no owner check before a step."""
+
+    head_is_cheap = False
+
+
+@pytest.mark.parametrize("store_type", [MemoryStore, _CostlyHeads])
+def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
+    store_type: type[MemoryStore],
+) -> None:
+    """Two engines start the same key at once; the second's head check saw no run, but
+    the first's start landed before its own: it returns the run the first started and
+    drives nothing (its steps ran once)."""
+    ran: list[str] = []
+
+    @flow(name="raced", version="1")
+    def raced(ctx: Context, tag: str) -> Any:
+        return ctx.step("once", lambda: ran.append(tag) or tag)
+
+    store = store_type()
+    first = Engine(store, [raced], listeners=[])
+    second = Engine(store, [raced], listeners=[])
+    opened = second.runs.opened
+
+    def opened_after_the_first_start(*args: Any) -> None:
+        first.start("raced", "first", key="k")  # lands between the check and the append
+        opened(*args)
+
+    second.runs.opened = opened_after_the_first_start  # type: ignore[method-assign]
+    view = second.start("raced", "second", key="k")
+    assert view.status is Status.COMPLETED
+    assert view.result == "first"
+    assert ran == ["first"]
+    assert [record.kind for record in store.read("ex/k")].count("EXECUTION_STARTED") == 1

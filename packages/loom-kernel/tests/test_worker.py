@@ -959,6 +959,32 @@ def test_a_task_a_freed_slot_takes_from_the_backlog_is_in_flight_while_it_runs()
     assert (worker._in_flight, worker._queued, worker.stats.in_flight) == (set(), set(), 0)
 
 
+def test_a_start_handed_to_workers_with_no_slot_and_no_place_runs_inline() -> None:
+    """A worker running, but its slot busy and its queue of handed runs full: the run
+    `_start_or_hand` starts is driven inline, on the caller's thread, before it returns."""
+    from loom_kernel._worker import _HANDED_PER_SLOT
+
+    threads: dict[str, str] = {}
+
+    @flow(name="where", version="1")
+    def where(ctx: Context, tag: str) -> Any:
+        return ctx.step("s", lambda: threads.setdefault(tag, threading.current_thread().name))
+
+    store = MemoryStore()
+    engine = Engine(store, [*FLOWS, where], listeners=[])
+    with Worker(engine, concurrency=1, idle_poll=0.05) as worker:
+        busy = engine.enqueue("slow", "busy")
+        assert at_gate.wait(10)
+        queued = [engine.enqueue("three", f"q{n}") for n in range(_HANDED_PER_SLOT)]
+        assert len(worker._handed) == _HANDED_PER_SLOT, "its queue of handed runs is full"
+        handle = engine._start_or_hand("where", "inline", "inline", None)
+        assert engine.get(handle.id).status is Status.COMPLETED, "driven before returning"
+        assert threads == {"inline": threading.current_thread().name}
+        gate.set()
+        assert busy.result(timeout=10) == "busy:after"
+        assert all(run.result(timeout=10)[0].startswith("q") for run in queued)
+
+
 def test_a_start_handed_to_no_worker_runs_inline_and_one_taken_by_a_worker_does_not() -> None:
     """`_start_or_hand`, what orchestration's start_child uses: with no worker of this
     engine running, the run is driven inline before the call returns."""
