@@ -727,9 +727,13 @@ def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
     drives nothing (its steps ran once)."""
     ran: list[str] = []
 
+    def once(tag: str) -> str:
+        ran.append(tag)
+        return tag
+
     @flow(name="raced", version="1")
     def raced(ctx: Context, tag: str) -> Any:
-        return ctx.step("once", lambda: ran.append(tag) or tag)
+        return ctx.step("once", once, tag)
 
     store = store_type()
     first = Engine(store, [raced], listeners=[])
@@ -740,7 +744,7 @@ def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
         first.start("raced", "first", key="k")  # lands between the check and the append
         opened(*args)
 
-    second.runs.opened = opened_after_the_first_start  # type: ignore[method-assign]
+    second.runs.opened = opened_after_the_first_start  # type: ignore[method-assign,assignment]
     view = second.start("raced", "second", key="k")
     assert view.status is Status.COMPLETED
     assert view.result == "first"

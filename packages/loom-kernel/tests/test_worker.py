@@ -224,6 +224,98 @@ def test_a_run_released_at_a_stop_is_taken_by_a_running_worker_at_its_next_poll(
     assert effects == Counter({"r:wait": 1, "r:after": 1})
 
 
+@flow(name="elsewhere", version="1")
+def elsewhere(ctx: Context, _input: Any) -> Any:
+    return ctx.step("s", lambda: "done")
+
+
+def _stop_with_runs_released(worker: Worker, engine: Engine, runs: list[str]) -> None:
+    """Stop `worker` as if `runs` were in flight when its grace ended: each is left
+    running, owned by `engine` (their flow is one its engine lacks, so that its polls
+    leave them alone)."""
+    starter = Engine(engine.store, [elsewhere], listeners=[])
+    for execution_id in runs:
+        starter.enqueue("elsewhere", key=execution_id)  # no worker: nobody's
+        state = starter._checkout(execution_id)
+        starter._append(state, [ExecutionClaimed(engine.worker_id, None)])  # this engine's
+        assert engine.get(execution_id).owner == engine.worker_id
+    worker._wind_down = lambda: setattr(worker, "_released_runs", runs)  # type: ignore[method-assign]
+    worker.stop()
+
+
+def test_the_nudges_of_a_stop_end_at_the_first_store_failure() -> None:
+    store = MemoryStore()
+    engine = _engine(store, lease=3600.0)
+    worker = Worker(engine, idle_poll=0.02)
+    calls: list[str] = []
+
+    def down(execution_id: str, flow_name: str) -> None:
+        calls.append(execution_id)
+        raise StoreUnavailableError("the store went away at the stop")
+
+    engine.runs.nudged = down  # type: ignore[method-assign,assignment]
+    worker.start()
+    _stop_with_runs_released(worker, engine, ["a", "b", "c"])
+    assert calls == ["a"], "one failed call, not one per released run"
+    assert worker._stopped.is_set()
+
+
+def test_a_stop_whose_last_beat_fails_nudges_nothing_and_still_ends() -> None:
+    store = MemoryStore()
+    engine = _engine(store, lease=3600.0)
+    worker = Worker(engine, idle_poll=0.02).start()
+    nudged: list[str] = []
+    engine.runs.nudged = lambda execution_id, _flow: nudged.append(execution_id)  # type: ignore[method-assign,assignment]
+
+    def no_beat() -> None:
+        raise StoreUnavailableError("the last beat cannot be written")
+
+    engine._heartbeat.beat = no_beat  # type: ignore[method-assign]
+    _stop_with_runs_released(worker, engine, ["a"])
+    assert nudged == [], "the old beat still lists the run: a nudge would find it held"
+    assert worker._stopped.is_set()
+
+
+def test_a_worker_that_fails_as_it_stops_still_says_it_stopped() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+
+    def broken() -> None:
+        raise OSError("a store that breaks its contract")
+
+    worker = Worker(engine, idle_poll=0.02)
+    engine._heartbeat.beat = broken  # type: ignore[method-assign]
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run(handle_signals=False)
+        except OSError as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=run)
+    runner.start()
+    assert worker._ready.wait(10)
+    stopper = threading.Thread(target=worker.stop, daemon=True)
+    stopper.start()
+    stopper.join(10)
+    assert not stopper.is_alive(), "stop() returns once run() has said it stopped"
+    runner.join(10)
+    assert [str(exc) for exc in errors] == ["a store that breaks its contract"]
+
+
+def test_a_released_run_whose_start_never_landed_is_not_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = MemoryStore()
+    engine = _engine(store, lease=3600.0)
+    worker = Worker(engine, idle_poll=0.02).start()
+    worker._wind_down = lambda: setattr(worker, "_released_runs", ["never"])  # type: ignore[method-assign]
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        worker.stop()
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
 def test_a_worker_does_not_take_a_run_its_owner_is_driving() -> None:
     store = MemoryStore()
     inline = _engine(store)
@@ -870,6 +962,22 @@ def test_a_poll_that_sees_a_run_while_its_failed_drive_ends_looks_at_it_again() 
     finally:
         logging.getLogger("loom").removeHandler(handler)
     assert read_let_go.is_set()
+
+
+def test_a_run_a_poll_saw_while_it_was_reserved_is_looked_at_once_given_back() -> None:
+    store = MemoryStore()
+    engine = _engine(store, lease=600.0)  # the next sweep is minutes away
+    worker = Worker(engine, concurrency=2, idle_poll=0.02).start()
+    try:
+        deadline = time.monotonic() + 10
+        assert worker._reserve("x", queue=False)  # as enqueue does before the start
+        _engine(store).enqueue("three", "x", key="x")  # another engine's start lands
+        while "x" not in worker._look_again_after and time.monotonic() < deadline:
+            time.sleep(0.01)  # a poll saw it open, reserved here
+        worker._unreserve("x")  # the reservation is given back (the key existed)
+        assert engine.handle("x").result(timeout=10) == ["x:0", "x:1", "x:2"]
+    finally:
+        worker.stop()
 
 
 def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:

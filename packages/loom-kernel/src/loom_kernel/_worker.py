@@ -30,7 +30,13 @@ import attrs
 
 from loom_kernel._context import RELEASE
 from loom_kernel._engine import NOT_STARTED, QueuedDrive
-from loom_kernel._errors import ConflictError, InvalidArgumentError, LoomError, SchemaError
+from loom_kernel._errors import (
+    ConflictError,
+    ExecutionNotFoundError,
+    InvalidArgumentError,
+    LoomError,
+    SchemaError,
+)
 from loom_kernel._leases import driving_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
@@ -239,15 +245,17 @@ class Worker:
                 self._pool = None
             pool.shutdown(wait=True)
             self._flows.close()
-            self._let_go_handed(everything=True)
-            for number, handler in previous.items():
-                signal.signal(number, handler)
-            self._release_lease()
-            self._nudge_released()
-            if status is not None:
-                status.write("\n")
-            logger.info("loom: worker %s stopped: %s", self.engine.worker_id, self.stats)
-            self._stopped.set()
+            try:
+                self._let_go_handed(everything=True)
+                if self._release_lease():
+                    self._nudge_released()
+            finally:  # a second signal exits at once until here
+                for number, handler in previous.items():
+                    signal.signal(number, handler)
+                if status is not None:
+                    status.write("\n")
+                logger.info("loom: worker %s stopped: %s", self.engine.worker_id, self.stats)
+                self._stopped.set()
 
     # -- polling ----------------------------------------------------------------
 
@@ -552,9 +560,10 @@ class Worker:
                     # (an enqueue): not seen yet, and the partition is read again.
                     deferred = True
                     continue
+                fresh = hint not in known  # a sweep's look at a known hint is no news
                 known.add(hint)
                 task = _Task(hint.execution_id, partial(self._visit, hint))
-                if self._submit(pool, task, queue=True, look_again=True):
+                if self._submit(pool, task, queue=True, look_again=fresh):
                     handed += 1
             if deferred:
                 self._heads.pop(partition, None)
@@ -651,6 +660,10 @@ class Worker:
             self._in_flight.discard(execution_id)
             self._queued.discard(execution_id)
             self._handed.discard(execution_id)
+            if execution_id in self._look_again_after:  # seen by a poll while reserved
+                self._look_again_after.discard(execution_id)
+                self._look_again_next.add(execution_id)
+                self._wake.set()
             for stale in [t for t in self._backlog if t.execution_id == execution_id]:
                 self._backlog.remove(stale)
             pool = self._pool
@@ -829,19 +842,24 @@ class Worker:
         self._released_runs = left
         self._released.set()  # every drive made by this worker stops before its next step
 
-    def _release_lease(self) -> None:
+    def _release_lease(self) -> bool:
         """A last beat listing nothing, so the runs this worker let go are taken over
-        at once rather than a lease later."""
+        at once rather than a lease later; whether it was written."""
         try:
             self.engine._heartbeat.beat()
         except LoomError as exc:
             logger.warning("loom: last beat of %s: %s", self.engine.worker_id, exc)
+            return False
+        return True
 
     def _nudge_released(self) -> None:
         """After the last beat: a nudge in the run index for each run released at the
         stop and left running, so that workers already running look at it at their
         next poll (they saw it open before, while this one drove it), not at their next
-        sweep. A queued run needs none: its release had it wait on its queue again."""
+        sweep. A queued run needs none: its release had it wait on its queue again.
+
+        The first failure ends the nudges (the store is likely down, and each call
+        could take its full timeout): the runs left are found at the next sweeps."""
         engine = self.engine
         for execution_id in self._released_runs:
             if driving_here(engine.worker_id, execution_id):
@@ -852,8 +870,16 @@ class Worker:
                 )
                 if status is Status.RUNNING and owner == engine.worker_id and queue is None:
                     engine.runs.nudged(execution_id, flow_name)
-            except LoomError as exc:  # held by no one now: found at the next sweeps
-                logger.warning("loom: releasing %s: %s: %s", execution_id, type(exc).__name__, exc)
+            except ExecutionNotFoundError:
+                continue  # a reservation, or a hint, whose start never landed
+            except Exception as exc:  # the stop goes on, whatever the store did
+                logger.warning(
+                    "loom: releasing %s: %s: %s; the runs released are found at the next sweeps",
+                    execution_id,
+                    type(exc).__name__,
+                    exc,
+                )
+                return
 
     def _install_signals(self) -> dict[int, Any]:
         if threading.current_thread() is not threading.main_thread():
