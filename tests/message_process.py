@@ -29,7 +29,7 @@ def main() -> int:
     store = open_store(url)
     if mode == "send-then-die":
         engine = Engine(store, [consume(Path(side))], listeners=[])
-        engine._deliver = lambda _id: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign,assignment]
+        engine._deliver = lambda _id: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign,assignment,misc]
         engine.send("inbox", sys.argv[4], key=sys.argv[4])
         return 1  # never reached
     if mode == "send-and-drive-die-on":

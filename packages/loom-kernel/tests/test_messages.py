@@ -538,10 +538,39 @@ def test_a_send_that_does_not_drive_leaves_the_wake_to_a_worker() -> None:
         deadline = time.monotonic() + 10
         while worker.stats.visited == 0 and time.monotonic() < deadline:
             time.sleep(0.01)  # the worker has seen the run parked
-        engine._deliver = lambda _id: pytest.fail("the sender drove it")  # type: ignore[method-assign,assignment]
+        engine._deliver = lambda _id: pytest.fail("the sender drove it")  # type: ignore[method-assign,assignment,misc]
         engine.send("w", "one", drive=False)
         engine.send("w", "two", drive=False)
         assert engine.handle("w").result(timeout=10) == ["one", "two"]
+
+
+def test_a_worker_without_the_code_leaves_a_waiting_message_alone_and_writes_nothing() -> None:
+    """Its visits find the message but cannot deliver it: a nudge from each would have
+    the next poll visit again, an index record per poll for as long as no worker with
+    the code runs. The sender's nudge is what has those workers look."""
+    from loom_kernel import Worker
+
+    @flow(name="inbox.unrelated")
+    def unrelated(ctx: Context, _input: Any) -> Any:
+        return None
+
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.two", None, key="x")
+    engine.send("x", "one", drive=False)
+    hints = f"runs/open/{partition_of('x')}"
+    lacking = Engine(store, [unrelated], listeners=[], lease=600.0)
+    with Worker(lacking, idle_poll=0.02) as worker:
+        deadline = time.monotonic() + 10
+        while worker.stats.visited == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        head = store.head(hints)
+        time.sleep(0.3)  # about fifteen polls
+        assert store.head(hints) == head, "its visits wrote to the run index"
+        assert worker.stats.visited == 1
+    with Worker(Engine(store, FLOWS, listeners=[], lease=600.0), idle_poll=0.02):
+        engine.send("x", "two", drive=False)
+        assert engine.handle("x").result(timeout=10) == ["one", "two"]
 
 
 # -- races between engines (an adversarial review) -------------------------------------

@@ -917,24 +917,26 @@ class Engine:
             self._cache.give_back(state)
         return position
 
-    def _deliver(self, execution_id: str) -> Execution | None:
+    def _deliver(self, execution_id: str, *, nudge: bool = True) -> Execution | None:
         """Hand the first waiting message to the gate a run is parked at, if that gate
         takes it, and drive the run on; None when there was nothing to deliver here
         (see `_deliver_held`)."""
-        execution = self._deliver_held(execution_id)
+        execution = self._deliver_held(execution_id, nudge=nudge)
         return None if execution is None else self._settled(execution)
 
-    def _deliver_held(self, execution_id: str) -> Execution | None:
+    def _deliver_held(self, execution_id: str, *, nudge: bool = True) -> Execution | None:
         """`_deliver` without calling the listeners. None when the run waits for no
         message that is there, when another writer moved it first (it reads the inbox
         itself from there), or when this engine lacks its flow's code: the run index
-        then has the workers that have it look."""
+        then has the workers that have it look (with `nudge`: a visit from the index
+        makes none, or each visit's nudge would bring the next)."""
         with self._locks.hold(execution_id):
             state = self._checkout(execution_id)
             try:
                 message = self._waiting_message(state)
                 if message is not None and state.queue is None and not self._hosts(state):
-                    self.runs.nudged(execution_id, state.flow)
+                    if nudge:
+                        self.runs.nudged(execution_id, state.flow)
                     message = None
             except LoomError:
                 self._cache.give_back(state)
@@ -1339,7 +1341,7 @@ class Engine:
         self._settled(execution, delivered)
         if execution.status is Status.SUSPENDED and _waits_for_messages(execution.waiting_on):
             # A sender that appended its message and stopped before waking the run.
-            woken = self._deliver(execution_id)
+            woken = self._deliver(execution_id, nudge=False)
             if woken is not None:
                 self._settled(woken, delivered)
                 driven = execution_id
