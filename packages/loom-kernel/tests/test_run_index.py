@@ -128,6 +128,17 @@ def test_a_hint_whose_run_never_started_is_dropped_once_its_writer_is_gone() -> 
     assert list(engine.runs.open_runs()) == []
 
 
+def test_a_partition_deleted_under_the_index_reads_as_empty() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    index = RunIndex(store, clock)
+    index.opened("gone", "work", REMOTE)
+    partition = partition_of("gone")
+    assert [hint.execution_id for hint in index.open_in(partition)[1]] == ["gone"]
+    store.delete(f"runs/open/{partition}")
+    assert index.open_in(partition) == (0, [])
+    assert list(RunIndex(store, clock).open_runs([partition])) == []
+
+
 def test_a_hint_of_a_dead_process_of_this_machine_is_dropped_at_once() -> None:
     from loom_kernel._leases import _THIS_MACHINE
 

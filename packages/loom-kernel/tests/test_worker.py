@@ -690,6 +690,63 @@ def test_the_live_status_line_shows_what_the_worker_did() -> None:
     ).ljust(80)
 
 
+def test_run_with_a_status_stream_writes_the_live_line_and_ends_it() -> None:
+    import io
+
+    engine = _engine(MemoryStore(), worker_id="w2")
+    out = io.StringIO()
+    worker = Worker(engine, idle_poll=0.02)
+    runner = threading.Thread(target=worker.run, kwargs={"handle_signals": False, "status": out})
+    runner.start()
+    assert worker._ready.wait(10)
+    assert engine.enqueue("three", "s").result(timeout=10) == ["s:0", "s:1", "s:2"]
+    deadline = time.monotonic() + 10
+    while "driven 1" not in out.getvalue() and time.monotonic() < deadline:
+        time.sleep(0.01)  # the line is redrawn at most once a second
+    worker.stop()
+    runner.join(10)
+    text = out.getvalue()
+    assert text.startswith("\rloom worker w2: driving ")
+    assert "driven 1" in text
+    assert text.endswith("\n"), "the line is ended when the worker stops"
+
+
+def test_terminal_status_is_stderr_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from loom_kernel._worker import terminal_status
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    assert terminal_status() is sys.stderr
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    assert terminal_status() is None
+
+
+def test_a_result_with_no_timeout_sees_a_run_another_engine_finishes() -> None:
+    """Nothing in this engine says when another engine ends the run: with no timeout
+    the handle still looks again, at growing pauses, and returns."""
+    store = MemoryStore()
+    waiting = _engine(store)
+    handle = waiting.enqueue("slow", "o")
+    results: list[Any] = []
+    waiter = threading.Thread(target=lambda: results.append(handle.result()), daemon=True)
+    waiter.start()
+    with Worker(_engine(store), idle_poll=0.02):
+        assert at_gate.wait(10)
+        gate.set()
+        waiter.join(10)
+    assert results == ["o:after"]
+
+
+def test_a_worker_started_twice_is_refused() -> None:
+    worker = Worker(_engine(MemoryStore()), idle_poll=0.02).start()
+    try:
+        with pytest.raises(InvalidArgumentError, match="running already"):
+            worker.start()
+    finally:
+        worker.stop()
+
+
 def test_an_enqueue_that_no_slot_takes_wakes_the_engines_workers() -> None:
     engine = _engine(MemoryStore())
     worker = Worker(engine)  # registered, but with no pool: it takes no hand-over
