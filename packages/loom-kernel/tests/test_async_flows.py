@@ -217,3 +217,23 @@ def test_a_group_of_base_exceptions_out_of_a_flow_is_a_crash_not_a_failure() -> 
         "EXECUTION_STARTED",
         "STEP_COMPLETED",
     ]
+
+
+def test_an_async_step_renamed_since_it_was_recorded_is_a_divergence() -> None:
+    from loom_kernel import NonDeterminismError
+
+    @flow(name="renamed", version="1")
+    async def recorded(ctx: AsyncContext, _input: Any) -> Any:
+        first = await ctx.step("quote", lambda: 10)
+        return [first, await ctx.suspend("go")]
+
+    @flow(name="renamed", version="1")
+    async def changed(ctx: AsyncContext, _input: Any) -> Any:
+        first = await ctx.step("price", lambda: 20)
+        return [first, await ctx.suspend("go")]
+
+    store = MemoryStore()
+    Engine(store, [recorded]).start("renamed", key="r")
+    with pytest.raises(NonDeterminismError, match=r"step #0 was recorded as 'quote'.*'price'"):
+        Engine(store, [changed]).resume("r", "ok")
+    assert [record.kind for record in store.read("ex/r")][-1] == "EXECUTION_SUSPENDED"

@@ -764,6 +764,22 @@ def test_a_damaged_message_is_reported_and_the_run_stays_where_it_was(
     assert nudge in hints, "workers look again"
 
 
+@pytest.mark.parametrize("payload", [{"topic": None}, "hello", {"gate": "g"}])
+def test_a_receive_resumed_with_a_damaged_payload_is_a_schema_error(payload: Any) -> None:
+    from loom_kernel._codec import encode_event
+    from loom_kernel.events import ExecutionResumed
+
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.two", None, key="r")  # parked at its first receive
+    resumed = ExecutionResumed(payload, "loom.message:1", None)
+    store.append("ex/r", store.head("ex/r"), [encode_event(resumed, 0.0)])  # a bad tool
+    with pytest.raises(SchemaError, match=r"gate #0 of 'r' was resumed with"):
+        _engine(store).recover()
+    kinds = [record.kind for record in store.read("ex/r")]
+    assert kinds[3:] == ["EXECUTION_CLAIMED"], "the takeover, and nothing after it"
+
+
 @pytest.mark.parametrize(
     ("kind", "payload"),
     [
