@@ -1145,9 +1145,12 @@ def test_a_start_handed_to_workers_with_no_slot_and_no_place_runs_inline() -> No
         handle = engine._start_or_hand("where", "inline", "inline", None)
         assert engine.get(handle.id).status is Status.COMPLETED, "driven before returning"
         assert threads == {"inline": threading.current_thread().name}
+        late = engine.enqueue("three", "late")  # no slot, no place: left to the polls
+        assert not driving_here(engine.worker_id, late.id), "nothing here holds it"
         gate.set()
         assert busy.result(timeout=10) == "busy:after"
         assert all(run.result(timeout=10)[0].startswith("q") for run in queued)
+        assert late.result(timeout=10) == ["late:0", "late:1", "late:2"]
 
 
 def test_a_start_handed_to_no_worker_runs_inline_and_one_taken_by_a_worker_does_not() -> None:
