@@ -75,3 +75,13 @@ def test_prefix_rules() -> None:
 def test_a_refused_id_names_the_rule_it_breaks(bad: object, rule: str) -> None:
     with pytest.raises(InvalidIdError, match=re.escape(rule)):
         validate_stream_id(bad)
+
+
+def test_the_memory_of_ids_seen_valid_is_bounded() -> None:
+    from loom_kernel import _ids
+
+    for number in range(_ids._REMEMBERED * 2 + 10):
+        assert validate_stream_id(f"ex/bounded-{number}") == f"ex/bounded-{number}"
+        assert len(_ids._recently_valid) <= _ids._REMEMBERED
+    assert "ex/bounded-1" not in _ids._recently_valid, "the oldest were let go"
+    assert validate_stream_id("ex/bounded-1") == "ex/bounded-1", "and are checked again"
