@@ -538,3 +538,19 @@ def test_a_beat_that_meets_another_writer_re_reads_the_head_for_the_next() -> No
         heartbeat.beat()
     heartbeat.beat()  # from the head as it is now, not as it was
     assert store.head("workers/w-1") == 3
+
+
+def test_a_run_held_twice_is_listed_until_its_last_hold_ends() -> None:
+    """An enqueue holds the run, and hands a second hold to the worker's drive: the
+    first ending must not drop the run from the beats while the second drives it."""
+    from loom_kernel._leases import driving_here
+
+    engine = Engine(MemoryStore(), [], listeners=[])
+    heartbeat = engine._heartbeat
+    with heartbeat.holding("r"):
+        with heartbeat.holding("r"):
+            assert heartbeat._runs["r"] == 2
+        assert heartbeat._runs["r"] == 1, "still held: its beats list it"
+        assert driving_here(engine.worker_id, "r")
+    assert "r" not in heartbeat._runs
+    assert not driving_here(engine.worker_id, "r")

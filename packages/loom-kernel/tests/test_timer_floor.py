@@ -21,7 +21,7 @@ from loom_kernel import (
 )
 from loom_kernel._timer_floor import FLOOR_KIND, FLOOR_STREAM, SEALS_PER_POLL
 from loom_kernel._timers import OVERDUE, SEAL_KIND, TimerIndex
-from loom_kernel.spi import JournalStore, NewRecord, SchemaError
+from loom_kernel.spi import JournalStore, NewRecord, SchemaError, TrimmedError
 from loom_kernel.testing import FakeClock, Interleaving, sandbox
 
 DAY = 86_400.0
@@ -346,3 +346,18 @@ def test_a_hint_or_a_poll_at_a_time_that_is_not_finite_is_refused_and_writes_not
     with pytest.raises(InvalidArgumentError, match="a wake time must be a finite number"):
         index.fire_due(moment, lambda _entry: True)
     assert store.streams("") == []
+
+
+def test_the_floor_stream_is_trimmed_as_the_floor_moves() -> None:
+    from loom_kernel._timer_floor import _TRIM_EVERY
+
+    store, clock = MemoryStore(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    for _ in range(_TRIM_EVERY + 10):
+        clock.advance(60)
+        engine.fire_due_timers()
+    head = store.head(FLOOR_STREAM)
+    assert head > _TRIM_EVERY, "a mark per minute the floor moved"
+    with pytest.raises(TrimmedError):
+        store.read(FLOOR_STREAM, 0)
+    assert _floor(store)["floor"] == int(clock.now // 60)
