@@ -242,3 +242,16 @@ def test_a_lost_reply_whose_position_another_writer_took_is_a_conflict(tmp_path:
     store.append("ex/a", 0, _record())  # another writer's, at the position ours aimed at
     with pytest.raises(ConflictError):
         store._confirm("ex/a", 0, 1, "our commit id", StoreUnavailableError("lost"))
+
+
+def test_the_heads_a_connection_remembers_are_bounded() -> None:
+    from loom_store_sqlite._heads import _LIMIT, KnownHeads
+
+    known = KnownHeads()
+    assert known.lookup(7, "s0") is None  # anchors it at data_version 7
+    for number in range(_LIMIT * 2 + 5):
+        known.learn(f"s{number}", number)
+        assert len(known._heads) <= _LIMIT
+    last = _LIMIT * 2 + 4
+    assert known.lookup(7, f"s{last}") == last
+    assert known.lookup(7, "s1") is None, "the oldest were let go, and are read again"
