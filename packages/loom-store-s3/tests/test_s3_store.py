@@ -363,6 +363,9 @@ class _RefusingClient:
         ("InvalidAccessKeyId", 403, "credentials are wrong"),
         ("SignatureDoesNotMatch", 403, "credentials are wrong"),
         ("NoSuchBucket", 404, "create it"),
+        ("Forbidden", 403, "s3:PutObject"),  # a 403 whatever its code says
+        ("AccessDenied", 400, "s3:PutObject"),  # an AccessDenied whatever its status
+        ("", 401, "credentials are wrong"),
     ],
 )
 def test_a_permanent_refusal_is_misconfigured_with_its_remedy_and_never_retried(
