@@ -660,10 +660,7 @@ class Worker:
             self._in_flight.discard(execution_id)
             self._queued.discard(execution_id)
             self._handed.discard(execution_id)
-            if execution_id in self._look_again_after:  # seen by a poll while reserved
-                self._look_again_after.discard(execution_id)
-                self._look_again_next.add(execution_id)
-                self._wake.set()
+            self._look_again_if_asked(execution_id)  # a poll saw it while reserved
             for stale in [t for t in self._backlog if t.execution_id == execution_id]:
                 self._backlog.remove(stale)
             pool = self._pool
@@ -741,10 +738,7 @@ class Worker:
                     logger.exception("loom: working on %s failed", task.execution_id)
                 with self._lock:
                     self._in_flight.discard(task.execution_id)
-                    if task.execution_id in self._look_again_after:
-                        self._look_again_after.discard(task.execution_id)
-                        self._look_again_next.add(task.execution_id)
-                        self._wake.set()
+                    self._look_again_if_asked(task.execution_id)
                     task = None
                     if self._backlog and not self._stopping.is_set():
                         task = self._backlog.popleft()
@@ -769,6 +763,14 @@ class Worker:
                 self.stats.driven += 1
         finally:
             self.stats.visited += 1
+
+    def _look_again_if_asked(self, execution_id: str) -> None:
+        """Under the lock, once a run's task or reservation is over: the next poll
+        looks at it again if a poll asked for that meanwhile (`_look_again_after`)."""
+        if execution_id in self._look_again_after:
+            self._look_again_after.discard(execution_id)
+            self._look_again_next.add(execution_id)
+            self._wake.set()
 
     def _look_again(self, execution_id: str) -> None:
         """A run whose hint was read before its start landed (another process's
