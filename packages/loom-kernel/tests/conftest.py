@@ -46,4 +46,4 @@ def flow_loop(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         FLOW_LOOP.reset(token)
-        flows.close()
+        flows.close(executor_wait=10)

@@ -5,6 +5,7 @@ them, so many runs' writes are in flight side by side."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 import threading
@@ -283,6 +284,53 @@ def test_an_async_step_that_exits_leaves_the_workers_loop_running_for_other_runs
         assert waiting.result(timeout=10) == "waited"
         assert not worker._flows.loop.is_closed()  # type: ignore[union-attr]
     assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
+
+
+def _leaves_a_thread(started: threading.Event, release: threading.Event) -> Any:
+    def stray() -> None:
+        started.set()
+        release.wait(10)
+
+    @flow(name="loop.leaves_a_thread")
+    async def leaves_a_thread(ctx: AsyncContext, _input: Any) -> Any:
+        async def step() -> str:
+            with contextlib.suppress(TimeoutError):  # the thread goes on
+                await asyncio.wait_for(asyncio.to_thread(stray), 0.01)
+            return "left"
+
+        return await ctx.step("s", step)
+
+    return leaves_a_thread
+
+
+def test_a_worker_stops_once_the_threads_its_async_flows_left_running_end() -> None:
+    started, release = threading.Event(), threading.Event()
+    engine = Engine(MemoryStore(), [_leaves_a_thread(started, release)], listeners=[])
+    worker = Worker(engine, concurrency=1, idle_poll=0.02).start()
+    assert engine.enqueue("loop.leaves_a_thread", None, key="t").result(timeout=10) == "left"
+    assert started.wait(10)
+    stopping = threading.Thread(target=worker.stop)
+    stopping.start()
+    stopping.join(0.3)
+    assert stopping.is_alive(), "as asyncio.run ends, it waits for the flows' threads"
+    release.set()
+    stopping.join(10)
+    assert not stopping.is_alive()
+
+
+def test_a_flows_thread_that_never_ends_holds_a_workers_stop_for_its_grace_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    started, release = threading.Event(), threading.Event()
+    engine = Engine(MemoryStore(), [_leaves_a_thread(started, release)], listeners=[])
+    worker = Worker(engine, concurrency=1, idle_poll=0.02, grace=0.2).start()
+    assert engine.enqueue("loop.leaves_a_thread", None, key="t").result(timeout=10) == "left"
+    assert started.wait(10)
+    try:
+        worker.stop()  # returns, the thread still running
+        assert "still run after 0.2 s" in caplog.text
+    finally:
+        release.set()
 
 
 def test_a_workers_runs_that_start_children_from_async_steps_do_not_starve_its_executor() -> None:

@@ -182,7 +182,8 @@ def test_a_crash_after_a_run_ended_and_before_it_was_closed_is_closed_by_recover
     assert [e.id for e in fresh.executions(status="completed")] == ["r"]
 
 
-def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it() -> None:
+@pytest.mark.parametrize("failure", ["loom error", "bug"])
+def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it(failure: str) -> None:
     from loom_kernel import StoreUnavailableError
 
     store = MemoryStore()
@@ -190,12 +191,18 @@ def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it() ->
 
     def flaky(_engine: Engine, execution: Any) -> None:
         attempts.append(execution.id)
+        if len(attempts) == 1 and failure == "bug":
+            raise ValueError("a listener bug")
         if len(attempts) == 1:
             raise StoreUnavailableError("the parent could not be woken")
 
     engine = _engine(store)
     engine.add_listener(flaky)
-    engine.start("work", "done", key="r")
+    if failure == "bug":
+        with pytest.raises(ValueError, match="a listener bug"):  # raised, and still open
+            engine.start("work", "done", key="r")
+    else:
+        engine.start("work", "done", key="r")
     assert [hint.execution_id for hint in engine.runs.open_runs()] == ["r"]
     engine.recover()
     assert attempts == ["r", "r"]

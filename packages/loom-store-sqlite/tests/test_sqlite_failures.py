@@ -70,6 +70,95 @@ def test_a_lone_append_interrupted_in_its_statement_lands_nothing_and_holds_no_l
     assert [r.payload for r in other.read("s")] == [b"r0", b"other0", b"next0"]
 
 
+class _InterruptedStatement:
+    """A connection whose next statement is interrupted (a Ctrl-C landing in it), before
+    it runs or as it returns, after it committed."""
+
+    def __init__(self, connection: sqlite3.Connection, when: str) -> None:
+        self._connection = connection
+        self._when = when
+
+    def execute(self, sql: str, parameters: Any = ()) -> Any:
+        if self._when == "after":
+            self._connection.execute(sql, parameters)
+        raise KeyboardInterrupt
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+
+class InterruptedLoneInsertStore(SqliteStore):
+    """Interrupts the next lone append's one statement (see `_InterruptedStatement`)."""
+
+    when: str | None = None
+
+    def _insert_alone(self, connection: sqlite3.Connection, append: Any) -> Any:
+        when, self.when = self.when, None
+        if when is not None:
+            connection = _InterruptedStatement(connection, when)  # type: ignore[assignment]
+        return super()._insert_alone(connection, append)
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_in_a_lone_append_s_statement_is_raised_as_it_was(
+    tmp_path: Path, when: str
+) -> None:
+    store = InterruptedLoneInsertStore(str(tmp_path / "interrupted.db"))
+    store.append("s", 0, _records(1))
+    store.when = when
+    with pytest.raises(KeyboardInterrupt):
+        store.append("s", 1, _records(1, "maybe"))
+    assert not store._connection.in_transaction
+    landed = [b"r0", b"maybe0"] if when == "after" else [b"r0"]
+    assert [r.payload for r in store.read("s")] == landed, "it committed or it did not"
+    head = len(landed)
+    assert store.head("s") == head
+    assert store.append("s", head, _records(1, "next")) == head + 1
+
+
+class _RefusedCommit:
+    """A connection whose COMMIT SQLite refuses for good (the file turned read-only)."""
+
+    def __init__(self, connection: sqlite3.Connection) -> None:
+        self._connection = connection
+
+    def execute(self, sql: str, parameters: Any = ()) -> Any:
+        if sql == "COMMIT":
+            refused = sqlite3.OperationalError("attempt to write a readonly database")
+            refused.sqlite_errorcode = 8  # SQLITE_READONLY
+            raise refused
+        return self._connection.execute(sql, parameters)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._connection, name)
+
+
+class RefusedCommitStore(SqliteStore):
+    refuse = False
+
+    def _transact(self, connection: sqlite3.Connection, batch: Any, *, isolated: bool) -> Any:
+        if self.refuse:
+            connection = _RefusedCommit(connection)  # type: ignore[assignment]
+        return super()._transact(connection, batch, isolated=isolated)
+
+
+def test_a_group_whose_commit_fails_keeps_the_conflicts_it_decided_before(tmp_path: Path) -> None:
+    from loom_store_sqlite._group import PendingAppend
+
+    store = RefusedCommitStore(str(tmp_path / "refused.db"))
+    for stream in "ab":
+        store._commit_group([PendingAppend(stream, 0, [(stream, 1, "k", b"first", 1.0, None)])])
+    lands = PendingAppend("a", 1, [("a", 2, "k", b"x", 1.0, None)])
+    after_it = PendingAppend("a", 1, [("a", 2, "k", b"y", 1.0, None)])  # judged against `lands`
+    stale = PendingAppend("b", 0, [("b", 1, "k", b"z", 1.0, None)])  # judged against the file
+    store.refuse = True
+    store._commit_group([lands, after_it, stale])
+    assert isinstance(lands.error, StoreMisconfiguredError)
+    assert isinstance(after_it.error, StoreMisconfiguredError), "alone it might have landed"
+    assert isinstance(stale.error, ConflictError), "no rollback changes the head it met"
+    assert [store.head(stream) for stream in "ab"] == [1, 1]
+
+
 def test_open_and_append_on_a_write_locked_database_raise_the_same_error(tmp_path: Path) -> None:
     fresh = tmp_path / "fresh.db"
     existing = tmp_path / "existing.db"

@@ -81,7 +81,11 @@ def _streams(store: SqliteStore) -> dict[str, Any]:
             "SELECT position, payload FROM loom_records WHERE stream = ? ORDER BY position",
             (name,),
         ).fetchall()
-        seen[name] = (row, records)
+        try:  # as the store answers it: from what this connection learned, if anything
+            head: int | str = store.head(name)
+        except StreamDeletedError:
+            head = "deleted"
+        seen[name] = (row, records, head)
     return seen
 
 

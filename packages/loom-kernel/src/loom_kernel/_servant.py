@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
+import logging
 import queue
 import threading
 from collections.abc import Callable
@@ -30,6 +31,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+_log = logging.getLogger("loom")
 #: Seconds between looks at whether the loop running the flow still runs.
 LOOP_CHECK = 0.5
 
@@ -247,10 +249,10 @@ class LoopThread:
         self.loop = asyncio.new_event_loop()
         # Flows share it (asyncio.to_thread, start_async): as many threads as a loop per
         # drive would have had, for every drive at once.
-        self.loop.set_default_executor(
-            ThreadPoolExecutor(executor_threads, thread_name_prefix=f"{name}-executor")
-        )
+        self._executor = ThreadPoolExecutor(executor_threads, thread_name_prefix=f"{name}-executor")
+        self.loop.set_default_executor(self._executor)
         self._closing = False
+        self._executor_wait = 0.0  # set by close()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -268,11 +270,36 @@ class LoopThread:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
+            self._join_executor()
             loop.close()
 
-    def close(self) -> None:
-        """Stop the loop (once the drives using it are done) and close it."""
+    def _join_executor(self) -> None:
+        """As asyncio.run ends: wait for the threads the flows started (a call of
+        `asyncio.to_thread` whose awaiting task was cancelled goes on), but for no
+        longer than the close allows: a thread that never returns holds no stop.
+        (Not `shutdown_default_executor`: on Python 3.11 it joins them however long.)"""
+        joined = threading.Event()
+
+        def join() -> None:
+            self._executor.shutdown(wait=True)
+            joined.set()
+
+        threading.Thread(target=join, name=f"{self._thread.name}-join", daemon=True).start()
+        if not joined.wait(self._executor_wait):
+            _log.warning(
+                "loom: threads the async flows started (asyncio.to_thread) still run "
+                "after %.1f s; the flows' loop closes without them",
+                self._executor_wait,
+            )
+
+    def close(self, executor_wait: float) -> None:
+        """Stop the loop (once the drives using it are done) and close it.
+
+        Args:
+            executor_wait: how long to wait for the threads the flows started on
+                the loop's default executor.
+        """
+        self._executor_wait = executor_wait
         self._closing = True
         if not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.loop.stop)

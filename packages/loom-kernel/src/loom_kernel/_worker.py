@@ -244,7 +244,7 @@ class Worker:
             with self._lock:
                 self._pool = None
             pool.shutdown(wait=True)
-            self._flows.close()
+            self._flows.close(executor_wait=self.grace)
             try:
                 self._let_go_handed(everything=True)
                 if self._release_lease():
