@@ -6,11 +6,13 @@ effect), so the test can count how often each step really ran.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 from typing import Any
 
-from loom_kernel import Context, flow
+from loom_kernel import AsyncContext, Context, flow
 from loom_orchestration import await_child
 
 
@@ -62,4 +64,21 @@ def soak_slow(ctx: Context, _input: Any) -> Any:
     return [first, ctx.step("after", lambda: _effect(ctx.execution_id, "after"))]
 
 
-FLOWS = [soak_job, soak_child, soak_slow]
+@flow(name="soak_strays", version="1")
+async def soak_strays(ctx: AsyncContext, _input: Any) -> Any:
+    """A step that leaves a thread running (waiting while the flag file exists) when a
+    timeout stops it awaiting that thread."""
+
+    async def leave_a_thread() -> str:
+        def stray() -> str:
+            _effect(ctx.execution_id, "stray")
+            return _wait_while_flagged()
+
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.to_thread(stray), 0.05)
+        return "left"
+
+    return await ctx.step("leave", leave_a_thread)
+
+
+FLOWS = [soak_job, soak_child, soak_slow, soak_strays]

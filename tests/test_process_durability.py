@@ -389,6 +389,41 @@ def test_loom_worker_stops_gracefully_on_sigterm_and_at_once_on_a_second(
     )
 
 
+def test_loom_worker_exits_after_its_grace_though_a_thread_an_async_flow_left_runs(
+    tmp_path: Path,
+) -> None:
+    """A thread an async flow started (asyncio.to_thread, its await cancelled by a
+    timeout) and that never ends holds `loom worker`'s exit for the grace, not forever:
+    the interpreter would wait for it at exit, so the command exits at once instead."""
+    db = tmp_path / "loom.db"
+    target = _Target(f"sqlite://{db}?timeout=30", {}, db)
+    side, flag, log = tmp_path / "side.txt", tmp_path / "flag", tmp_path / "worker.log"
+    flag.touch()  # the stray thread waits while it exists (up to 120 s)
+    engine = _soak_engine(target)
+    with mock.patch.dict(os.environ, {"LOOM_SOAK_FLAG": str(flag)}):
+        worker = subprocess.Popen(
+            [
+                *(sys.executable, "-m", "loom_kernel._cli", "worker", "--store", target.url),
+                *("--flows", "soak_flows:FLOWS", "--idle-poll", "0.2", "--grace", "1"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=log.open("ab"),
+            env={**os.environ, "PYTHONPATH": str(SOAK_FLOWS_DIR), "LOOM_SOAK_SIDE": str(side)},
+        )
+        try:
+            handle = engine.enqueue("soak_strays", key="strays")
+            assert handle.result(timeout=60) == "left"
+            _wait_for(functools.partial(_has_started, log), 60)
+            worker.terminate()
+            assert worker.wait(30) == 0, log.read_text()
+        finally:
+            worker.kill()
+            flag.unlink()
+    assert "still run after 1.0 s" in log.read_text()
+    assert "stopped" in log.read_text(), "its own stop ran to its end"
+    assert _side_effects(side) == collections.Counter({"strays:stray": 1})
+
+
 MESSAGE_PROCESS = Path(__file__).parent / "message_process.py"
 
 

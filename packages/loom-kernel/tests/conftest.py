@@ -46,4 +46,5 @@ def flow_loop(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         FLOW_LOOP.reset(token)
-        flows.close(executor_wait=10)
+        flows.close()
+        flows.join_threads(10)

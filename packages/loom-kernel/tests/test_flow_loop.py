@@ -286,10 +286,15 @@ def test_an_async_step_that_exits_leaves_the_workers_loop_running_for_other_runs
     assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
 
 
-def _leaves_a_thread(started: threading.Event, release: threading.Event) -> Any:
+def _leaves_a_thread(
+    started: threading.Event, release: threading.Event, ended: threading.Event | None = None
+) -> Any:
     def stray() -> None:
         started.set()
         release.wait(10)
+        if ended is not None:
+            time.sleep(0.5)  # still running when the stop would return without waiting
+            ended.set()
 
     @flow(name="loop.leaves_a_thread")
     async def leaves_a_thread(ctx: AsyncContext, _input: Any) -> Any:
@@ -304,18 +309,17 @@ def _leaves_a_thread(started: threading.Event, release: threading.Event) -> Any:
 
 
 def test_a_worker_stops_once_the_threads_its_async_flows_left_running_end() -> None:
-    started, release = threading.Event(), threading.Event()
-    engine = Engine(MemoryStore(), [_leaves_a_thread(started, release)], listeners=[])
+    started, release, ended = threading.Event(), threading.Event(), threading.Event()
+    engine = Engine(MemoryStore(), [_leaves_a_thread(started, release, ended)], listeners=[])
     worker = Worker(engine, concurrency=1, idle_poll=0.02).start()
     assert engine.enqueue("loop.leaves_a_thread", None, key="t").result(timeout=10) == "left"
     assert started.wait(10)
     stopping = threading.Thread(target=worker.stop)
     stopping.start()
-    stopping.join(0.3)
-    assert stopping.is_alive(), "as asyncio.run ends, it waits for the flows' threads"
     release.set()
-    stopping.join(10)
+    stopping.join(20)
     assert not stopping.is_alive()
+    assert ended.is_set(), "as asyncio.run ends, the stop waited for the flows' thread"
 
 
 def test_a_flows_thread_that_never_ends_holds_a_workers_stop_for_its_grace_only(

@@ -117,15 +117,20 @@ def test_an_interrupt_in_a_lone_append_s_statement_is_raised_as_it_was(
 
 
 class _RefusedCommit:
-    """A connection whose COMMIT SQLite refuses for good (the file turned read-only)."""
+    """A connection whose COMMIT SQLite refuses: with SQLITE_READONLY_DBMOVED (the file
+    was moved away: it lasts), the transaction left open; or with SQLITE_IOERR_WRITE
+    (it may pass), after SQLite rolled the transaction back by itself."""
 
-    def __init__(self, connection: sqlite3.Connection) -> None:
+    def __init__(self, connection: sqlite3.Connection, code: int) -> None:
         self._connection = connection
+        self._code = code
 
     def execute(self, sql: str, parameters: Any = ()) -> Any:
         if sql == "COMMIT":
-            refused = sqlite3.OperationalError("attempt to write a readonly database")
-            refused.sqlite_errorcode = 8  # SQLITE_READONLY
+            if self._code == IOERR_WRITE:
+                self._connection.execute("ROLLBACK")
+            refused = sqlite3.OperationalError("the commit failed")
+            refused.sqlite_errorcode = self._code
             raise refused
         return self._connection.execute(sql, parameters)
 
@@ -133,16 +138,25 @@ class _RefusedCommit:
         return getattr(self._connection, name)
 
 
+READONLY_DBMOVED, IOERR_WRITE = 1032, 778
+
+
 class RefusedCommitStore(SqliteStore):
-    refuse = False
+    refuse: int | None = None
 
     def _transact(self, connection: sqlite3.Connection, batch: Any, *, isolated: bool) -> Any:
-        if self.refuse:
-            connection = _RefusedCommit(connection)  # type: ignore[assignment]
+        if self.refuse is not None:
+            connection = _RefusedCommit(connection, self.refuse)  # type: ignore[assignment]
         return super()._transact(connection, batch, isolated=isolated)
 
 
-def test_a_group_whose_commit_fails_keeps_the_conflicts_it_decided_before(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("code", "failure"),
+    [(READONLY_DBMOVED, StoreMisconfiguredError), (IOERR_WRITE, StoreUnavailableError)],
+)
+def test_a_group_whose_commit_fails_keeps_the_conflicts_it_decided_before(
+    tmp_path: Path, code: int, failure: type[Exception]
+) -> None:
     from loom_store_sqlite._group import PendingAppend
 
     store = RefusedCommitStore(str(tmp_path / "refused.db"))
@@ -151,11 +165,13 @@ def test_a_group_whose_commit_fails_keeps_the_conflicts_it_decided_before(tmp_pa
     lands = PendingAppend("a", 1, [("a", 2, "k", b"x", 1.0, None)])
     after_it = PendingAppend("a", 1, [("a", 2, "k", b"y", 1.0, None)])  # judged against `lands`
     stale = PendingAppend("b", 0, [("b", 1, "k", b"z", 1.0, None)])  # judged against the file
-    store.refuse = True
+    store.refuse = code
     store._commit_group([lands, after_it, stale])
-    assert isinstance(lands.error, StoreMisconfiguredError)
-    assert isinstance(after_it.error, StoreMisconfiguredError), "alone it might have landed"
+    assert isinstance(lands.error, failure)
+    assert isinstance(after_it.error, failure), "alone it might have landed"
     assert isinstance(stale.error, ConflictError), "no rollback changes the head it met"
+    store.refuse = None
+    assert not store._connection.in_transaction
     assert [store.head(stream) for stream in "ab"] == [1, 1]
 
 

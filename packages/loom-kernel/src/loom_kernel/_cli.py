@@ -129,6 +129,11 @@ def _worker_command(args: argparse.Namespace) -> int:
     except LoomError as exc:
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    if worker._threads_left:  # the interpreter would wait for them at its exit
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
@@ -155,7 +160,8 @@ def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
         "--grace",
         type=float,
         default=30.0,
-        help="seconds runs in flight get to park or end on SIGTERM before they are released",
+        help="seconds runs in flight get to park or end on SIGTERM before they are released "
+        "(then as long again, at most, for threads async flows left running)",
     )
     worker.add_argument(
         "--idle-poll",

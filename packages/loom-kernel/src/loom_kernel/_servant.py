@@ -252,7 +252,6 @@ class LoopThread:
         self._executor = ThreadPoolExecutor(executor_threads, thread_name_prefix=f"{name}-executor")
         self.loop.set_default_executor(self._executor)
         self._closing = False
-        self._executor_wait = 0.0  # set by close()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -270,14 +269,25 @@ class LoopThread:
                 task.cancel()
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
             loop.run_until_complete(loop.shutdown_asyncgens())
-            self._join_executor()
-            loop.close()
+            loop.close()  # the executor's threads go on: see `join_threads`
 
-    def _join_executor(self) -> None:
-        """As asyncio.run ends: wait for the threads the flows started (a call of
-        `asyncio.to_thread` whose awaiting task was cancelled goes on), but for no
-        longer than the close allows: a thread that never returns holds no stop.
-        (Not `shutdown_default_executor`: on Python 3.11 it joins them however long.)"""
+    def close(self) -> None:
+        """Stop the loop (once the drives using it are done) and close it."""
+        self._closing = True
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join()
+
+    def join_threads(self, seconds: float) -> bool:
+        """After `close`, as asyncio.run ends: wait for the threads the flows started
+        on the loop's default executor (a call of `asyncio.to_thread` whose awaiting
+        task was cancelled goes on), but no longer than `seconds` (at least a tenth of a
+        second, which idle threads take to end): one that never returns holds no stop.
+        (Not `shutdown_default_executor`: on Python 3.11 it joins them however long.)
+
+        Returns:
+            Whether they all ended (if not, a warning is logged).
+        """
         joined = threading.Event()
 
         def join() -> None:
@@ -285,22 +295,11 @@ class LoopThread:
             joined.set()
 
         threading.Thread(target=join, name=f"{self._thread.name}-join", daemon=True).start()
-        if not joined.wait(self._executor_wait):
-            _log.warning(
-                "loom: threads the async flows started (asyncio.to_thread) still run "
-                "after %.1f s; the flows' loop closes without them",
-                self._executor_wait,
-            )
-
-    def close(self, executor_wait: float) -> None:
-        """Stop the loop (once the drives using it are done) and close it.
-
-        Args:
-            executor_wait: how long to wait for the threads the flows started on
-                the loop's default executor.
-        """
-        self._executor_wait = executor_wait
-        self._closing = True
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join()
+        waited = max(seconds, 0.1)
+        if joined.wait(waited):
+            return True
+        _log.warning(
+            "loom: threads the async flows started (asyncio.to_thread) still run after %.1f s",
+            waited,
+        )
+        return False

@@ -174,6 +174,7 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None  # while it runs
         self._flows: LoopThread | None = None  # where async flows run, while it runs
+        self._threads_left = False  # threads its async flows started outlived its stop
         self._signals = 0
         self._turn = 0  # which partition of each queue a poll serves first
 
@@ -244,11 +245,12 @@ class Worker:
             with self._lock:
                 self._pool = None
             pool.shutdown(wait=True)
-            self._flows.close(executor_wait=self.grace)
+            self._flows.close()
             try:
                 self._let_go_handed(everything=True)
                 if self._release_lease():
                     self._nudge_released()
+                self._threads_left = not self._flows.join_threads(self.grace)
             finally:  # a second signal exits at once until here
                 for number, handler in previous.items():
                     signal.signal(number, handler)
