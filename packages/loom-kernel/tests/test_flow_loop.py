@@ -651,3 +651,34 @@ def test_a_flow_on_a_loop_that_stops_mid_step_leaves_no_task_behind_when_it_runs
         loop.close()
     kinds = [record[1] for record in store.read("ex/p")]
     assert kinds == ["EXECUTION_STARTED"], "the journal as it was; the next drive goes on"
+
+
+def test_a_flows_loop_stopped_by_an_interrupt_as_it_closes_still_cancels_and_closes() -> None:
+    """A KeyboardInterrupt ends the loop after close() set its flag and before the stop
+    it queued ran: that stop then runs inside the teardown's wait for the cancelled
+    tasks, which must go on waiting rather than leave the loop open."""
+    flows = _servant.LoopThread("test-interrupted", 2)
+    started, cancelled = threading.Event(), threading.Event()
+
+    async def slow_to_cancel() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(100)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.2)  # the queued stop lands in here
+            cancelled.set()
+            raise
+
+    def interrupt_once_closing() -> None:
+        while not flows._closing:
+            time.sleep(0.001)
+        time.sleep(0.05)  # close() queues its stop meanwhile
+        raise KeyboardInterrupt
+
+    asyncio.run_coroutine_threadsafe(slow_to_cancel(), flows.loop)
+    assert started.wait(10)
+    flows.loop.call_soon_threadsafe(interrupt_once_closing)
+    flows.close()
+    assert flows.loop.is_closed()
+    assert cancelled.is_set()
+    assert flows.join_threads(10)

@@ -267,7 +267,12 @@ class LoopThread:
             left = asyncio.all_tasks(loop)
             for task in left:
                 task.cancel()
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            gathered = asyncio.gather(*left, return_exceptions=True)
+            while not gathered.done():
+                # The stop close() queued runs here when a flow's SystemExit or
+                # KeyboardInterrupt ended the loop first: "stopped before Future completed".
+                with contextlib.suppress(RuntimeError):
+                    loop.run_until_complete(gathered)
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.close()  # the executor's threads go on: see `join_threads`
 
