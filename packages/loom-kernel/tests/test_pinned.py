@@ -739,3 +739,99 @@ def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
     assert view.result == "first"
     assert ran == ["first"]
     assert [record.kind for record in store.read("ex/k")].count("EXECUTION_STARTED") == 1
+
+
+def test_a_step_an_async_flow_never_awaited_is_closed_not_left_to_warn() -> None:
+    import gc
+    import warnings
+
+    from loom_kernel import AsyncContext
+
+    async def instant() -> int:
+        return 1
+
+    @flow(name="forgets_a_step", version="1")
+    async def forgets_a_step(ctx: AsyncContext, _input: Any) -> Any:
+        ctx.step("never", instant)  # type: ignore[unused-coroutine]
+        return "done"
+
+    box = sandbox(forgets_a_step, listeners=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InvalidArgumentError, match="never awaited before the flow returned"):
+            box.engine.start("forgets_a_step")
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+def test_a_recorded_value_is_journaled_as_taken_at_the_first_attempt() -> None:
+    from loom_kernel.events import StepCompleted
+
+    @flow(name="records_values", version="1")
+    def records_values(ctx: Context, _input: Any) -> Any:
+        return [ctx.now(), ctx.random(), ctx.uuid(), ctx.patched("p")]
+
+    box = sandbox(records_values, listeners=[])
+    box.engine.start("records_values", key="r")
+    steps = [e.event for e in box.engine.history("r") if isinstance(e.event, StepCompleted)]
+    assert [(step.name, step.attempts) for step in steps] == [
+        ("loom.now", 1),
+        ("loom.random", 1),
+        ("loom.uuid", 1),
+        (steps[3].name, 1),
+    ]
+
+
+def test_an_engine_keeps_no_record_of_drives_that_ended() -> None:
+    """A long-lived worker drives any number of runs: what each drive held is let go."""
+
+    @flow(name="ends_or_parks", version="1")
+    def ends_or_parks(ctx: Context, park: bool) -> Any:
+        ctx.step("s", lambda: 1)
+        return ctx.suspend("go") if park else "done"
+
+    engine = Engine(MemoryStore(), [ends_or_parks], listeners=[])
+    for number in range(5):
+        engine.start("ends_or_parks", number % 2 == 1, key=f"r{number}")
+    engine.resume("r1", "yes")
+    assert engine._drives == {}
+
+
+def test_the_kernel_alone_folds_without_msgspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import json
+    import sys
+
+    from loom_kernel import _fast_fold
+
+    monkeypatch.setitem(sys.modules, "msgspec", None)  # an import of it fails
+    spec = importlib.util.spec_from_file_location("_fold_without_msgspec", _fast_fold.__file__)
+    assert spec is not None
+    assert spec.loader is not None
+    alone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alone)
+    assert alone.decode_step_runs is None
+    assert alone.parse_many is json.loads
+    from loom_kernel.events import ExecutionState
+
+    assert alone.fold_steps(ExecutionState(id="x"), [], "ex/x") is False, "the general path"
+
+
+def test_a_beat_that_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    import time
+
+    from loom_kernel import StoreUnavailableError
+    from loom_kernel._leases import Heartbeat
+
+    class NoBeats(MemoryStore):
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream.startswith("workers/"):
+                raise StoreUnavailableError("the beat did not land (injected)")
+            return super()._append(stream, expected, records)
+
+    heartbeat = Heartbeat(NoBeats(), lambda: "w-failing", 0.15, FakeClock())
+    deadline = time.monotonic() + 10
+    with caplog.at_level("WARNING", logger="loom"), heartbeat.holding("r"):
+        while "was not renewed" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert "the lease of w-failing was not renewed: the beat did not land" in caplog.text

@@ -652,3 +652,28 @@ def test_a_queued_run_a_worker_drives_counts_once_as_visited_and_driven() -> Non
         assert [handle.result(timeout=10) for handle in handles] == ["t0", "t1", "t2"]
         _wait(lambda: worker.stats.driven == 3)
         assert worker.stats.visited == 3, "one visit each"
+
+
+def test_a_done_that_meets_another_writer_is_recorded_at_once_not_left_to_the_reaper() -> None:
+    """Another process adds to the partition between the slot's fold and its done: the
+    done is appended at the new head at once, so the slot is free again at once (the
+    reaper would give it back only half a lease later)."""
+    store = MemoryStore()
+    queue = Queue("q", concurrency=1)
+    engine = _engine(store, queue, lease=600.0)
+    other = _engine(store, queue, lease=600.0)  # another process's engine: adds only
+    book = engine._queues
+    append_at = book.append_at
+    raced: list[Any] = []
+
+    def another_add_first(name: str, partition: int, fold: QueueFold, records: Any) -> int:
+        if not raced and any(record.kind == "loom.queue.done" for record in records):
+            raced.append(other.enqueue("busy", {"tag": "raced", "s": 0.0}, queue="q"))
+        return append_at(name, partition, fold, records)
+
+    book.append_at = another_add_first  # type: ignore[method-assign]
+    handles = [engine.enqueue("busy", {"tag": str(i), "s": 0.0}, queue="q") for i in range(2)]
+    with Worker(engine):
+        assert [handle.result(timeout=10) for handle in handles] == ["0", "1"]
+        assert raced[0].result(timeout=10) == "raced"
+    assert engine.queue("q").active == []

@@ -606,3 +606,37 @@ def test_a_checkpoint_replaces_what_the_partition_held_before_it() -> None:
     assert not damaged
     assert list(opened) == [kept], "what was open before it and is not in it is not open"
     assert closed == {}, "what was closed before it was moved out by it"
+
+
+def test_a_full_listing_closes_a_finished_run_a_readable_partition_still_holds_open() -> None:
+    """A damaged partition has recover list every journal; a run whose close was lost
+    in another, readable, partition is closed there too."""
+    store = MemoryStore()
+    crashing = _engine(store)
+
+    def closing_crashes(_execution: Any) -> None:
+        raise KeyboardInterrupt
+
+    crashing._close = closing_crashes  # type: ignore[method-assign,assignment]
+    with pytest.raises(KeyboardInterrupt):
+        crashing.start("work", "done", key="r")
+    parked = _engine(store).start("work", "park", key="p")
+    assert partition_of("r") != partition_of("p")
+    damaged = "runs/open/" + partition_of("p")
+    store.append(damaged, store.head(damaged), [NewRecord("loom.run.open", b"{not json", 0.0)])
+    fresh = _engine(store)
+    assert fresh.recover() == []
+    assert [hint.execution_id for hint in fresh.runs.open_runs()] == [parked.id]
+    assert [e.id for e in fresh.executions(status="completed")] == ["r"]
+
+
+def test_a_damaged_checkpoint_has_its_partition_rewritten_by_recover() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    parked = engine.start("work", "park", key="p")
+    stream = "runs/open/" + partition_of("p")
+    store.append(stream, store.head(stream), [NewRecord("loom.run.checkpoint", b"{not", 0.0)])
+    with pytest.raises(SchemaError):
+        list(engine.runs.open_runs())
+    assert engine.recover() == []
+    assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"

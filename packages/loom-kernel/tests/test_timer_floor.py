@@ -361,3 +361,47 @@ def test_the_floor_stream_is_trimmed_as_the_floor_moves() -> None:
     with pytest.raises(TrimmedError):
         store.read(FLOOR_STREAM, 0)
     assert _floor(store)["floor"] == int(clock.now // 60)
+
+
+class WriterBetweenSealAndDelete(MemoryStore):
+    """Runs `meanwhile` once, just before the first delete of a timer bucket: a
+    writer whose hint lands between a poll's seal and its delete."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meanwhile: Any = None
+
+    def _delete(self, stream: str) -> None:
+        if stream.startswith("timers/0") and self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        super()._delete(stream)
+
+
+def test_a_hint_aimed_at_a_bucket_sealed_but_not_yet_deleted_goes_to_overdue_and_fires() -> None:
+    store, clock = WriterBetweenSealAndDelete(), FakeClock(BASE)
+    poller = TimerIndex(store, clock)
+    poller.fire_due(clock.now, lambda _entry: True)  # the floor's origin: this minute
+    poller.add("early", 0, BASE + 30)
+    clock.advance(120)
+    late = TimerIndex(store, FakeClock(BASE))  # a writer whose clock runs behind
+    store.meanwhile = lambda: late.add("late", 0, BASE + 30)
+    assert poller.fire_due(clock.now, lambda _entry: True) == (["early"], [])
+    assert store.meanwhile is None, "the writer ran between the seal and the delete"
+    assert poller.fire_due(clock.now, lambda _entry: True) == (["late"], [])
+
+
+def test_the_poll_that_deletes_a_bucket_an_earlier_poll_sealed_moves_the_floor_past_it() -> None:
+    store, clock = FailingOnce(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    engine.fire_due_timers()
+    run = engine.start("nap", 30)
+    clock.advance(120)
+    store.fail = {"delete"}
+    with pytest.raises(StoreUnavailableError, match="injected"):
+        engine.fire_due_timers()  # woken; the seal landed, the delete did not
+    assert engine.get(run.id).status is Status.COMPLETED
+    assert _floor(store)["floor"] == int(BASE // 60), "held by the sealed bucket"
+    engine.fire_due_timers()
+    assert TimerIndex(store, clock).buckets() == []
+    assert _floor(store)["floor"] == int(clock.now // 60), "moved at the poll that deleted it"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -555,6 +556,32 @@ def test_an_enqueue_waiting_too_long_for_a_busy_slot_is_let_go_to_any_worker(
         assert _driven(worker, 1) == 1
     assert [_claims(engine, f"q{i}") for i in range(3)] == [1, 1, 1]
     assert [effects[f"q{i}:0"] for i in range(3)] == [1, 1, 1]
+
+
+def test_a_let_go_enqueue_is_taken_by_another_machine_at_once_not_a_lease_later(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The worker's beat at the let-go is all another machine's worker goes by: it must
+    no longer list the runs let go (in one process, the engines also see it directly)."""
+    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.2)
+    store = MemoryStore()
+    remote = "other-host.1:4242:abcdef"  # not this process: only its beats tell
+    engine = _engine(store, lease=600.0, worker_id=remote)
+    with Worker(engine, concurrency=1, idle_poll=60.0):
+        busy = engine.enqueue("slow", "b", key="busy")  # takes the only slot
+        queued = engine.enqueue("three", "q", key="q")
+        assert engine.get("q").owner == remote
+        taker = _engine(store, lease=600.0)
+        with caplog.at_level("DEBUG", logger="loom"), Worker(taker, idle_poll=0.02):
+            assert queued.result(timeout=5) == ["q:0", "q:1", "q:2"]
+        gate.set()
+        busy.result(timeout=10)
+    claims = [e for e in (x.event for x in engine.history("q")) if isinstance(e, ExecutionClaimed)]
+    assert [claim.by for claim in claims] == [taker.worker_id], "taken while the slot was busy"
+    seen = re.findall(r"busy is running on \S+ \(seen (\S+) s ago\): not taken over", caplog.text)
+    assert seen, "the busy run was left to its owner"
+    assert all(0 <= float(ago) < 5 for ago in seen), "seen moments ago"
+    assert effects["q:0"] == 1
 
 
 def test_a_let_go_enqueue_is_taken_back_by_its_own_worker_once_a_slot_frees(

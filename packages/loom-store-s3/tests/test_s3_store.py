@@ -235,6 +235,9 @@ def test_trim_then_removal_after_retention_keeps_the_first_and_last_batches(
         store.append("s", 0, _records(1))  # the first key still blocks a re-creation
     with pytest.raises(ConflictError):
         store.append("s", 4, _records(1))  # a removed key: refused by the head check
+    store.trim("s", 11)  # floor 10: the last but one batch, 9-10, is below it now
+    batches = sorted(key for key in _keys(s3_server, store) if "!R" in key)
+    assert [int(key[-20:]) for key in batches] == [0, 10]
     store.trim("s", 13)  # everything: the last batch stays, as a stub, holding the head
     assert store.head("s") == 12
     assert store.read("s", 12) == []
@@ -578,3 +581,26 @@ def test_a_trim_beyond_the_head_is_refused(moto_server: S3Server) -> None:
     assert [record.payload for record in store.read("s")] == [b"r"], "nothing trimmed"
     store.trim("s", 2)  # everything: the most a trim may drop
     assert store.read("s", 1) == []
+
+
+def test_a_store_of_one_shard_lists_and_reads_every_stream(s3_server: S3Server) -> None:
+    store = s3_server.store(shards=1)
+    for name in ("a", "b/c", "z"):
+        store.append(name, 0, _records(2, name))
+    assert store.streams() == ["a", "b/c", "z"]
+    fresh = s3_server.twin(store)
+    assert [r.payload for r in fresh.read("b/c")] == [b"b/c0", b"b/c1"]
+    assert fresh.streams("b/") == ["b/c"]
+
+
+def test_a_retention_too_short_for_cached_heads_and_signatures_is_warned_of(
+    s3_server: S3Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("WARNING", logger="loom.s3"):
+        s3_server.store(retention=3600, head_ttl=5)
+    assert "does not exceed" not in caplog.text, "an hour is safe"
+    with caplog.at_level("WARNING", logger="loom.s3"):
+        s3_server.store(retention=60, head_ttl=5)
+    assert "retention 60 s does not exceed head_ttl 5 s plus the 15-minute signature" in (
+        caplog.text
+    )
