@@ -239,7 +239,7 @@ def _coverage(scratch: Path, packages: list[str], timeout: float) -> Coverage:
     for package in packages:
         source, tests = PACKAGES[package]
         data_file = scratch / f".coverage-{package}"
-        subprocess.run(
+        run = subprocess.run(
             [
                 *_pytest_command("0"),
                 f"--cov={scratch / source}",
@@ -250,9 +250,16 @@ def _coverage(scratch: Path, packages: list[str], timeout: float) -> Coverage:
             cwd=scratch,
             env={**_environment(scratch), "COVERAGE_FILE": str(data_file)},
             capture_output=True,
+            text=True,
             timeout=timeout * 4,
-            check=True,
+            check=False,
         )
+        if run.returncode != 0:
+            failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
+            raise SystemExit(
+                f"{package}'s tests failed under coverage, so no mutant can be judged:\n"
+                + "\n".join(failed or run.stdout.splitlines()[-20:])
+            )
         data = coverage.CoverageData(basename=str(data_file))
         data.read()
         for measured in data.measured_files():
