@@ -255,10 +255,9 @@ def _coverage(scratch: Path, packages: list[str], timeout: float) -> Coverage:
             check=False,
         )
         if run.returncode != 0:
-            failed = [line for line in run.stdout.splitlines() if line.startswith("FAILED")]
             raise SystemExit(
                 f"{package}'s tests failed under coverage, so no mutant can be judged:\n"
-                + "\n".join(failed or run.stdout.splitlines()[-20:])
+                + "\n".join(run.stdout.splitlines()[-120:])
             )
         data = coverage.CoverageData(basename=str(data_file))
         data.read()
