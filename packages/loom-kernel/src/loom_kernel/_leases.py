@@ -178,7 +178,8 @@ class Heartbeat:
 
     `holding(id)` marks a drive of run `id` in progress; while at least one is, a
     daemon thread appends a beat listing the runs held to `workers/<id>` every
-    `lease / 3` seconds (and trims old beats), and ends a second after the last drive.
+    `lease / 3` seconds (and trims old beats), and ends one to two seconds after the
+    last drive.
     A beat that fails is logged and tried again at the next interval; the last
     success is what `in_doubt` measures.
     """
@@ -196,7 +197,6 @@ class Heartbeat:
         self._clock = clock
         self._runs: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewed = time.monotonic()
         self._heads: dict[str, int] = {}  # stream -> its head as this engine left it
@@ -214,7 +214,6 @@ class Heartbeat:
                     self._renewed = time.monotonic()  # the drive's first record is a sighting
                 self._runs[execution_id] += 1
                 if self._thread is None or not self._thread.is_alive():
-                    self._wake.clear()
                     self._thread = threading.Thread(
                         target=self._run, name="loom-heartbeat", daemon=True
                     )
@@ -225,8 +224,8 @@ class Heartbeat:
                 self._runs[execution_id] -= 1
                 if self._runs[execution_id] <= 0:
                     del self._runs[execution_id]
-                if not self._runs:
-                    self._wake.set()  # the thread ends now instead of a third of a lease
+            # The thread is not woken to end (it looks every _LINGER seconds at most):
+            # a wake at each drive's end cost a switch of threads a run.
             with _driving_lock:
                 _driving[key] -= 1
                 if _driving[key] <= 0:
@@ -265,10 +264,9 @@ class Heartbeat:
         while True:
             now = time.monotonic()
             due = max(self._renewed + self._lease / 3, not_before)
-            self._wake.wait(min(_LINGER, max(0.0, due - now)))
+            time.sleep(min(_LINGER, max(0.0, due - now)))
             now = time.monotonic()
             with self._lock:
-                self._wake.clear()
                 if not self._runs:
                     idle_since = now if idle_since is None else idle_since
                     if now - idle_since >= _LINGER:
