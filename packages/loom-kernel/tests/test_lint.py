@@ -172,3 +172,21 @@ def test_ctx_calls_with_fewer_arguments_than_a_step_are_clean() -> None:
         """
     )
     assert lint_source(source) == []
+
+
+def test_a_step_function_defined_in_the_flow_and_passed_by_name_is_walked_for_ctx() -> None:
+    source = textwrap.dedent(
+        """
+        from loom_kernel import flow
+
+        @flow
+        def by_name(ctx, order):
+            def fetch():
+                return ctx.now()
+            def clean():
+                return order
+            ctx.step("clean", clean)
+            return ctx.step("fetch", fetch)
+        """
+    )
+    assert [(f.rule, f.line) for f in lint_source(source, "named.py")] == [("LOOM007", 7)]

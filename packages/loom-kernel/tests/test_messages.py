@@ -272,6 +272,8 @@ def test_wait_first_refuses_a_resume_it_cannot_place() -> None:
         ((), (), None),
         (("a", "a"), (), 1),
         (("loom.x",), (), 1),
+        ({"a"}, (), None),  # a set, a dict: not an order the journal can keep
+        ((), {"t": 1}, None),
     ],
 )
 def test_wait_first_refuses_a_wait_that_cannot_be_recorded_clearly(

@@ -3,6 +3,7 @@ unnoticed (docs/contributing.md: the mutation sampler)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -835,3 +836,19 @@ def test_a_beat_that_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
         while "was not renewed" not in caplog.text and time.monotonic() < deadline:
             time.sleep(0.01)
     assert "the lease of w-failing was not renewed: the beat did not land" in caplog.text
+
+
+def test_an_error_that_replaced_a_pass_ending_to_run_again_is_not_replaced_by_a_later_one() -> None:
+    """The first stop holds, except that an error replaces a pass ending to run again;
+    once it has, a later error (a flow that swallowed the stop) replaces nothing."""
+
+    @flow(name="two_errors", version="1")
+    def two_errors(ctx: Context, _input: Any) -> Any:
+        ctx._replay_again()  # as an async pass does, about to see concurrent steps end
+        with contextlib.suppress(BaseException):  # a flow swallowing its stop
+            ctx.step(123, lambda: 1)  # type: ignore[arg-type]
+        return ctx.step(456, lambda: 1)  # type: ignore[arg-type]
+
+    box = sandbox(two_errors, listeners=[])
+    with pytest.raises(InvalidArgumentError, match="not 123"):
+        box.engine.start("two_errors")

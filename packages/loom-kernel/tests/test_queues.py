@@ -677,3 +677,33 @@ def test_a_done_that_meets_another_writer_is_recorded_at_once_not_left_to_the_re
         assert [handle.result(timeout=10) for handle in handles] == ["0", "1"]
         assert raced[0].result(timeout=10) == "raced"
     assert engine.queue("q").active == []
+
+
+class _CountedEvent(threading.Event):
+    """An event that counts its sets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = 0
+
+    def set(self) -> None:
+        self.sets += 1
+        super().set()
+
+
+def test_the_wake_of_a_parked_queued_run_wakes_the_engines_own_workers() -> None:
+    """A resume that puts a parked queued run back on its queue wakes this engine's
+    workers, so they admit it at once rather than at their next poll (up to
+    `idle_poll` later)."""
+    store = MemoryStore()
+    engine = _engine(store, Queue("q"))
+    worker = Worker(engine, idle_poll=60.0)
+    wake = worker._wake = _CountedEvent()
+    with worker:
+        parked = engine.enqueue("parks", "p", queue="q")
+        _wait(lambda: parked.get().status is Status.SUSPENDED)
+        time.sleep(0.1)  # the slot's end has woken it already
+        before = wake.sets
+        engine.resume(parked.id, "yes", on="go")
+        assert wake.sets > before, "woken by the resume itself"
+        assert parked.result(timeout=10) == "p:after:yes"
