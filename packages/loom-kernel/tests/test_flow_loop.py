@@ -427,11 +427,12 @@ def test_a_ctx_call_inside_an_async_step_function_is_refused_on_either_loop(call
 
 
 @pytest.mark.usefixtures("flow_loop")
-def test_a_step_not_yet_started_at_a_new_gate_is_refused_on_either_loop() -> None:
+@pytest.mark.parametrize("gate", ["suspend", "sleep"])
+def test_a_step_not_yet_started_at_a_new_gate_is_refused_on_either_loop(gate: str) -> None:
     @flow(name="loop.unstarted", version="1")
     async def unstarted(ctx: AsyncContext, _input: Any) -> Any:
         task = asyncio.ensure_future(ctx.step("s", instant))
-        await ctx.suspend("x")
+        await (ctx.suspend("x") if gate == "suspend" else ctx.sleep(60))
         return await task
 
     store = MemoryStore()
