@@ -405,3 +405,30 @@ def test_the_poll_that_deletes_a_bucket_an_earlier_poll_sealed_moves_the_floor_p
     engine.fire_due_timers()
     assert TimerIndex(store, clock).buckets() == []
     assert _floor(store)["floor"] == int(clock.now // 60), "moved at the poll that deleted it"
+
+
+class FloorCreatedMeanwhile(ListingRecorder):
+    """Runs `meanwhile` once, just before the first attempt to create the floor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.meanwhile: Any = None
+
+    def _append(self, stream: str, expected: int, records: Any) -> int:
+        if stream == FLOOR_STREAM and expected == 0 and self.meanwhile is not None:
+            meanwhile, self.meanwhile = self.meanwhile, None
+            meanwhile()
+        return super()._append(stream, expected, records)
+
+
+def test_a_poll_that_loses_the_race_to_create_the_floor_uses_the_winners() -> None:
+    store, clock = FloorCreatedMeanwhile(), FakeClock(BASE)
+
+    def another_poll_first() -> None:
+        TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True)
+        store.listed_after.clear()
+
+    store.meanwhile = another_poll_first
+    assert TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True) == ([], [])
+    assert store.meanwhile is None, "the other poll created the floor first"
+    assert store.listed_after == [], "it read the minutes since the floor by name, no listing"
