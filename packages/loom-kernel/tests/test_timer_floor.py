@@ -189,15 +189,19 @@ def test_a_bucket_sealed_by_a_poll_that_failed_to_delete_it_is_deleted_next_time
     assert bucket not in TimerIndex(store, clock).buckets()
 
 
-def test_a_bucket_whose_settling_fails_holds_the_floor_and_its_hint_fires_later() -> None:
+def test_a_bucket_whose_settling_fails_holds_the_floor_and_its_hint_fires_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store, clock = FailingOnce(), FakeClock(BASE)
     _engine(store, clock).fire_due_timers()
     TimerIndex(store, clock).add("ghost", 0, clock.now + 90)
     clock.advance(600)
     store.fail = {"trim"}  # the bucket's settling (a trim below its open hint) fails
-    woken, failures = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: None)
+    with caplog.at_level("WARNING", logger="loom"):
+        woken, failures = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: None)
     assert woken == []
     assert [str(failure) for failure in failures] == ["trim failed (injected)"]
+    assert "StoreUnavailableError: trim failed (injected)" in caplog.text, "and logged"
     assert _floor(store)["floor"] == int((BASE + 90) // 60), "not past the unsettled minute"
     woken, _ = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True)
     assert woken == ["ghost"]

@@ -1190,3 +1190,30 @@ def test_a_start_handed_to_no_worker_runs_inline_and_one_taken_by_a_worker_does_
     with Worker(engine, idle_poll=0.05):
         handed = engine._start_or_hand("three", "w", "handed", None)
         assert handed.result(timeout=10) == ["w:0", "w:1", "w:2"]
+
+
+def test_a_worker_whose_signal_handlers_cannot_be_installed_raises_and_runs_nothing() -> None:
+    worker = Worker(_engine(MemoryStore()), idle_poll=0.02)
+
+    def refused() -> dict[int, Any]:
+        raise ValueError("signal handlers refused (injected)")
+
+    worker._install_signals = refused  # type: ignore[method-assign]
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except ValueError as exc:
+            raised.append(exc)
+
+    runner = threading.Thread(target=run, daemon=True)
+    runner.start()
+    runner.join(10)
+    went_on = runner.is_alive()
+    if went_on:  # end the loop it should never have entered
+        worker._stopping.set()
+        worker._wake.set()
+        runner.join(10)
+    assert not went_on, "run() raised at once"
+    assert [str(exc) for exc in raised] == ["signal handlers refused (injected)"]
