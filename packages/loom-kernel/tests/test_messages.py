@@ -676,6 +676,26 @@ def test_an_engine_without_the_flow_sends_and_leaves_the_wake_to_one_that_has_it
     assert worker.state("w").resume_payloads[0]["message"] == "one"
 
 
+def test_a_send_from_an_engine_without_the_flow_has_a_running_worker_deliver_it_at_once() -> None:
+    """The send nudges the run in the run index: a worker that looked at the parked run
+    before (and whose next sweep is half an hour away) looks again at its next poll."""
+    from loom_kernel import Worker
+
+    store = MemoryStore()
+    owner = Engine(store, [two], listeners=[], lease=3600.0)
+    handle = owner.enqueue("inbox.two", None, key="w")
+    web = Engine(store, [], listeners=[])  # a web process: no flows
+    with Worker(owner, idle_poll=0.02) as worker:
+        deadline = time.monotonic() + 10
+        while owner.get("w").status is not Status.SUSPENDED and time.monotonic() < deadline:
+            time.sleep(0.01)
+        visited = worker.stats.visited
+        assert web.send("w", "one") == 1
+        assert web.send("w", "two") == 2
+        assert handle.result(timeout=10) == ["one", "two"]
+        assert worker.stats.visited > visited, "looked at again"
+
+
 def test_a_deadline_hint_of_a_gate_passed_in_time_is_dropped_when_it_falls_due() -> None:
     clock = FakeClock()
     engine = Engine(MemoryStore(), [two_deadlines], clock=clock, listeners=[])
