@@ -340,8 +340,9 @@ def test_a_writer_that_no_longer_trusts_its_head_is_refused_at_a_removed_key(
 class _RefusingClient:
     """A boto3-like client whose every call fails with one S3 error."""
 
-    def __init__(self, code: str, status: int) -> None:
-        self.meta = type("Meta", (), {"config": Config(retries={"total_max_attempts": 1})})()
+    def __init__(self, code: str, status: int, retries: Any = None) -> None:
+        retries = retries or {"total_max_attempts": 1}
+        self.meta = type("Meta", (), {"config": Config(retries=retries)})()
         self.error = ClientError(
             {
                 "Error": {"Code": code, "Message": "refused"},
@@ -369,6 +370,7 @@ class _RefusingClient:
         ("Forbidden", 403, "s3:PutObject"),  # a 403 whatever its code says
         ("AccessDenied", 400, "s3:PutObject"),  # an AccessDenied whatever its status
         ("", 401, "credentials are wrong"),
+        ("InvalidArgument", 400, "the request itself is refused: check the endpoint"),
     ],
 )
 def test_a_permanent_refusal_is_misconfigured_with_its_remedy_and_never_retried(
@@ -379,6 +381,18 @@ def test_a_permanent_refusal_is_misconfigured_with_its_remedy_and_never_retried(
         S3Store("some-bucket", "p", S3Options(attempts=4), client=client)
     assert not isinstance(caught.value, StoreUnavailableError), "permanent is not transient"
     assert client.calls == 1, "a permanent refusal is not retried"
+
+
+@pytest.mark.parametrize(("retries", "accepted"), [(0, True), (1, False)])
+def test_a_client_not_built_by_botocore_with_max_attempts_is_judged_by_it(
+    retries: int, accepted: bool
+) -> None:
+    """botocore turns `max_attempts` (retries after the first) into `total_max_attempts`
+    when it builds a client; a client built otherwise is judged by `max_attempts`."""
+    client = _RefusingClient("NoSuchBucket", 404, retries={"max_attempts": retries})
+    expected = StoreMisconfiguredError if accepted else InvalidArgumentError
+    with pytest.raises(expected, match="create it" if accepted else "retries off"):
+        S3Store("some-bucket", "p", S3Options(attempts=1), client=client)
 
 
 def test_a_transient_fault_is_retried_then_unavailable() -> None:
@@ -604,3 +618,41 @@ def test_a_retention_too_short_for_cached_heads_and_signatures_is_warned_of(
     assert "retention 60 s does not exceed head_ttl 5 s plus the 15-minute signature" in (
         caplog.text
     )
+
+
+class _ShiftedClock:
+    """The `time` module as the store sees it, moved on by `offset` seconds."""
+
+    def __init__(self) -> None:
+        import time
+
+        self._time = time
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        return self._time.monotonic() + self.offset
+
+    def time(self) -> float:
+        return self._time.time() + self.offset
+
+
+def test_a_reader_polling_at_its_known_head_for_long_keeps_paying_one_get(
+    moto_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each poll that finds the next key missing learns the head again, so a reader that
+    polls more often than the retention margin never falls back to a listing."""
+    clock = _ShiftedClock()
+    monkeypatch.setattr("loom_store_s3._store.time", clock)
+    client = moto_server.client()
+    store = S3Store(
+        moto_server.new_bucket(),
+        "poll",
+        S3Options(endpoint_url=moto_server.endpoint_url, retention=1000, head_ttl=0),
+        client=client,
+    )  # the margin: 1000 - 0 - 900 = 100 s
+    head = store.append("s", 0, _records(2))
+    counter = RequestCounter(client)
+    for _ in range(4):  # 240 s in all, 60 s between polls
+        assert store.read("s", head) == []
+        assert counter.take() == {"GetObject": 1}
+        clock.offset += 60
