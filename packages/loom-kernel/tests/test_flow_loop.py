@@ -683,3 +683,68 @@ def test_a_flows_loop_stopped_by_an_interrupt_as_it_closes_still_cancels_and_clo
     assert flows.loop.is_closed()
     assert cancelled.is_set()
     assert flows.join_threads(10)
+
+
+_NESTED_STARTS = """
+import asyncio, os
+from loom_kernel import AsyncContext, Engine, MemoryStore, flow
+from loom_kernel._servant import FLOW_LOOP, LoopThread
+
+async def instant():
+    return "done"
+
+@flow(name="inner", version="1")
+async def inner(ctx: AsyncContext, _input):
+    return await ctx.step("x", instant)
+
+@flow(name="middle", version="1")
+async def middle(ctx: AsyncContext, _input):
+    async def in_a_thread():
+        return await asyncio.to_thread(lambda: engine.start("inner", key="i").result)
+    return await ctx.step("in_a_thread", in_a_thread)
+
+@flow(name="outer", version="1")
+async def outer(ctx: AsyncContext, _input):
+    async def blocking_start():
+        return engine.start("middle", key="m").result  # holds this loop meanwhile
+    return await ctx.step("blocking_start", blocking_start)
+
+engine = Engine(MemoryStore(), [inner, middle, outer], listeners=[])
+FLOW_LOOP.set(LoopThread("flows", 8).loop)  # as under a worker or the async API
+print(engine.start("outer", key="o").result, flush=True)
+os._exit(0)
+"""
+
+
+def test_a_start_from_a_thread_of_a_run_a_blocked_loop_drives_aims_at_no_blocked_loop() -> None:
+    """A step that blocks the flows' loop on a sync start drives that run on a helper
+    thread, with a loop of its own; a start from a thread of that run
+    (`asyncio.to_thread`) must not aim at the blocked loop, or it waits for it forever
+    (in a process of its own: a regression hangs it, not the suite)."""
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, "-c", _NESTED_STARTS],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "done"), done.stderr
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_set_event_beside_a_step_not_yet_started_is_no_gate_on_either_loop() -> None:
+    """set_event parks nothing: a step the flow started but has not awaited yet is
+    no reason to refuse it or to end the pass."""
+
+    @flow(name="loop.publishes", version="1")
+    async def publishes(ctx: AsyncContext, _input: Any) -> Any:
+        task = asyncio.ensure_future(ctx.step("s", instant))
+        await ctx.set_event("k", 1)
+        return await task
+
+    engine = Engine(MemoryStore(), [publishes], listeners=[])
+    view = engine.start("loop.publishes", None, key="p")
+    assert (view.status, view.result) == (Status.COMPLETED, "done")
+    assert engine.get_event("p", "k") == 1

@@ -852,3 +852,20 @@ def test_an_error_that_replaced_a_pass_ending_to_run_again_is_not_replaced_by_a_
     box = sandbox(two_errors, listeners=[])
     with pytest.raises(InvalidArgumentError, match="not 123"):
         box.engine.start("two_errors")
+
+
+def test_a_deleted_stream_error_says_what_happened() -> None:
+    from loom_kernel import StreamDeletedError
+
+    error = StreamDeletedError("orders/7", 3)
+    assert (error.stream, error.head) == ("orders/7", 3)
+    assert str(error) == (
+        "stream 'orders/7' was deleted at head 3; a deleted stream's name is retired and "
+        "its positions are never reused"
+    )
+
+
+def test_a_queue_place_defaults_to_the_first_partition_the_middle_priority_and_no_key() -> None:
+    from loom_kernel.events import QueuePlace
+
+    assert QueuePlace("q") == QueuePlace("q", partition=0, priority=0, key=None)
