@@ -328,6 +328,7 @@ def test_a_damaged_queue_record_is_mended_by_a_worker(caplog: pytest.LogCaptureF
         lambda: Queue("q", rate=Rate(2, per=1.0), partitions=3),
         lambda: Queue("q", rate=(2, 1.0)),  # type: ignore[arg-type]
         lambda: Rate(0, per=1.0),
+        lambda: Rate(None, per=1.0),  # type: ignore[arg-type]
         lambda: Rate(1, per=0.0),
         lambda: Rate(1, per=float("nan")),
     ],

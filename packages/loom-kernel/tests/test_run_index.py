@@ -183,7 +183,9 @@ def test_a_crash_after_a_run_ended_and_before_it_was_closed_is_closed_by_recover
 
 
 @pytest.mark.parametrize("failure", ["loom error", "bug"])
-def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it(failure: str) -> None:
+def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it(
+    failure: str, caplog: pytest.LogCaptureFixture
+) -> None:
     from loom_kernel import StoreUnavailableError
 
     store = MemoryStore()
@@ -202,7 +204,9 @@ def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it(fail
         with pytest.raises(ValueError, match="a listener bug"):  # raised, and still open
             engine.start("work", "done", key="r")
     else:
-        engine.start("work", "done", key="r")
+        with caplog.at_level("WARNING", logger="loom"):
+            engine.start("work", "done", key="r")
+        assert "on 'r': StoreUnavailableError: the parent could not be woken" in caplog.text
     assert [hint.execution_id for hint in engine.runs.open_runs()] == ["r"]
     engine.recover()
     assert attempts == ["r", "r"]
