@@ -320,6 +320,7 @@ def test_a_worker_stops_once_the_threads_its_async_flows_left_running_end() -> N
     stopping.join(20)
     assert not stopping.is_alive()
     assert ended.is_set(), "as asyncio.run ends, the stop waited for the flows' thread"
+    assert not worker._threads_left, "none outlived the stop: loom worker exits as usual"
 
 
 def test_a_flows_thread_that_never_ends_holds_a_workers_stop_for_its_grace_only(
@@ -333,6 +334,7 @@ def test_a_flows_thread_that_never_ends_holds_a_workers_stop_for_its_grace_only(
     try:
         worker.stop()  # returns, the thread still running
         assert "still run after 0.2 s" in caplog.text
+        assert worker._threads_left, "loom worker then exits at once (os._exit)"
     finally:
         release.set()
 

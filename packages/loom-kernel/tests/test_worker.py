@@ -827,7 +827,9 @@ def test_run_puts_back_the_signal_handlers_it_replaced() -> None:
             signal.signal(number, handler)
 
 
-def test_a_run_index_marker_that_cannot_be_read_is_not_taken_for_a_store_to_index() -> None:
+def test_a_run_index_marker_that_cannot_be_read_is_not_taken_for_a_store_to_index(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     from loom_kernel import StoreUnavailableError
 
     class MarkerUnreadable(MemoryStore):
@@ -844,9 +846,12 @@ def test_a_run_index_marker_that_cannot_be_read_is_not_taken_for_a_store_to_inde
         return []
 
     engine.recover = counting_recover  # type: ignore[method-assign]
-    with Worker(engine, idle_poll=0.02):
+    with caplog.at_level("WARNING", logger="loom"), Worker(engine, idle_poll=0.02):
         time.sleep(0.2)
     assert recovered == [], "looked at again at the next sweep, not recovered at once"
+    assert "the run index marker: StoreUnavailableError: the marker cannot be read" in (
+        caplog.text
+    ), "and said"
 
 
 def test_a_run_queued_for_a_slot_is_queued_once() -> None:
@@ -1217,3 +1222,23 @@ def test_a_worker_whose_signal_handlers_cannot_be_installed_raises_and_runs_noth
         runner.join(10)
     assert not went_on, "run() raised at once"
     assert [str(exc) for exc in raised] == ["signal handlers refused (injected)"]
+
+
+def test_a_task_a_freed_slot_cannot_start_as_the_pool_shuts_down_is_let_go_not_counted() -> None:
+    from loom_kernel._worker import _Task
+
+    worker = Worker(_engine(MemoryStore()), concurrency=1)
+    let_go: list[str] = []
+
+    class ShutDown:
+        def submit(self, *_args: Any) -> None:
+            raise RuntimeError("cannot schedule new futures after shutdown")
+
+    worker._pool = ShutDown()  # type: ignore[assignment]
+    worker._in_flight.add("reserved")  # a slot taken for an enqueue that is given back
+    worker._backlog.append(_Task("next", lambda: None, lambda: let_go.append("next")))
+    worker._queued.add("next")
+    worker._unreserve("reserved")
+    assert let_go == ["next"], "let go for another worker"
+    assert worker._in_flight == set()
+    assert worker.stats.in_flight == 0

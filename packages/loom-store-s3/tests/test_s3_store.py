@@ -395,6 +395,17 @@ def test_a_client_not_built_by_botocore_with_max_attempts_is_judged_by_it(
         S3Store("some-bucket", "p", S3Options(attempts=1), client=client)
 
 
+def test_a_connection_fault_is_retried_then_unavailable() -> None:
+    from botocore.exceptions import EndpointConnectionError
+
+    client = _RefusingClient("", 0)
+    client.error = EndpointConnectionError(endpoint_url="http://127.0.0.1:1")
+    with pytest.raises(StoreUnavailableError, match="Could not connect") as caught:
+        S3Store("some-bucket", "p", S3Options(attempts=3), client=client)
+    assert not isinstance(caught.value, StoreMisconfiguredError)
+    assert client.calls == 3, "retried"
+
+
 def test_a_transient_fault_is_retried_then_unavailable() -> None:
     client = _RefusingClient("SlowDown", 503)
     with pytest.raises(StoreUnavailableError, match="SlowDown"):
@@ -656,3 +667,17 @@ def test_a_reader_polling_at_its_known_head_for_long_keeps_paying_one_get(
         assert store.read("s", head) == []
         assert counter.take() == {"GetObject": 1}
         clock.offset += 60
+
+
+def test_a_delete_past_the_retention_leaves_the_first_batch_and_the_tombstone_only(
+    s3_server: S3Server,
+) -> None:
+    store = s3_server.store(head_ttl=0, retention=0)
+    head = 0
+    for _ in range(3):
+        head = store.append("s", head, _records(2))
+    store.delete("s")
+    batches = sorted(int(key[-20:]) for key in _keys(s3_server, store) if "!R" in key)
+    assert batches == [0, 6], "the first (a stub) and the tombstone at the head"
+    with pytest.raises(StreamDeletedError):
+        store.append("s", 6, _records(1))
