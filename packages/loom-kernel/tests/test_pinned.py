@@ -440,9 +440,6 @@ def test_ctx_position_is_the_index_the_next_step_takes_on_every_run() -> None:
 
 
 def test_a_coroutine_a_sync_step_returns_is_closed_not_left_to_warn() -> None:
-    import gc
-    import warnings
-
     async def forgotten() -> int:
         return 1
 
@@ -450,11 +447,22 @@ def test_a_coroutine_a_sync_step_returns_is_closed_not_left_to_warn() -> None:
     def returns_coroutine(ctx: Context, _input: Any) -> Any:
         return ctx.step("oops", forgotten)
 
-    box = sandbox(returns_coroutine, listeners=[])
+    _refused_with_no_never_awaited_warning(
+        sandbox(returns_coroutine, listeners=[]).engine,
+        "returns_coroutine",
+        "returned an awaitable",
+    )
+
+
+def _refused_with_no_never_awaited_warning(engine: Engine, flow_name: str, match: str) -> None:
+    """Start `flow_name`: refused with `match`, and no coroutine left to warn when collected."""
+    import gc
+    import warnings
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with pytest.raises(InvalidArgumentError, match="returned an awaitable"):
-            box.engine.start("returns_coroutine")
+        with pytest.raises(InvalidArgumentError, match=match):
+            engine.start(flow_name)
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]
 
@@ -743,9 +751,6 @@ def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
 
 
 def test_a_step_an_async_flow_never_awaited_is_closed_not_left_to_warn() -> None:
-    import gc
-    import warnings
-
     from loom_kernel import AsyncContext
 
     async def instant() -> int:
@@ -756,13 +761,11 @@ def test_a_step_an_async_flow_never_awaited_is_closed_not_left_to_warn() -> None
         ctx.step("never", instant)  # type: ignore[unused-coroutine]
         return "done"
 
-    box = sandbox(forgets_a_step, listeners=[])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with pytest.raises(InvalidArgumentError, match="never awaited before the flow returned"):
-            box.engine.start("forgets_a_step")
-        gc.collect()
-    assert not [w for w in caught if "never awaited" in str(w.message)]
+    _refused_with_no_never_awaited_warning(
+        sandbox(forgets_a_step, listeners=[]).engine,
+        "forgets_a_step",
+        "never awaited before the flow returned",
+    )
 
 
 def test_a_recorded_value_is_journaled_as_taken_at_the_first_attempt() -> None:

@@ -169,15 +169,20 @@ class FailingOnce(MemoryStore):
         super()._trim(stream, before)
 
 
-def test_a_bucket_sealed_by_a_poll_that_failed_to_delete_it_is_deleted_next_time() -> None:
-    store, clock = FailingOnce(), FakeClock(BASE)
-    engine = _engine(store, clock)
+def _seal_without_delete(store: FailingOnce, clock: FakeClock, engine: Engine) -> None:
+    """A run's timer fires at a poll that seals its bucket but fails to delete it."""
     run = engine.start("nap", 30)
     clock.advance(120)
     store.fail = {"delete"}
     with pytest.raises(StoreUnavailableError, match="injected"):
         engine.fire_due_timers()  # woken; the seal landed, the delete did not
     assert engine.get(run.id).status is Status.COMPLETED
+
+
+def test_a_bucket_sealed_by_a_poll_that_failed_to_delete_it_is_deleted_next_time() -> None:
+    store, clock = FailingOnce(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    _seal_without_delete(store, clock, engine)
     (bucket,) = TimerIndex(store, clock).buckets()
     assert store.read(bucket)[-1].kind == SEAL_KIND
     late = TimerIndex(store, FakeClock(BASE))
@@ -399,12 +404,7 @@ def test_the_poll_that_deletes_a_bucket_an_earlier_poll_sealed_moves_the_floor_p
     store, clock = FailingOnce(), FakeClock(BASE)
     engine = _engine(store, clock)
     engine.fire_due_timers()
-    run = engine.start("nap", 30)
-    clock.advance(120)
-    store.fail = {"delete"}
-    with pytest.raises(StoreUnavailableError, match="injected"):
-        engine.fire_due_timers()  # woken; the seal landed, the delete did not
-    assert engine.get(run.id).status is Status.COMPLETED
+    _seal_without_delete(store, clock, engine)
     assert _floor(store)["floor"] == int(BASE // 60), "held by the sealed bucket"
     engine.fire_due_timers()
     assert TimerIndex(store, clock).buckets() == []
