@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 import pytest
 from loom_kernel import (
@@ -20,6 +22,7 @@ from loom_kernel import (
     flow,
 )
 
+T = TypeVar("T")
 loops: list[asyncio.AbstractEventLoop] = []
 
 
@@ -167,3 +170,95 @@ def test_async_flows_nested_three_deep_under_start_async_do_not_deadlock() -> No
     thread.start()
     thread.join(30)
     assert outcome == [2], "finished, not deadlocked"
+
+
+def _with_one_default_thread(main: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run `main()` under `asyncio.run`, the loop's default executor one thread: the
+    async API must not depend on it."""
+
+    async def run() -> T:
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(1))
+        return await main()
+
+    return asyncio.run(run())
+
+
+def test_a_flow_awaiting_a_run_it_starts_async_never_waits_for_a_thread() -> None:
+    """Ten parents at once, each awaiting in a step the start of a child: on a shared
+    executor of a few threads, the parents held them all and the children waited for
+    one forever."""
+
+    @flow(name="api.kid")
+    async def kid(ctx: AsyncContext, value: int) -> Any:
+        return await ctx.step("double", _double, value)
+
+    @flow(name="api.starts_a_kid")
+    async def starts_a_kid(ctx: AsyncContext, value: int) -> Any:
+        return await ctx.step("kid", _kid_result, ctx.engine, value)
+
+    engine = Engine(MemoryStore(), [kid, starts_a_kid], listeners=[])
+
+    async def main() -> list[Any]:
+        parents = (engine.start_async("api.starts_a_kid", n) for n in range(10))
+        done = await asyncio.wait_for(asyncio.gather(*parents), 30)
+        return [execution.result for execution in done]
+
+    assert _with_one_default_thread(main) == [2 * n for n in range(10)]
+
+
+async def _double(value: int) -> int:
+    return 2 * value
+
+
+async def _kid_result(engine: Engine, value: int) -> Any:
+    return (await engine.start_async("api.kid", value)).result
+
+
+def test_async_starts_run_side_by_side_however_many_beyond_the_default_executor() -> None:
+    """Twenty async runs at once, each waiting in its step until all twenty are there."""
+    count = 20
+    arrived = 0
+    everyone: asyncio.Event | None = None
+
+    async def meet() -> int:
+        nonlocal arrived
+        assert everyone is not None
+        arrived += 1
+        if arrived == count:
+            everyone.set()
+        await everyone.wait()
+        return arrived
+
+    @flow(name="api.meet")
+    async def meeting(ctx: AsyncContext, _input: Any) -> Any:
+        return await ctx.step("meet", meet)
+
+    engine = Engine(MemoryStore(), [meeting], listeners=[])
+
+    async def main() -> list[Any]:
+        nonlocal everyone
+        everyone = asyncio.Event()
+        starts = (engine.start_async("api.meet") for _ in range(count))
+        done = await asyncio.wait_for(asyncio.gather(*starts), 30)
+        return [execution.result for execution in done]
+
+    assert _with_one_default_thread(main) == [count] * count
+
+
+def test_the_async_api_works_while_the_default_executor_is_busy() -> None:
+    engine = Engine(MemoryStore(), FLOWS, listeners=[])
+    release = threading.Event()
+
+    async def main() -> Any:
+        busy = asyncio.ensure_future(asyncio.to_thread(release.wait, 60))  # its one thread
+        try:
+            await asyncio.wait_for(engine.start_async("api.on_loop", key="w"), 30)
+            waiting = asyncio.ensure_future(engine.handle("w").result_async(timeout=30))
+            looking = asyncio.ensure_future(engine.get_event_async("w", "none", timeout=0.2))
+            await asyncio.wait_for(engine.send_async("w", "hello"), 30)
+            return await asyncio.wait_for(asyncio.gather(waiting, looking), 10)
+        finally:
+            release.set()
+            await busy
+
+    assert _with_one_default_thread(main) == [["one", "hello"], None]

@@ -70,6 +70,7 @@ from loom_kernel._published import Published
 from loom_kernel._queues import Queue, QueueBook, QueueView
 from loom_kernel._run_index import ENDED, OpenHint, RunIndex
 from loom_kernel._state import ExecutionState, Status, StepFrame
+from loom_kernel._threads import in_a_thread
 from loom_kernel._timers import TIMER_GATE, TimerEntry, TimerIndex, timer_resume_key
 from loom_kernel._views import Execution, HistoryEntry
 from loom_kernel._waits import (
@@ -1024,9 +1025,10 @@ class Engine:
         key: str | None = None,
         parent: str | None = None,
     ) -> Execution:
-        """`start`, for `async def` callers: the drive runs on a thread of the loop's
-        default executor, so the caller's event loop is never held, and an async
-        flow's code runs on the caller's loop (a sync flow's, on that thread).
+        """`start`, for `async def` callers: the drive runs on a thread of Loom's own
+        (one for each call in flight, never the loop's default executor's few), so
+        the caller's event loop is never held and no call waits for another, and an
+        async flow's code runs on the caller's loop (a sync flow's, on that thread).
         Arguments, result and errors are those of `start`."""
         return await self._in_thread(self.start, flow_name, input, key=key, parent=parent)
 
@@ -1064,7 +1066,7 @@ class Engine:
     @staticmethod
     async def _in_thread(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
         loop = asyncio.get_running_loop()
-        return await asyncio.to_thread(on_loop(loop, call), *args, **kwargs)
+        return await in_a_thread(on_loop(loop, call), *args, **kwargs)
 
     def cancel(self, execution_id: str, reason: str | None = None) -> Execution:
         """End a run: it never starts another step. Cancelling a finished run changes nothing.

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Final
 from loom_kernel._errors import ExecutionEndedError, InvalidArgumentError, ResultTimeoutError
 from loom_kernel._numbers import finite_number
 from loom_kernel._state import Status
+from loom_kernel._threads import in_a_thread
 
 if TYPE_CHECKING:
     from loom_kernel._engine import Engine
@@ -69,7 +70,7 @@ class RunHandle:
         """`wait`, for `async def` callers: it sleeps on the loop between looks."""
         looks = _Looks(self.id, timeout)
         while True:
-            execution = await asyncio.to_thread(self.get)
+            execution = await in_a_thread(self.get)
             if execution.status.finished:
                 return execution
             await asyncio.sleep(looks.pause(execution))

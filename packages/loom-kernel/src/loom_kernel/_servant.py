@@ -247,7 +247,7 @@ class LoopThread:
 
     def __init__(self, name: str, executor_threads: int) -> None:
         self.loop = asyncio.new_event_loop()
-        # Flows share it (asyncio.to_thread, start_async): as many threads as a loop per
+        # Flows share it (asyncio.to_thread): as many threads as a loop per
         # drive would have had, for every drive at once.
         self._executor = ThreadPoolExecutor(executor_threads, thread_name_prefix=f"{name}-executor")
         self.loop.set_default_executor(self._executor)
