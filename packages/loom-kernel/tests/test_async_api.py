@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -15,12 +16,14 @@ from loom_kernel import (
     Context,
     Engine,
     ExecutionEndedError,
+    InvalidArgumentError,
     MemoryStore,
     ResultTimeoutError,
     Status,
     _servant,
     flow,
 )
+from loom_kernel._threads import call_threads
 
 T = TypeVar("T")
 loops: list[asyncio.AbstractEventLoop] = []
@@ -262,3 +265,32 @@ def test_the_async_api_works_while_the_default_executor_is_busy() -> None:
             await busy
 
     assert _with_one_default_thread(main) == [["one", "hello"], None]
+
+
+def test_get_event_async_waits_between_looks_on_the_loop_holding_no_thread() -> None:
+    @flow(name="api.publishes_later")
+    def publishes_later(ctx: Context, _input: Any) -> Any:
+        ctx.suspend("go")
+        ctx.set_event("stage", "published")
+        return ctx.suspend("end")
+
+    engine = Engine(MemoryStore(), [publishes_later], listeners=[])
+    threads = call_threads()
+
+    async def main() -> list[Any]:
+        await engine.start_async("api.publishes_later", key="p")
+        waits = [
+            asyncio.ensure_future(engine.get_event_async("p", "stage", timeout=30))
+            for _ in range(5)
+        ]
+        deadline = time.monotonic() + 10
+        while not threads.wait_quiet(0):  # five waits, and now and then no call at all
+            assert time.monotonic() < deadline, "a thread was held through the wait"
+            await asyncio.sleep(0.01)
+        assert not any(wait.done() for wait in waits)
+        await engine.resume_async("p", on="go")
+        return await asyncio.wait_for(asyncio.gather(*waits), 30)
+
+    assert asyncio.run(main()) == ["published"] * 5
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        asyncio.run(engine.get_event_async("p", "stage", timeout=-1))

@@ -991,24 +991,19 @@ class Engine:
             InvalidArgumentError: the timeout is not a number of seconds >= 0.
             InvalidIdError: the id is not a valid execution id.
         """
+        looks = self._event_looks(execution_id, key, timeout)
+        while True:
+            pause, value = looks.look()
+            if pause is None:
+                return value
+            time.sleep(pause)
+
+    def _event_looks(self, execution_id: str, key: str, timeout: float | None) -> _EventLooks:
+        """The looks of a `get_event`, its arguments checked."""
         self.stream_of(execution_id)
         if timeout is not None and (not finite_number(timeout) or timeout < 0):
             raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
-        deadline = None if timeout is None else time.monotonic() + timeout
-        pause = 0.005
-        while True:
-            values = self._published.values(execution_id)
-            if key in values:
-                return values[key]
-            left = 0.0 if deadline is None else deadline - time.monotonic()
-            if left <= 0:
-                return None
-            with contextlib.suppress(ExecutionNotFoundError):
-                if self._view(execution_id, lambda state: state.status.finished):
-                    values = self._published.values(execution_id)
-                    return values.get(key)
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.25)
+        return _EventLooks(self, execution_id, key, timeout)
 
     def get_events(self, execution_id: str) -> dict[str, Any]:
         """Every key a run has published, with its latest value (`ctx.set_event`)."""
@@ -1060,8 +1055,14 @@ class Engine:
     async def get_event_async(
         self, execution_id: str, key: str, timeout: float | None = None
     ) -> Any:
-        """`get_event`, for `async def` callers: waits on a thread, not on the loop."""
-        return await self._in_thread(self.get_event, execution_id, key, timeout)
+        """`get_event`, for `async def` callers: each look is made on a thread, and
+        the wait between looks on the loop (holding no thread)."""
+        looks = self._event_looks(execution_id, key, timeout)
+        while True:
+            pause, value = await in_a_thread(looks.look)
+            if pause is None:
+                return value
+            await asyncio.sleep(pause)
 
     @staticmethod
     async def _in_thread(call: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -1521,6 +1522,33 @@ class Engine:
             return compact(self.store, state, self.clock)
         finally:
             self._cache.give_back(state)
+
+
+class _EventLooks:
+    """A `get_event`'s looks at what a run published: each says how long to wait
+    before the next, or (None, the value) once the wait is over."""
+
+    def __init__(self, engine: Engine, execution_id: str, key: str, timeout: float | None) -> None:
+        self._engine = engine
+        self._id = execution_id
+        self._key = key
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._pause = 0.005
+
+    def look(self) -> tuple[float | None, Any]:
+        engine, execution_id = self._engine, self._id
+        values = engine._published.values(execution_id)
+        if self._key in values:
+            return None, values[self._key]
+        left = 0.0 if self._deadline is None else self._deadline - time.monotonic()
+        if left <= 0:
+            return None, None
+        with contextlib.suppress(ExecutionNotFoundError):
+            if engine._view(execution_id, lambda state: state.status.finished):
+                return None, engine._published.values(execution_id).get(self._key)
+        pause = min(self._pause, left)
+        self._pause = min(self._pause * 2, 0.25)
+        return pause, None
 
 
 class QueuedDrive(enum.Enum):
