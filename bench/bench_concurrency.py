@@ -25,6 +25,12 @@ an async workflow of 10 steps (each an `async def`), the loop's default executor
 to N: the flows' code runs on the caller's loop, and each drive's thread makes its
 journal writes, so N runs' appends still share group commits. Printed as above.
 
+Then async starts at once: N `start_async` calls from tasks of one loop (its default
+executor as asyncio makes it), of an async flow whose one step awaits CHILD_SECONDS
+of I/O, against the same through `asyncio.to_thread(engine.start)`: wall time ÷ that
+wait (each drive has a thread of Loom's own; the default executor's few threads run
+a few drives at a time).
+
 Then the fan-out: a parent that awaits N children (`await_children`), each a step
 that takes CHILD_SECONDS, driven by a `Worker` of N + 1 slots on the parent's engine
 (children take its slots side by side) and inline with no worker (one after
@@ -43,6 +49,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -180,6 +187,40 @@ def _fan_out(directory: Path, count: int) -> str:
     return f"| {count} | {worker / CHILD_SECONDS:.2f}x | {inline / CHILD_SECONDS:.2f}x |"
 
 
+async def _io_wait() -> str:
+    await asyncio.sleep(CHILD_SECONDS)
+    return "done"
+
+
+@flow(name="bench.awaits_io", version="1")
+async def awaits_io(ctx: AsyncContext, _input: Any) -> str:
+    return str(await ctx.step("io", _io_wait))
+
+
+def _async_starts(directory: Path, count: int) -> str:
+    """`count` async starts at once from one loop (its default executor as asyncio
+    makes it), of a flow whose step awaits CHILD_SECONDS of I/O: wall time ÷ one
+    run's, through `start_async` and through `asyncio.to_thread(engine.start)`."""
+    store = open_store(f"sqlite://{directory / f'starts-{count}.db'}")
+    engine = Engine(store, [awaits_io], listeners=[])
+
+    async def wall(start: Callable[[], Awaitable[Any]]) -> float:
+        began = time.perf_counter()
+        await asyncio.gather(*(start() for _ in range(count)))
+        return time.perf_counter() - began
+
+    def through_start_async() -> Awaitable[Any]:
+        return engine.start_async("bench.awaits_io")
+
+    def through_to_thread() -> Awaitable[Any]:
+        return asyncio.to_thread(engine.start, "bench.awaits_io")
+
+    own = asyncio.run(wall(through_start_async))
+    shared = asyncio.run(wall(through_to_thread))
+    store.close()
+    return f"| {count} | {own / CHILD_SECONDS:.2f}x | {shared / CHILD_SECONDS:.2f}x |"
+
+
 def _level(
     directory: Path, synchronous: str, threads: int, seconds: float, *, on_a_loop: bool = False
 ) -> str:
@@ -234,10 +275,11 @@ def _on_slow_disk(delay_ms: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--levels", type=int, nargs="+", default=[1, 4, 16, 64])
+    parser.add_argument("--levels", type=int, nargs="*", default=[1, 4, 16, 64])
     parser.add_argument("--seconds", type=float, default=1.0, help="per side per round")
     parser.add_argument("--async-levels", type=int, nargs="*", default=[1, 16])
-    parser.add_argument("--fan-out", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--fan-out", type=int, nargs="*", default=[1, 4, 16])
+    parser.add_argument("--async-starts", type=int, nargs="*", default=[1, 10, 100])
     parser.add_argument(
         "--synchronous", nargs="+", choices=["full", "normal"], default=["full", "normal"]
     )
@@ -254,13 +296,14 @@ def main() -> None:
             f"Simulated disk: every sync takes {args.sync_delay_ms:g} ms longer "
             "(bench/slow_sync.c), for Loom and the raw writer alike.\n"
         )
-    print(f"## Loom steps/s ÷ one raw writer's commits/s ({ROUNDS} alternating rounds)")
-    print("| synchronous | concurrent runs | ratio, median (range) | step p50 | step p99 |")
-    print("| --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as scratch:
-        for synchronous in args.synchronous:
-            for threads in args.levels:
-                print(_level(Path(scratch), synchronous, threads, args.seconds), flush=True)
+        if args.levels:
+            print(f"## Loom steps/s ÷ one raw writer's commits/s ({ROUNDS} alternating rounds)")
+            print("| synchronous | concurrent runs | ratio, median (range) | step p50 | step p99 |")
+            print("| --- | --- | --- | --- | --- |")
+            for synchronous in args.synchronous:
+                for threads in args.levels:
+                    print(_level(Path(scratch), synchronous, threads, args.seconds), flush=True)
         if args.async_levels:
             print("\n## Async flows, `start_async` from tasks of one event loop: the same ratio")
             print("| synchronous | concurrent runs | ratio, median (range) | step p50 | step p99 |")
@@ -269,11 +312,21 @@ def main() -> None:
                 for runs in args.async_levels:
                     row = _level(Path(scratch), synchronous, runs, args.seconds, on_a_loop=True)
                     print(row, flush=True)
-        print(f"\n## Fan-out: wall time ÷ one child's ({CHILD_SECONDS} s), synchronous=full")
-        print("| children | a worker of N + 1 slots | inline, no worker |")
-        print("| --- | --- | --- |")
-        for count in args.fan_out:
-            print(_fan_out(Path(scratch), count), flush=True)
+        if args.async_starts:
+            print(
+                f"\n## Async starts at once from one loop, each awaiting {CHILD_SECONDS} s of "
+                "I/O in a step: wall time ÷ that wait"
+            )
+            print("| starts | `start_async` | `asyncio.to_thread(engine.start)` |")
+            print("| --- | --- | --- |")
+            for count in args.async_starts:
+                print(_async_starts(Path(scratch), count), flush=True)
+        if args.fan_out:
+            print(f"\n## Fan-out: wall time ÷ one child's ({CHILD_SECONDS} s), synchronous=full")
+            print("| children | a worker of N + 1 slots | inline, no worker |")
+            print("| --- | --- | --- |")
+            for count in args.fan_out:
+                print(_fan_out(Path(scratch), count), flush=True)
 
 
 if __name__ == "__main__":
