@@ -21,8 +21,8 @@ from its cache, as a VM's often does, makes a sync too cheap to show what group
 commit saves, and this shows it. The table says when it is simulated.
 
 With `--async-levels`: N tasks on one event loop each `await engine.start_async` of
-an async workflow of 10 steps (each an `async def`), the loop's default executor sized
-to N: the flows' code runs on the caller's loop, and each drive's thread makes its
+an async workflow of 10 steps (each an `async def`): the flows' code runs on the
+caller's loop, and each drive's thread (one of Loom's own per call) makes its
 journal writes, so N runs' appends still share group commits. Printed as above.
 
 Then async starts at once: N `start_async` calls from tasks of one loop (its default
@@ -50,7 +50,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +148,6 @@ def _async_round(engine: Engine, runs: int, seconds: float) -> tuple[float, list
             per_step.append((time.perf_counter() - began) / STEPS)
 
     async def main() -> float:
-        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(runs))
         began = time.perf_counter()
         await asyncio.gather(*(run(began + seconds) for _ in range(runs)))
         return time.perf_counter() - began

@@ -1,8 +1,10 @@
 """The async API's threads: a call never waits for another, idle threads are reused
-and end, and the interpreter waits at exit for a call in flight."""
+and end, and a call its caller gave up on is awaited to its end by the loop."""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import queue
 import random
 import subprocess
@@ -15,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loom_kernel._threads import CallThreads
+from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Worker, flow
+from loom_kernel._threads import CallThreads, call_threads, in_a_thread, let_go
 
 
 def _eventually(condition: object, seconds: float = 10.0) -> None:
@@ -169,35 +172,155 @@ def test_a_new_thread_refused_by_the_system_is_a_clear_error_and_leaves_no_count
     assert threads.run(lambda: "fine").result(10) == "fine"
 
 
-def test_the_interpreter_waits_at_exit_for_a_drive_whose_caller_gave_up(
+def test_asyncio_run_returns_once_a_drive_whose_caller_gave_up_has_ended(
     tmp_path: Path,
 ) -> None:
-    marker = tmp_path / "second-step"
+    """As it waited for `asyncio.to_thread`'s threads: the drive ends before the
+    interpreter's shutdown, where a step using a thread pool would fail (pools refuse
+    new work then), and before a store closed after `asyncio.run` is closed."""
     script = textwrap.dedent(
-        f"""
+        """
         import asyncio, time
-        from pathlib import Path
+        from concurrent.futures import ThreadPoolExecutor
         from loom_kernel import Context, Engine, MemoryStore, flow
+
+        def uses_a_pool():
+            with ThreadPoolExecutor(1) as pool:
+                return pool.submit(lambda: "fetched").result()
 
         @flow(name="slow")
         def slow(ctx: Context, _input: object) -> object:
             ctx.step("nap", lambda: time.sleep(0.5))
-            return ctx.step("mark", lambda: Path({str(marker)!r}).write_text("done"))
+            return ctx.step("fetch", uses_a_pool)
 
         engine = Engine(MemoryStore(), [slow], listeners=[])
 
         async def main() -> None:
             try:
-                await asyncio.wait_for(engine.start_async("slow"), 0.05)
+                await asyncio.wait_for(engine.start_async("slow", key="s"), 0.05)
             except asyncio.TimeoutError:
                 print("gave up")
 
         asyncio.run(main())
+        print(engine.get("s").status.value, engine.get("s").result)
         """
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "gave up"
-    assert marker.read_text() == "done", "the drive went on to its end before the exit"
+    assert done.stdout.split("\n")[:2] == ["gave up", "completed fetched"], done.stdout
+
+
+def test_a_call_its_caller_gave_up_on_is_awaited_through_cancels_and_its_failure_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    release = threading.Event()
+
+    def blocked() -> None:
+        assert release.wait(10)
+        raise ValueError("failed late")
+
+    async def main() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(in_a_thread(blocked), 0.05)
+        (guard,) = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+        guard.cancel()  # as asyncio.run cancels what is left: it goes on awaiting
+        await asyncio.sleep(0.05)
+        assert not guard.done()
+        release.set()
+        await asyncio.wait_for(guard, 10)
+
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        asyncio.run(main())
+    assert "a call its caller stopped awaiting failed: ValueError: failed late" in caplog.text
+
+
+def test_a_loop_let_go_stops_awaiting_and_wait_quiet_bounds_the_wait_for_its_calls() -> None:
+    """A worker's loop: its teardown does not wait for the calls its tasks gave up on;
+    its stop waits for them by tag, for a bounded time."""
+    release = threading.Event()
+    loop = asyncio.new_event_loop()
+
+    async def gives_up() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(in_a_thread(release.wait, 10), 0.05)
+
+    try:
+        loop.run_until_complete(gives_up())
+        let_go(loop)
+        left = asyncio.all_tasks(loop)
+        assert len(left) == 1
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.wait_for(asyncio.gather(*left), 10))
+        assert not call_threads().wait_quiet(0.05, tag=loop), "the call still runs"
+        assert call_threads().wait_quiet(0, tag=object()), "another tag's count is its own"
+        release.set()
+        assert call_threads().wait_quiet(10, tag=loop)
+    finally:
+        release.set()
+        loop.close()
+
+
+def test_a_forked_child_starts_with_no_threads_of_its_parents_and_calls_again() -> None:
+    script = textwrap.dedent(
+        """
+        import asyncio, os, threading
+        from loom_kernel._threads import call_threads, in_a_thread
+
+        release = threading.Event()
+        threads = call_threads()
+        threads.run(lambda: "warm").result(10)  # an idle thread, in the parent only
+        threads.run(lambda: release.wait(10))  # and a call in flight
+        pid = os.fork()
+        if pid == 0:
+            fresh = call_threads()
+            called = asyncio.run(asyncio.wait_for(in_a_thread(lambda: 7), 10))
+            ok = fresh is not threads and called == 7
+            ok = ok and fresh.wait_quiet(10)
+            os._exit(0 if ok else 1)
+        release.set()
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0"
+
+
+def test_a_worker_stop_waits_a_bounded_time_for_a_start_async_its_flow_gave_up_on() -> None:
+    """A step of a worker's async flow gives up on the child it started: the child's
+    drive goes on; the stop waits for it for `grace` only, and says it is left."""
+    release = threading.Event()
+
+    @flow(name="threads.child")
+    def child(ctx: Context, _input: Any) -> Any:
+        return ctx.step("long", lambda: release.wait(30))
+
+    async def kick(engine: Engine) -> str:
+        try:
+            await asyncio.wait_for(engine.start_async("threads.child", key="c"), 0.1)
+        except TimeoutError:
+            return "gave up"
+        return "waited"
+
+    @flow(name="threads.parent")
+    async def parent(ctx: AsyncContext, _input: Any) -> Any:
+        return await ctx.step("kick", kick, ctx.engine)
+
+    engine = Engine(MemoryStore(), [child, parent], listeners=[])
+    worker = Worker(engine, grace=0.2).start()
+    try:
+        assert engine.enqueue("threads.parent", key="p").result(timeout=30) == "gave up"
+        began = time.monotonic()
+        worker.stop()
+        assert time.monotonic() - began < 20, "bounded by the grace, not by the child"
+        assert worker._threads_left
+    finally:
+        release.set()
+        worker.stop()
+    assert engine.handle("c").result(timeout=30) is True

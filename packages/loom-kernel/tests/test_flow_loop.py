@@ -459,7 +459,7 @@ def test_the_callers_loop_closing_mid_drive_stops_the_run_without_failing_it() -
         asyncio.create_task(engine.start_async("loop.waits", None, key="w"))  # noqa: RUF006
         await asyncio.sleep(0.2)  # returns: asyncio.run cancels the flow's task
 
-    asyncio.run(main())  # it ends once the default executor's threads (the drive's) do
+    asyncio.run(main())  # it ends once the drive does (awaited by the task left, see _threads)
     assert [record[1] for record in store.read("ex/w")] == ["EXECUTION_STARTED", "STEP_COMPLETED"]
     assert Engine(store, [waits], listeners=[]).recover() == ["w"]
     assert engine.get("w").result == "done"

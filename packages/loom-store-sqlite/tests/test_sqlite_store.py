@@ -135,6 +135,49 @@ def test_threads_share_one_store(tmp_path: Path) -> None:
     assert [store.head(f"t{n}") for n in range(4)] == [20] * 4
 
 
+def _open_connections(store: SqliteStore) -> list[sqlite3.Connection]:
+    return list(store._connections)
+
+
+def test_a_threads_connection_is_closed_when_the_thread_ends(tmp_path: Path) -> None:
+    """Threads that come and go (a pool's that end when idle, one per request) leave no
+    connection open behind them; a thread still running keeps its own."""
+    store = SqliteStore(str(tmp_path / "c.db"), SqliteOptions(synchronous="normal"))
+    before = len(_open_connections(store))
+    stays = threading.Event()
+    running: list[sqlite3.Connection] = []
+
+    def lives_on() -> None:
+        store.append("kept", 0, _records(1))
+        running.append(store._connection)
+        assert stays.wait(10)
+        store.append("kept", 1, _records(1))  # its connection still works
+
+    keeper = threading.Thread(target=lives_on)
+    keeper.start()
+    ended: list[sqlite3.Connection] = []
+    for number in range(30):
+
+        def short(n: int = number) -> None:
+            store.append(f"s{n}", 0, _records(1))
+            ended.append(store._connection)
+
+        thread = threading.Thread(target=short)
+        thread.start()
+        thread.join()
+    assert len(ended) == 30
+    for connection in ended:
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            connection.execute("SELECT 1")
+    assert len(_open_connections(store)) == before + 1, "the running thread's only"
+    stays.set()
+    keeper.join()
+    assert len(_open_connections(store)) == before
+    assert [store.head(f"s{n}") for n in range(30)] == [1] * 30
+    assert store.head("kept") == 2
+    store.close()
+
+
 def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/u.db")
     store.append("s", 0, _records(1))

@@ -20,6 +20,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from loom_kernel._threads import call_threads, let_go
+
 __all__ = [
     "FLOW_LOOP",
     "LOOP_CHECK",
@@ -264,6 +266,7 @@ class LoopThread:
                 with contextlib.suppress(SystemExit, KeyboardInterrupt):
                     loop.run_forever()
         finally:  # as asyncio.run ends: what flows left running is cancelled first
+            let_go(loop)  # the async API's calls a task gave up on: `join_threads` waits
             left = asyncio.all_tasks(loop)
             for task in left:
                 task.cancel()
@@ -286,8 +289,10 @@ class LoopThread:
     def join_threads(self, seconds: float) -> bool:
         """After `close`, as asyncio.run ends: wait for the threads the flows started
         on the loop's default executor (a call of `asyncio.to_thread` whose awaiting
-        task was cancelled goes on), but no longer than `seconds` (at least a tenth of a
-        second, which idle threads take to end): one that never returns holds no stop.
+        task was cancelled goes on) and for the async API's calls made from the loop
+        (`start_async` in a step, see `_threads`), but no longer than `seconds` (at
+        least a tenth of a second, which idle threads take to end): one that never
+        returns holds no stop.
         (Not `shutdown_default_executor`: on Python 3.11 it joins them however long.)
 
         Returns:
@@ -297,6 +302,7 @@ class LoopThread:
 
         def join() -> None:
             self._executor.shutdown(wait=True)
+            call_threads().wait_quiet(tag=self.loop)
             joined.set()
 
         threading.Thread(target=join, name=f"{self._thread.name}-join", daemon=True).start()
@@ -304,7 +310,8 @@ class LoopThread:
         if joined.wait(waited):
             return True
         _log.warning(
-            "loom: threads the async flows started (asyncio.to_thread) still run after %.1f s",
+            "loom: threads the async flows started (asyncio.to_thread, start_async) still "
+            "run after %.1f s",
             waited,
         )
         return False

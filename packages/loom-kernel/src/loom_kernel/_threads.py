@@ -6,31 +6,42 @@ On the loop's default executor (`asyncio.to_thread`) they would share its few th
 run it starts (`start_async` in a step) while every thread held such a flow would
 wait forever, and N callers at once would be driven a few at a time. Here a call never
 waits for another: it takes an idle thread, or a new one; a thread idle for `linger`
-seconds ends. As with `asyncio.to_thread` under `asyncio.run`, the interpreter waits
-at exit for the calls still in flight (a drive whose awaiting task was cancelled goes
-on to its park or end).
+seconds ends.
+
+A call whose caller stops awaiting it (a timeout) goes on, as with `asyncio.to_thread`,
+and the caller's loop keeps a task that awaits it to its end: so `asyncio.run`, which
+waits for the tasks left when its main coroutine returns, returns only once the drive
+has parked or ended (as it waited for its default executor's threads), and a store
+closed after it is not closed under a drive. A worker's loop lets go of those tasks
+when it closes (`let_go`); its stop then waits for the calls, for a bounded time
+(`CallThreads.wait_quiet` with the loop as tag).
 """
 
 from __future__ import annotations
 
 import asyncio
-import atexit
+import contextlib
 import contextvars
+import logging
+import os
 import queue
 import threading
+import weakref
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from functools import partial
 from typing import Any, Final, TypeVar
 
-__all__ = ["CallThreads", "call_threads", "in_a_thread"]
+__all__ = ["CallThreads", "call_threads", "in_a_thread", "let_go"]
 
 T = TypeVar("T")
+_log = logging.getLogger("loom")
 
 #: Seconds an idle thread waits for another call before it ends.
-LINGER: Final = 5.0
+LINGER: Final = 30.0
 
-_Call = tuple["Future[Any]", Callable[[], Any]]
+_Call = tuple["Future[Any]", Callable[[], Any], object]
 
 
 class CallThreads:
@@ -51,20 +62,26 @@ class CallThreads:
         # Threads waiting for a call, less the calls already handed to them (put, or
         # about to be put, in `_calls`): a thread gives up only while this is above 0.
         self._idle = 0
-        self._in_flight = 0
+        self._in_flight: Counter[object] = Counter()  # by tag; None counts them all
         self._started = 0
         self._alive = 0
 
-    def run(self, call: Callable[[], Any]) -> Future[Any]:
+    def run(self, call: Callable[[], Any], tag: object = None) -> Future[Any]:
         """Start `call()` on a thread now; its future (cancelling it before the thread
         takes it means it never runs).
+
+        Args:
+            call: what to run.
+            tag: what `wait_quiet` may wait for the calls of (the caller's loop).
 
         Raises:
             RuntimeError: the system refused a new thread.
         """
         future: Future[Any] = Future()
         with self._lock:
-            self._in_flight += 1
+            self._in_flight[None] += 1
+            if tag is not None:
+                self._in_flight[tag] += 1
             spawn = self._idle == 0
             if not spawn:
                 self._idle -= 1
@@ -72,17 +89,20 @@ class CallThreads:
             self._alive += spawn
             number = self._started
         if not spawn:
-            self._calls.put((future, call))
+            self._calls.put((future, call, tag))
             return future
         thread = threading.Thread(
-            target=self._serve, args=((future, call),), name=f"{self._name}-{number}", daemon=True
+            target=self._serve,
+            args=([(future, call, tag)],),
+            name=f"{self._name}-{number}",
+            daemon=True,
         )
         try:
             thread.start()
-        except BaseException:
-            with self._lock:
+        except RuntimeError:  # refused: no thread runs it (an interrupt after the start
+            with self._lock:  # lands once the thread runs, which counts it down itself)
                 self._alive -= 1
-            self._ended_one()
+            self._ended_one(tag)
             raise
         return future
 
@@ -91,20 +111,41 @@ class CallThreads:
         with self._lock:
             return self._alive
 
-    def wait_quiet(self, timeout: float | None = None) -> bool:
-        """Wait until no call is in flight; whether none is."""
+    def wait_quiet(self, timeout: float | None = None, tag: object = None) -> bool:
+        """Wait until no call (with `tag`, no call of that tag) is in flight; whether
+        none is."""
         with self._quiet:
-            return self._quiet.wait_for(lambda: self._in_flight == 0, timeout)
+            return self._quiet.wait_for(lambda: self._in_flight[tag] == 0, timeout)
 
-    def _serve(self, first: _Call) -> None:
-        call: _Call | None = first
+    def _serve(self, first: list[_Call]) -> None:
+        call: _Call | None = first.pop()  # not held by the frame once it is done
         while call is not None:
-            _settle(*call)
+            future, fn, tag = call
             call = None  # held while idle, the call would keep its arguments alive
+            self._settle(future, fn)
+            del future, fn
+            self._ended_one(tag)
+            call = self._next()
+
+    def _settle(self, future: Future[Any], call: Callable[[], Any]) -> None:
+        """Run `call` unless its future was cancelled first, and settle the future,
+        this thread counted idle first (the caller woken may call again at once)."""
+        if not future.set_running_or_notify_cancel():
             with self._lock:
                 self._idle += 1
-            self._ended_one()
-            call = self._next()
+            return
+        result: Any = None
+        error: BaseException | None = None
+        try:
+            result = call()
+        except BaseException as exc:  # as a ThreadPoolExecutor: the awaiting caller's to see
+            error = exc
+        with self._lock:
+            self._idle += 1
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     def _next(self) -> _Call | None:
         """The next call handed to this thread, or None once it may end."""
@@ -119,44 +160,77 @@ class CallThreads:
                         return None
                 # A call was handed to this thread as it gave up: it is on its way.
 
-    def _ended_one(self) -> None:
+    def _ended_one(self, tag: object) -> None:
         with self._lock:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._quiet.notify_all()
-
-
-def _settle(future: Future[Any], call: Callable[[], Any]) -> None:
-    """Run `call` unless its future was cancelled first, and settle the future."""
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        result = call()
-    except BaseException as exc:  # as a ThreadPoolExecutor: the awaiting caller's to see
-        future.set_exception(exc)
-    else:
-        future.set_result(result)
+            for key in (None, tag) if tag is not None else (None,):
+                self._in_flight[key] -= 1
+                if self._in_flight[key] <= 0:
+                    del self._in_flight[key]
+            self._quiet.notify_all()
 
 
 _shared: CallThreads | None = None
 _shared_lock = threading.Lock()
+#: Loops whose tasks awaiting abandoned calls stop awaiting them (see `let_go`).
+_let_go: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
+#: The tasks awaiting abandoned calls (a loop keeps only weak references to its tasks).
+_awaiting: set[asyncio.Task[None]] = set()
 
 
 def call_threads() -> CallThreads:
-    """The process's threads for the async API (made at first use; the interpreter
-    waits at exit for the calls they still run)."""
+    """The process's threads for the async API (made at first use)."""
     global _shared  # noqa: PLW0603 - one pool per process, made lazily
     with _shared_lock:
         if _shared is None:
             _shared = CallThreads("loom-async")
-            atexit.register(_shared.wait_quiet)
         return _shared
+
+
+def _forget_after_fork() -> None:
+    """In a forked child: the parent's threads are not there; start afresh."""
+    global _shared  # noqa: PLW0603
+    _shared = None
+    _awaiting.clear()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def let_go(loop: asyncio.AbstractEventLoop) -> None:
+    """Have `loop`'s tasks that await abandoned calls stop at their next cancel (a
+    worker's loop, closing: its stop waits for those calls, for a bounded time)."""
+    _let_go.add(loop)
 
 
 async def in_a_thread(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """`asyncio.to_thread`, on `call_threads()`: `call(*args, **kwargs)` in a copy of
-    this context, on a thread that waits for no other call."""
+    this context, on a thread that waits for no other call. Cancelled, it raises at
+    once and the call goes on, awaited by a task of the loop (see the module)."""
+    loop = asyncio.get_running_loop()
     context = contextvars.copy_context()
-    future = call_threads().run(partial(context.run, call, *args, **kwargs))
-    result: T = await asyncio.wrap_future(future)
+    future = call_threads().run(partial(context.run, call, *args, **kwargs), tag=loop)
+    waiting = asyncio.wrap_future(future, loop=loop)
+    try:
+        result: T = await asyncio.shield(waiting)
+    except asyncio.CancelledError:
+        if not waiting.done():
+            task = loop.create_task(_await_abandoned(loop, waiting))
+            _awaiting.add(task)
+            task.add_done_callback(_awaiting.discard)
+        raise
     return result
+
+
+async def _await_abandoned(loop: asyncio.AbstractEventLoop, waiting: asyncio.Future[Any]) -> None:
+    """Await a call its caller stopped awaiting, through cancels (unless the loop lets
+    go), and log how it failed, if it did."""
+    while not waiting.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([waiting])  # raises none of the call's errors here
+        if loop in _let_go:
+            break
+    if waiting.done() and not waiting.cancelled() and waiting.exception() is not None:
+        error = waiting.exception()
+        _log.warning(
+            "loom: a call its caller stopped awaiting failed: %s: %s", type(error).__name__, error
+        )

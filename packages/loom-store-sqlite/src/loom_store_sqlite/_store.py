@@ -7,6 +7,7 @@ import itertools
 import os
 import sqlite3
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from functools import partial
@@ -126,6 +127,22 @@ def _commit_id() -> str:
     return f"{prefix}{next(_commit_ids):x}"
 
 
+class _ThreadEnd:
+    """Held in a thread's locals: when it is dropped, the thread has ended."""
+
+    __slots__ = ("__weakref__",)
+
+
+def _close_thread_connection(
+    store: weakref.ref[SqliteStore], connection: sqlite3.Connection
+) -> None:
+    owner = store()
+    if owner is None:
+        connection.close()
+    else:
+        owner._forget_connection(connection)
+
+
 class _InsertRefusedError(Exception):
     """SQLite refused an insert of a group tried without savepoints."""
 
@@ -187,7 +204,7 @@ class SqliteStore(FaultInjection, JournalStore):
         self.path = path
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.Lock()
+        self._connections_lock = threading.RLock()  # a thread's end closes its own
         self._closed = False
         self._group = GroupCommit(self._commit_group)
         self._keeper = self._connect()  # holds a shared in-memory database open
@@ -229,7 +246,19 @@ class SqliteStore(FaultInjection, JournalStore):
         if connection is None:
             connection = self._local.connection = self._connect()
             self._local.heads = KnownHeads()
+            # Dropped with the thread's other locals when it ends: its connection is
+            # closed then, not kept open until the store closes (threads that come and
+            # go, a pool's that end when idle, would each leave one behind).
+            self._local.ends = ends = _ThreadEnd()
+            weakref.finalize(ends, _close_thread_connection, weakref.ref(self), connection)
         return connection
+
+    def _forget_connection(self, connection: sqlite3.Connection) -> None:
+        """Close a connection whose thread has ended."""
+        with self._connections_lock:
+            if connection in self._connections:
+                self._connections.remove(connection)
+        connection.close()
 
     def _known_heads(self) -> KnownHeads | None:
         """This thread's known heads; None for the in-memory database, whose one
@@ -277,9 +306,9 @@ class SqliteStore(FaultInjection, JournalStore):
         """Close every connection this store opened."""
         self._closed = True
         with self._connections_lock:
-            for connection in self._connections:
-                connection.close()
-            self._connections.clear()
+            connections, self._connections = self._connections, []
+        for connection in connections:
+            connection.close()
 
     # -- the SPI hooks -------------------------------------------------------------
 
