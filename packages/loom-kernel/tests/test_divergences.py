@@ -256,3 +256,23 @@ def test_a_flow_that_ends_before_its_recorded_history_is_refused(
     assert changed.get("p").status is Status.SUSPENDED
     done = Engine(store, [_program(ops, None)], listeners=[]).resume("p", "done")
     assert done.status is Status.COMPLETED
+
+
+def test_a_flow_that_parks_before_its_recorded_steps_is_refused_as_stopped_first() -> None:
+    @flow(name="parks", version="1")
+    def recorded(ctx: Context, _input: Any) -> Any:
+        ctx.step("a", lambda: "a")
+        return ctx.suspend("g")
+
+    @flow(name="parks", version="2")
+    def parks_first(ctx: Context, _input: Any) -> Any:
+        answer = ctx.suspend("g")  # the recorded gate, not resumed: the code stops here
+        ctx.step("a", lambda: "a")
+        return answer
+
+    box = sandbox(recorded)
+    box.engine.start(recorded, key="p")
+    both = Engine(box.store, [recorded, parks_first], clock=box.clock, listeners=[])
+    with pytest.raises(NonDeterminismError) as caught:
+        both.replay_check("p", "2")
+    assert caught.value.found == "(nothing: the code stopped first)"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 import threading
@@ -429,6 +430,23 @@ def test_a_ctx_call_inside_an_async_step_function_is_refused_on_either_loop(call
 
 
 @pytest.mark.usefixtures("flow_loop")
+def test_a_ctx_call_inside_a_gathered_step_function_is_refused_as_inside_that_step() -> None:
+    """The step's function runs in a task of gather's: the refusal names the step, not
+    only "another task"."""
+
+    @flow(name="loop.inside_gathered", version="1")
+    async def inside_gathered(ctx: AsyncContext, _input: Any) -> Any:
+        async def nested() -> None:
+            await ctx.step("inner", instant)
+
+        return await asyncio.gather(ctx.step("outer", nested), ctx.step("other", instant))
+
+    store = MemoryStore()
+    with pytest.raises(InvalidArgumentError, match="inside the function of step 'outer'"):
+        Engine(store, [inside_gathered], listeners=[]).start("loop.inside_gathered", key="g")
+
+
+@pytest.mark.usefixtures("flow_loop")
 @pytest.mark.parametrize("gate", ["suspend", "sleep"])
 def test_a_step_not_yet_started_at_a_new_gate_is_refused_on_either_loop(gate: str) -> None:
     @flow(name="loop.unstarted", version="1")
@@ -463,6 +481,34 @@ def test_the_callers_loop_closing_mid_drive_stops_the_run_without_failing_it() -
     assert [record[1] for record in store.read("ex/w")] == ["EXECUTION_STARTED", "STEP_COMPLETED"]
     assert Engine(store, [waits], listeners=[]).recover() == ["w"]
     assert engine.get("w").result == "done"
+
+
+def test_a_pass_left_waiting_for_its_steps_as_the_loop_closes_ends_as_cancelled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The code returned with a step still running: the pass waits for it, to journal
+    it, and the closing loop cancels the flow's task meanwhile. The task ends
+    cancelled, as asyncio expects of a task it cancels as it shuts down (with
+    anything else it reports an unhandled exception); the drive's next pass, on the
+    journal, finishes the run."""
+
+    @flow(name="loop.leaves_a_step", version="1")
+    async def leaves_a_step(ctx: AsyncContext, _input: Any) -> Any:
+        asyncio.ensure_future(ctx.step("s", _slow_step))  # noqa: RUF006
+        await asyncio.sleep(0.01)  # the step's task starts it
+        return "early"
+
+    store = MemoryStore()
+    engine = Engine(store, [leaves_a_step], listeners=[])
+
+    async def main() -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(engine.start_async("loop.leaves_a_step", key="l"), 0.05)
+
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        asyncio.run(main())
+    assert "unhandled exception" not in caplog.text
+    assert engine.get("l").result == "early"
 
 
 def _tick() -> int:
@@ -620,7 +666,8 @@ def test_a_withdrawn_cancel_after_a_task_group_is_not_delivered_later() -> None:
             pass  # 3.11 leaves this task's cancel count at 1 here
         async with asyncio.timeout(0.02):
             result = await ctx.step("s", _slow_step)
-        await asyncio.sleep(0)
+        for _ in range(3):  # where a held cancel would land (its second await)
+            await asyncio.sleep(0)
         return result
 
     engine = Engine(MemoryStore(), [after_group], listeners=[])

@@ -23,6 +23,13 @@ def test_an_execution_id_that_is_not_a_str_is_an_invalid_id(bad: Any) -> None:
         Engine.stream_of(bad)
 
 
+@pytest.mark.parametrize("bad", ["a//b", "../x", 7])
+def test_a_handle_to_an_invalid_id_is_refused_at_once(bad: Any) -> None:
+    engine = Engine(MemoryStore(), [], listeners=[])
+    with pytest.raises(InvalidIdError):
+        engine.handle(bad)
+
+
 def test_the_id_limit_is_two_hundred_characters() -> None:
     assert validate_stream_id("x" * 200) == "x" * 200
     with pytest.raises(InvalidIdError, match="longer than 200"):
