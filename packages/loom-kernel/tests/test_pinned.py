@@ -4,13 +4,14 @@ unnoticed (docs/contributing.md: the mutation sampler)."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, InvalidIdError, MemoryStore, Status, flow
 from loom_kernel._ids import validate_prefix, validate_stream_id
-from loom_kernel.spi import InvalidArgumentError
+from loom_kernel.spi import InvalidArgumentError, NewRecord
 from loom_kernel.testing import FakeClock, sandbox
 
 #: Each test runs with a loop per drive and on one loop of another thread.
@@ -158,6 +159,33 @@ def _legacy_store(frame_fields: tuple[str, ...] = ()) -> MemoryStore:
 def test_a_snapshot_frame_without_attempts_counts_one() -> None:
     engine = Engine(_legacy_store(("attempts",)), [], clock=FakeClock(), listeners=[])
     assert engine.frames("legacy-1")[0].attempts == 1
+
+
+def test_a_journaled_step_without_attempts_counts_one() -> None:
+    """A completed step of the current schema whose data lacks `attempts` (a writer
+    that leaves the default out) is not the fast fold's exact shape: it is decoded,
+    and counts one attempt."""
+
+    @flow(name="one_step")
+    def one_step(ctx: Context, _input: Any) -> Any:
+        return ctx.step("a", lambda: 5)
+
+    written = MemoryStore()
+    Engine(written, [one_step], listeners=[]).start("one_step", key="x")
+    started, step, _completed = written.read("ex/x")
+    envelope = json.loads(step.payload)
+    del envelope["d"]["attempts"]
+    store = MemoryStore()
+    store.append(
+        "ex/x",
+        0,
+        [
+            NewRecord(started.kind, started.payload, started.timestamp),
+            NewRecord(step.kind, json.dumps(envelope).encode(), step.timestamp),
+        ],
+    )
+    frames = Engine(store, [one_step], listeners=[]).frames("x")
+    assert (frames[0].result, frames[0].attempts) == (5, 1)
 
 
 def test_a_snapshot_from_before_migrations_existed_migrates() -> None:
