@@ -665,6 +665,25 @@ def test_a_message_in_the_inbox_beats_a_deadline_whose_timer_fires_late() -> Non
     assert engine.state("p").resume_payloads[0]["message"] == "in time"
 
 
+def test_recover_delivering_a_message_nobody_woke_the_run_for_tells_each_listener_once() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def listener(_engine: Engine, execution: Any) -> None:
+        seen.append((execution.id, execution.status.value))
+
+    @flow(name="inbox.once", version="1")
+    def once(ctx: Context, _input: Any) -> Any:
+        return ctx.receive(timeout=60)
+
+    engine = Engine(MemoryStore(), [once], listeners=[listener])
+    engine.start("inbox.once", None, key="o")
+    engine.send("o", "hi", drive=False)  # a sender that stopped before the wake
+    seen.clear()
+    assert engine.recover() == ["o"]
+    assert seen == [("o", "suspended"), ("o", "completed")], "its park again, then its end once"
+    assert engine.get("o").result == "hi"
+
+
 def test_an_engine_without_the_flow_sends_and_leaves_the_wake_to_one_that_has_it() -> None:
     store = MemoryStore()
     worker = _engine(store)

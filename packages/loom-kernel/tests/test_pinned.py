@@ -4,6 +4,7 @@ unnoticed (docs/contributing.md: the mutation sampler)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 from collections.abc import Callable
 from typing import Any
@@ -186,6 +187,23 @@ def test_a_journaled_step_without_attempts_counts_one() -> None:
     )
     frames = Engine(store, [one_step], listeners=[]).frames("x")
     assert (frames[0].result, frames[0].attempts) == (5, 1)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_a_load_leaves_the_collector_as_it_found_it(enabled: bool) -> None:
+    @flow(name="loaded")
+    def loaded(ctx: Context, _input: Any) -> Any:
+        return ctx.step("a", lambda: 1)
+
+    store = MemoryStore()
+    Engine(store, [loaded], listeners=[]).start("loaded", key="l")
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        assert Engine(store, [loaded], listeners=[]).get("l").result == 1  # a cold load
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
 
 
 def test_a_snapshot_from_before_migrations_existed_migrates() -> None:

@@ -1344,9 +1344,8 @@ class Engine:
         self._settled(execution, delivered)
         if execution.status is Status.SUSPENDED and _waits_for_messages(execution.waiting_on):
             # A sender that appended its message and stopped before waking the run.
-            woken = self._deliver(execution_id, nudge=False)
-            if woken is not None:
-                self._settled(woken, delivered)
+            # (`_deliver` tells the listeners how the drive it makes ends, once.)
+            if self._deliver(execution_id, nudge=False) is not None:
                 driven = execution_id
         return driven
 
