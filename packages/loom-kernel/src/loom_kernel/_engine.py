@@ -1342,11 +1342,14 @@ class Engine:
         if queued is not None:
             self._ensure_queued(execution_id, queued, execution.flow, code)
         self._settled(execution, delivered)
-        if execution.status is Status.SUSPENDED and _waits_for_messages(execution.waiting_on):
-            # A sender that appended its message and stopped before waking the run.
-            # (`_deliver` tells the listeners how the drive it makes ends, once.)
-            if self._deliver(execution_id, nudge=False) is not None:
-                driven = execution_id
+        # A sender that appended its message and stopped before waking the run (the
+        # listeners hear how the drive ends from `_deliver`, once).
+        if (
+            execution.status is Status.SUSPENDED
+            and _waits_for_messages(execution.waiting_on)
+            and self._deliver(execution_id, nudge=False) is not None
+        ):
+            driven = execution_id
         return driven
 
     @property
