@@ -212,6 +212,41 @@ def test_asyncio_run_returns_once_a_drive_whose_caller_gave_up_has_ended(
     assert done.stdout.split("\n")[:2] == ["gave up", "completed fetched"], done.stdout
 
 
+def test_asyncio_run_waits_for_a_start_left_running_when_its_main_returns() -> None:
+    """A start whose task asyncio.run itself cancels as it shuts down (fire and
+    forget): the drive is awaited all the same, and ends before asyncio.run returns."""
+
+    @flow(name="threads.slow")
+    def slow(ctx: Context, _input: Any) -> Any:
+        ctx.step("nap", lambda: time.sleep(0.3))
+        return ctx.step("after", lambda: "done")
+
+    engine = Engine(MemoryStore(), [slow], listeners=[])
+
+    async def main() -> None:
+        asyncio.get_running_loop().create_task(engine.start_async("threads.slow", key="s"))
+        await asyncio.sleep(0.05)
+
+    asyncio.run(main())
+    assert engine.get("s").result == "done"
+
+
+def test_a_call_awaited_to_its_end_logs_no_failure_its_caller_saw(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def fails() -> None:
+        raise ValueError("seen")
+
+    async def main() -> None:
+        with pytest.raises(ValueError, match="seen"):
+            await in_a_thread(fails)
+        await asyncio.sleep(0.01)  # the task awaiting it to its end is done
+
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        asyncio.run(main())
+    assert "stopped awaiting" not in caplog.text
+
+
 def test_a_call_its_caller_gave_up_on_is_awaited_through_cancels_and_its_failure_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
+import textwrap
 import threading
 from pathlib import Path
 
@@ -176,6 +179,68 @@ def test_a_threads_connection_is_closed_when_the_thread_ends(tmp_path: Path) -> 
     assert [store.head(f"s{n}") for n in range(30)] == [1] * 30
     assert store.head("kept") == 2
     store.close()
+
+
+def _run_script(script: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_a_threads_connection_is_not_closed_at_exit_while_the_thread_may_use_it(
+    tmp_path: Path,
+) -> None:
+    """A daemon thread still running at exit may be using its connection: the exit
+    closes none (an exit hook that ran after the closing one read through it)."""
+    script = f"""
+        import atexit
+        holder = {{}}
+        def read_at_exit():
+            print(len(holder["store"].read("s")))
+        atexit.register(read_at_exit)  # runs after any exit hook registered later
+        from loom_kernel.spi import NewRecord
+        from loom_store_sqlite import SqliteStore
+        holder["store"] = store = SqliteStore({str(tmp_path / "x.db")!r})
+        store.append("s", 0, [NewRecord("k", b"1", 1.0)])
+        """
+    assert _run_script(script) == "1"
+
+
+def test_a_forked_child_closes_none_of_its_parents_thread_connections(tmp_path: Path) -> None:
+    script = f"""
+        import os, threading
+        from loom_kernel.spi import NewRecord
+        from loom_store_sqlite import SqliteStore
+        store = SqliteStore({str(tmp_path / "f.db")!r})
+        made, release = threading.Event(), threading.Event()
+        held = []
+        def lives() -> None:
+            store.append("s", 0, [NewRecord("k", b"1", 1.0)])
+            held.append(store._connection)
+            made.set()
+            release.wait(10)
+        thread = threading.Thread(target=lives)
+        thread.start()
+        made.wait(10)
+        listed = len(store._connections)
+        pid = os.fork()
+        if pid == 0:  # the child has no such thread: its locals are dropped here
+            import gc
+            gc.collect()
+            still = len(store._connections) == listed and held[0].in_transaction is False
+            os._exit(0 if still else 1)
+        _, status = os.waitpid(pid, 0)
+        release.set()
+        thread.join()
+        print(os.waitstatus_to_exitcode(status), store.read("s")[0].payload.decode())
+        """
+    assert _run_script(script) == "0 1"
 
 
 def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:

@@ -8,11 +8,13 @@ wait forever, and N callers at once would be driven a few at a time. Here a call
 waits for another: it takes an idle thread, or a new one; a thread idle for `linger`
 seconds ends.
 
-A call whose caller stops awaiting it (a timeout) goes on, as with `asyncio.to_thread`,
-and the caller's loop keeps a task that awaits it to its end: so `asyncio.run`, which
-waits for the tasks left when its main coroutine returns, returns only once the drive
-has parked or ended (as it waited for its default executor's threads), and a store
-closed after it is not closed under a drive. A worker's loop lets go of those tasks
+A call whose caller stops awaiting it (a timeout, a teardown) goes on, as with
+`asyncio.to_thread`, and a task of the caller's loop, made with the call, awaits it to
+its end: so `asyncio.run`, which cancels the tasks left when its main coroutine returns
+and waits for them, returns only once the drive has parked or ended (as it waited for
+its default executor's threads), and a store closed after it is not closed under a
+drive. A call still running when the interpreter exits otherwise is cut short there,
+its thread a daemon's: for a drive, as by a crash. A worker's loop lets go of those tasks
 when it closes (`let_go`); its stop then waits for the calls, for a bounded time
 (`CallThreads.wait_quiet` with the loop as tag).
 """
@@ -173,7 +175,7 @@ _shared: CallThreads | None = None
 _shared_lock = threading.Lock()
 #: Loops whose tasks awaiting abandoned calls stop awaiting them (see `let_go`).
 _let_go: weakref.WeakSet[asyncio.AbstractEventLoop] = weakref.WeakSet()
-#: The tasks awaiting abandoned calls (a loop keeps only weak references to its tasks).
+#: The tasks awaiting calls to their end (a loop keeps only weak references to its tasks).
 _awaiting: set[asyncio.Task[None]] = set()
 
 
@@ -210,26 +212,31 @@ async def in_a_thread(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     context = contextvars.copy_context()
     future = call_threads().run(partial(context.run, call, *args, **kwargs), tag=loop)
     waiting = asyncio.wrap_future(future, loop=loop)
+    # Made now, not once the caller gives up: a teardown cancels (and waits for) the
+    # tasks it finds as it starts, and may be what cancels the caller.
+    gave_up: list[bool] = []
+    keeper = loop.create_task(_await_to_the_end(loop, waiting, gave_up))
+    _awaiting.add(keeper)
+    keeper.add_done_callback(_awaiting.discard)
     try:
         result: T = await asyncio.shield(waiting)
     except asyncio.CancelledError:
-        if not waiting.done():
-            task = loop.create_task(_await_abandoned(loop, waiting))
-            _awaiting.add(task)
-            task.add_done_callback(_awaiting.discard)
+        gave_up.append(True)
         raise
     return result
 
 
-async def _await_abandoned(loop: asyncio.AbstractEventLoop, waiting: asyncio.Future[Any]) -> None:
-    """Await a call its caller stopped awaiting, through cancels (unless the loop lets
-    go), and log how it failed, if it did."""
+async def _await_to_the_end(
+    loop: asyncio.AbstractEventLoop, waiting: asyncio.Future[Any], gave_up: list[bool]
+) -> None:
+    """Await a call to its end, through cancels (unless the loop lets go), and log how
+    it failed, if it did once its caller had stopped awaiting it."""
     while not waiting.done():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait([waiting])  # raises none of the call's errors here
         if loop in _let_go:
             break
-    if waiting.done() and not waiting.cancelled() and waiting.exception() is not None:
+    if gave_up and waiting.done() and not waiting.cancelled() and waiting.exception() is not None:
         error = waiting.exception()
         _log.warning(
             "loom: a call its caller stopped awaiting failed: %s: %s", type(error).__name__, error

@@ -134,8 +134,10 @@ class _ThreadEnd:
 
 
 def _close_thread_connection(
-    store: weakref.ref[SqliteStore], connection: sqlite3.Connection
+    store: weakref.ref[SqliteStore], connection: sqlite3.Connection, pid: int
 ) -> None:
+    if os.getpid() != pid:  # a forked child dropping the parent's threads: not its own
+        return
     owner = store()
     if owner is None:
         connection.close()
@@ -250,7 +252,10 @@ class SqliteStore(FaultInjection, JournalStore):
             # closed then, not kept open until the store closes (threads that come and
             # go, a pool's that end when idle, would each leave one behind).
             self._local.ends = ends = _ThreadEnd()
-            weakref.finalize(ends, _close_thread_connection, weakref.ref(self), connection)
+            closer = weakref.finalize(
+                ends, _close_thread_connection, weakref.ref(self), connection, os.getpid()
+            )
+            closer.atexit = False  # at exit, a daemon thread may still be using it
         return connection
 
     def _forget_connection(self, connection: sqlite3.Connection) -> None:
