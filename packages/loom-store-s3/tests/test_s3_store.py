@@ -73,6 +73,8 @@ def test_url_options_are_parsed_and_checked() -> None:
     ):
         with pytest.raises(InvalidArgumentError):
             parse_s3_url(bad)
+    with pytest.raises(InvalidArgumentError, match=re.escape("more than once: ['shards']")):
+        parse_s3_url("s3://b/p?region=x&shards=2&shards=4")
 
 
 @pytest.mark.parametrize(

@@ -263,6 +263,40 @@ def test_an_append_sqlite_refuses_fails_alone_and_the_rest_of_its_group_lands(
     assert [r.payload for r in store.read("k")] == [b"a"]
 
 
+def test_the_appends_of_a_group_that_landed_are_told_so_without_reading_back(
+    tmp_path: Path,
+) -> None:
+    """Only an append whose outcome the store does not know is confirmed by reading
+    its commit id back: a group that committed tells each of its appends at once."""
+
+    class CountsConfirmations(GatedStore):
+        confirmed = 0
+
+        def _confirm(self, *args: Any) -> int:
+            type(self).confirmed += 1
+            return super()._confirm(*args)
+
+    store = CountsConfirmations(str(tmp_path / "c.db"))
+    outcomes = _group_of(store, [("a", b"1"), ("b", b"2"), ("c", b"3")])
+    assert outcomes == [{"head": 1}] * 3
+    assert len(store.groups) == 2
+    assert CountsConfirmations.confirmed == 0
+
+
+def test_in_a_group_of_two_the_append_sqlite_refuses_fails_and_the_other_lands(
+    tmp_path: Path,
+) -> None:
+    """The smallest group that is tried again with savepoints: neither append is told
+    the other's outcome."""
+    store = SmallRecords(str(tmp_path / "two.db"))
+    fine, big = _group_of(store, [("k", b"a"), ("big", b"z" * 200_000)])
+    assert fine == {"head": 1}
+    assert isinstance(big["error"], StoreUnavailableError)
+    assert "too big" in str(big["error"])
+    assert [r.payload for r in store.read("k")] == [b"a"]
+    assert store.read("big") == []
+
+
 def test_a_group_whose_commit_fails_takes_back_the_conflicts_it_judged_on_its_own_appends(
     tmp_path: Path,
 ) -> None:

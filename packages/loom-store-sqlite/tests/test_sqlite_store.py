@@ -73,6 +73,24 @@ def test_a_newer_store_schema_is_refused(tmp_path: Path) -> None:
         )
     with pytest.raises(SchemaError, match="newer than this loom-store-sqlite"):
         open_sqlite_store(f"sqlite://{path}")
+    # Refused on a read, before any write lock: even while another writer holds it.
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(SchemaError, match="newer than this loom-store-sqlite"):
+            open_sqlite_store(f"sqlite://{path}?timeout=0")
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+
+
+def test_the_streams_table_is_strict(tmp_path: Path) -> None:
+    """A floor that is not an integer (a raw writer's mistake) is refused by SQLite,
+    never read back as a head."""
+    path = tmp_path / "strict.db"
+    open_sqlite_store(f"sqlite://{path}").close()
+    with sqlite3.connect(path) as connection, pytest.raises(sqlite3.IntegrityError):
+        connection.execute("INSERT INTO loom_streams (name, floor) VALUES ('s', 'ten')")
 
 
 def test_an_older_database_is_upgraded(tmp_path: Path) -> None:
