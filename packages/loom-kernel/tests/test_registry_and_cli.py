@@ -16,6 +16,14 @@ def test_memory_is_built_in() -> None:
     assert installed_stores()["memory"] == "built-in"
 
 
+def test_memory_opens_with_no_entry_points_installed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel on a path with no installed metadata (vendored, PYTHONPATH): its own
+    reference store still opens."""
+    monkeypatch.setattr(_registry, "_entry_points", dict)
+    assert isinstance(open_store("memory://"), MemoryStore)
+    assert installed_stores() == {"memory": "built-in"}
+
+
 def test_private_memory_stores_are_separate_and_named_ones_shared() -> None:
     first, second = open_store("memory://"), open_store("memory://")
     first.append("s", 0, records(1))
