@@ -21,7 +21,9 @@ def test_memory_opens_with_no_entry_points_installed(monkeypatch: pytest.MonkeyP
     reference store still opens."""
     monkeypatch.setattr(_registry, "_entry_points", dict)
     assert isinstance(open_store("memory://"), MemoryStore)
-    assert installed_stores() == {"memory": "built-in"}
+    listed = installed_stores()
+    assert listed["memory"] == "built-in"
+    assert "sqlite" not in listed, "no entry point is read"
 
 
 def test_private_memory_stores_are_separate_and_named_ones_shared() -> None:
