@@ -359,3 +359,22 @@ def test_a_worker_stop_waits_a_bounded_time_for_a_start_async_its_flow_gave_up_o
         release.set()
         worker.stop()
     assert engine.handle("c").result(timeout=30) is True
+
+
+def test_a_loop_closed_under_a_call_leaves_nothing_held_once_the_call_ends() -> None:
+    from loom_kernel import _threads
+
+    release = threading.Event()
+    loop = asyncio.new_event_loop()
+    before = len(_threads._awaiting)
+
+    async def gives_up() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(in_a_thread(release.wait, 10), 0.05)
+
+    loop.run_until_complete(gives_up())
+    loop.close()  # its task awaiting the call never runs again
+    assert len(_threads._awaiting) == before + 1
+    release.set()
+    assert call_threads().wait_quiet(10, tag=loop)
+    _eventually(lambda: len(_threads._awaiting) == before)

@@ -218,6 +218,8 @@ async def in_a_thread(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     keeper = loop.create_task(_await_to_the_end(loop, waiting, gave_up))
     _awaiting.add(keeper)
     keeper.add_done_callback(_awaiting.discard)
+    # A loop closed before the call ends never runs its keeper again: let it go then.
+    future.add_done_callback(lambda _: _awaiting.discard(keeper) if loop.is_closed() else None)
     try:
         result: T = await asyncio.shield(waiting)
     except asyncio.CancelledError:
