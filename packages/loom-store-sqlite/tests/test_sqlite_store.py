@@ -211,6 +211,19 @@ def _run_script(script: str) -> str:
     return done.stdout.strip()
 
 
+def test_close_closes_every_connection_the_store_opened(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "closed.db"))
+    store.append("s", 0, _records(1))
+    opened = _open_connections(store)
+    assert len(opened) >= 2, "the keeper and this thread's"
+    store.close()
+    for connection in opened:
+        with pytest.raises(sqlite3.ProgrammingError, match="closed"):
+            connection.execute("SELECT 1")
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        store.head("s")
+
+
 def test_a_threads_connection_is_not_closed_at_exit_while_the_thread_may_use_it(
     tmp_path: Path,
 ) -> None:
