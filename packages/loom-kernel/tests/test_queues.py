@@ -9,6 +9,7 @@ import json
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -708,3 +709,26 @@ def test_the_wake_of_a_parked_queued_run_wakes_the_engines_own_workers() -> None
         engine.resume(parked.id, "yes", on="go")
         assert wake.sets > before, "woken by the resume itself"
         assert parked.result(timeout=10) == "p:after:yes"
+
+
+def test_a_run_admitted_as_a_visit_of_it_takes_its_slot_goes_back_to_its_queue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The race a poll can lose: the run is picked as not busy here, and a visit of it
+    is in flight by the time its drive is submitted. The admission is given back, the
+    run waiting on its queue again for the next poll."""
+    store = MemoryStore()
+    engine = _engine(store, Queue("q", concurrency=2))
+    handle = engine.enqueue("parks", "p", queue="q")
+    worker = Worker(engine, concurrency=2)
+    monkeypatch.setattr(worker, "_busy_with", lambda _id: False)  # as it looked at the pick
+    worker._in_flight.add(handle.id)  # a visit of it began since
+    queue = engine._queues.queue("q")
+    with ThreadPoolExecutor(1) as pool:
+        admitted = [
+            worker._serve_partition(pool, queue, partition, sweep=False)
+            for partition in range(queue.partitions)
+        ]
+    assert sum(admitted) == 1
+    view = engine.queue("q")
+    assert (view.waiting, view.active) == ([handle.id], [])

@@ -227,3 +227,18 @@ def test_a_lasting_outage_backs_off_longer_between_attempts(
     for attempt, pause in enumerate(pauses[: attempts - 1]):
         cap = min(1.0, 0.02 * 2**attempt)
         assert cap * 0.5 <= pause <= cap * 1.5, f"attempt {attempt} paused {pause}"
+
+
+def test_a_layout_descriptor_the_server_lost_is_unavailable_not_read(s3_server: S3Server) -> None:
+    """The write that creates a new store's descriptor is acknowledged but not there to
+    read back (a server losing writes): opening says so, and reads nothing into it."""
+    client = s3_server.client()
+
+    def lose_the_descriptor(request: Any, **_: Any) -> AWSResponse | None:
+        if "layout.json" in request.url:
+            return AWSResponse("http://injected", 200, {}, _Raw(b""))
+        return None
+
+    client.meta.events.register("before-send.s3.PutObject", lose_the_descriptor)
+    with pytest.raises(StoreUnavailableError, match="cannot create the layout descriptor"):
+        s3_server.store(client=client)

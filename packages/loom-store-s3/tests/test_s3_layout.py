@@ -131,3 +131,16 @@ def test_a_record_with_a_bad_kind_or_timestamp_is_named_by_its_position() -> Non
 def test_a_batch_from_a_newer_format_asks_for_an_upgrade() -> None:
     with pytest.raises(SchemaError, match="upgrade loom-store-s3"):
         decode_batch("k", b'{"v":2,"commit":"c","start":0,"count":0,"state":"tomb"}')
+
+
+@given(stream_ids, st.integers(0, 10**19))
+def test_a_key_in_a_stream_directory_is_an_entry_only_when_it_is_loom_s(
+    name: str, start: int
+) -> None:
+    layout = Layout("p", 4)
+    directory = layout.stream_dir(name)
+    batch = layout.batch_key(name, start)
+    assert Layout.parse_entry(directory, batch) == ("R", start)
+    digits = batch[len(directory) + 1 :]
+    for foreign in ("X" + digits, "Rx" + digits[1:], "R" + digits[:-1] + "x", "R" + digits + "0"):
+        assert Layout.parse_entry(directory, directory + foreign) is None, foreign
