@@ -60,7 +60,10 @@ class CallThreads:
         self._linger = linger
         self._lock = threading.Lock()
         self._quiet = threading.Condition(self._lock)
-        self._calls: queue.SimpleQueue[_Call] = queue.SimpleQueue()
+        # Not a SimpleQueue: on CPython 3.11 its get(timeout) can block forever when
+        # another getter takes the item it was woken for after its deadline passed
+        # (seen here as an idle thread that never ended).
+        self._calls: queue.Queue[_Call] = queue.Queue()
         # Threads waiting for a call, less the calls already handed to them (put, or
         # about to be put, in `_calls`): a thread gives up only while this is above 0.
         self._idle = 0
