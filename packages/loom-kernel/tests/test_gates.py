@@ -238,3 +238,23 @@ def test_a_damaged_wait_first_gate_name_is_reported_not_guessed(spec: str) -> No
     assert (view.status, view.gates, view.topics) == (Status.SUSPENDED, (), ())
     with pytest.raises(NotSuspendedError, match="a damaged gate name"):
         Engine(store, [first_of], clock=FakeClock(), listeners=[]).resume("w", "go", on="a")
+
+
+def test_a_run_a_timer_wakes_is_told_to_the_listeners() -> None:
+    seen: list[tuple[str, str]] = []
+
+    def listener(_engine: Engine, execution: Any) -> None:
+        seen.append((execution.id, execution.status.value))
+
+    @flow(name="naps_then_ends", version="1")
+    def naps_then_ends(ctx: Context, _input: Any) -> Any:
+        ctx.sleep(10)
+        return "woke"
+
+    clock = FakeClock()
+    engine = Engine(MemoryStore(), [naps_then_ends], clock=clock, listeners=[listener])
+    engine.start("naps_then_ends", key="n")
+    seen.clear()
+    clock.advance(11)
+    assert engine.fire_due_timers() == ["n"]
+    assert seen == [("n", "completed")]
