@@ -108,8 +108,14 @@ def test_compaction_keeps_the_run_going() -> None:
     engine.resume(ex.id, "one")
     covered = engine.compact(ex.id)
     assert covered == engine.get(ex.id).position
-    with pytest.raises(TrimmedError):
+    with pytest.raises(TrimmedError) as trimmed:
         store.read("ex/long")
+    assert (trimmed.value.stream, trimmed.value.after, trimmed.value.floor) == (
+        "ex/long",
+        0,
+        covered - 1,
+    ), "where reads may start"
+    assert f"is trimmed up to position {covered - 1}" in str(trimmed.value)
     fresh = Engine(store, [long])  # no cache: it must start from the snapshot
     assert fresh.resume(ex.id, "two").result == [sum(range(50)), "one", "two"]
     assert fresh.history(ex.id)[0].position == covered, "the last covered record stays"

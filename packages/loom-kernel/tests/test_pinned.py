@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -925,3 +926,39 @@ def test_a_queue_place_defaults_to_the_first_partition_the_middle_priority_and_n
     from loom_kernel.events import QueuePlace
 
     assert QueuePlace("q") == QueuePlace("q", partition=0, priority=0, key=None)
+
+
+def test_a_handle_waiting_on_a_run_driven_here_sleeps_between_its_looks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """It sleeps until this engine ends a run (or its next look is due), not spins."""
+    running, go = threading.Event(), threading.Event()
+
+    def wait_for_go() -> bool:
+        running.set()
+        return go.wait(10)
+
+    @flow(name="waits_for_go")
+    def waits_for_go(ctx: Context, _input: Any) -> Any:
+        return ctx.step("go", wait_for_go)
+
+    engine = Engine(MemoryStore(), [waits_for_go], listeners=[])
+    driver = threading.Thread(target=engine.start, args=("waits_for_go",), kwargs={"key": "w"})
+    driver.start()
+    try:
+        assert running.wait(10)
+        handle = engine.handle("w")
+        looks = [0]
+        real_get = engine.get
+
+        def counted(execution_id: str) -> Any:
+            looks[0] += 1
+            return real_get(execution_id)
+
+        monkeypatch.setattr(engine, "get", counted)
+        threading.Timer(0.3, go.set).start()
+        assert handle.result(timeout=10) is True
+    finally:
+        go.set()
+        driver.join(10)
+    assert looks[0] < 100, looks[0]

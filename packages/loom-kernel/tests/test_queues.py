@@ -6,6 +6,7 @@ it admitted."""
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import Counter
@@ -227,7 +228,9 @@ def test_recover_leaves_queued_runs_to_their_workers() -> None:
     assert engine.queue("q").waiting == [handle.id]
 
 
-def test_a_run_whose_add_was_lost_is_put_back_on_its_queue() -> None:
+def test_a_run_whose_add_was_lost_is_put_back_on_its_queue(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     store = MemoryStore()
     clock = FakeClock()
     engine = _engine(store, Queue("q"), clock=clock)
@@ -236,7 +239,9 @@ def test_a_run_whose_add_was_lost_is_put_back_on_its_queue() -> None:
         raise StoreUnavailableError("the store went away between the start and the add")
 
     real, engine._queues.add = engine._queues.add, lost  # type: ignore[method-assign,assignment]
-    run = engine.enqueue("busy", {"tag": "x", "s": 0.0}, queue="q").id  # logged, not raised
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        run = engine.enqueue("busy", {"tag": "x", "s": 0.0}, queue="q").id  # logged, not raised
+    assert f"loom: {run} not put on queue 'q' yet: " in caplog.text
     engine._queues.add = real  # type: ignore[method-assign]
     engine.recover()
     assert engine.queue("q").waiting == [], "its writer may still be adding it"
@@ -732,3 +737,9 @@ def test_a_run_admitted_as_a_visit_of_it_takes_its_slot_goes_back_to_its_queue(
     assert sum(admitted) == 1
     view = engine.queue("q")
     assert (view.waiting, view.active) == ([handle.id], [])
+
+
+def test_an_enqueue_on_a_queue_waits_there_at_once_with_no_worker_running() -> None:
+    engine = _engine(MemoryStore(), Queue("q"))
+    handle = engine.enqueue("parks", "w", queue="q")
+    assert engine.queue("q").waiting == [handle.id], "not left for a sweep to add"
