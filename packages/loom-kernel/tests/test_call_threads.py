@@ -378,3 +378,46 @@ def test_a_loop_closed_under_a_call_leaves_nothing_held_once_the_call_ends() -> 
     release.set()
     assert call_threads().wait_quiet(10, tag=loop)
     _eventually(lambda: len(_threads._awaiting) == before)
+
+
+def test_a_process_exits_after_a_worker_stop_left_a_start_async_that_never_ends() -> None:
+    """The stop's wait for the flows' calls runs on a daemon thread: a call that never
+    returns holds neither the stop past its grace nor the interpreter's exit."""
+    script = textwrap.dedent(
+        """
+        import asyncio, threading
+        from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Worker, flow
+
+        began, never = threading.Event(), threading.Event()
+
+        @flow(name="child")
+        def child(ctx: Context, _input: object) -> object:
+            return ctx.step("forever", lambda: (began.set(), never.wait()))
+
+        async def kick(engine: Engine) -> str:
+            try:
+                await asyncio.wait_for(engine.start_async("child", key="c"), 0.1)
+            except TimeoutError:
+                return "gave up"
+            return "waited"
+
+        @flow(name="parent")
+        async def parent(ctx: AsyncContext, _input: object) -> object:
+            return await ctx.step("kick", kick, ctx.engine)
+
+        engine = Engine(MemoryStore(), [child, parent], listeners=[])
+        worker = Worker(engine, grace=0.2).start()
+        print(engine.enqueue("parent", key="p").result(timeout=30))
+        assert began.wait(30)
+        worker.stop()
+        print("stopped", bool(worker._threads_left))
+        """
+    )
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False
+        )
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the process did not exit after its worker stopped: {hung.stdout!r}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["gave up", "stopped True"], done.stdout
