@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from loom_kernel import (
     MemoryStore,
     Status,
     StepFailedError,
+    Worker,
     flow,
 )
 from loom_kernel.testing import sandbox
@@ -206,6 +208,44 @@ def test_a_step_cancelled_before_it_starts_is_refused_as_never_awaited() -> None
     assert "after" not in [record[1] for record in box.store.read("ex/c")]
 
 
+@pytest.mark.parametrize("in_a_worker", [False, True])
+def test_a_step_in_a_task_that_never_started_is_refused_with_nothing_logged(
+    caplog: pytest.LogCaptureFixture, in_a_worker: bool
+) -> None:
+    """A step wrapped in a task the flow never awaits, and which has not started when
+    the flow returns: refused as never awaited; its task ends cancelled, without
+    running the step, and asyncio logs no "Task exception was never retrieved"."""
+    import gc
+    import warnings
+
+    tasks: list[asyncio.Future[Any]] = []
+
+    @flow(name="forgets", version="1")
+    async def forgets(ctx: AsyncContext, _input: Any) -> Any:
+        tasks.append(asyncio.ensure_future(ctx.step("call", work, "call", 0.0)))
+        return "returned"
+
+    calls.clear()
+    box = sandbox(forgets, listeners=[])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if in_a_worker:
+            with Worker(box.engine, idle_poll=0.02):
+                box.engine.enqueue("forgets", key="f")
+                deadline = time.monotonic() + 20
+                while not (tasks and tasks[0].done()) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        else:
+            with pytest.raises(InvalidArgumentError, match="never awaited before the flow ret"):
+                box.engine.start("forgets", key="f")
+        gc.collect()
+    assert tasks[0].cancelled()
+    assert calls == []
+    assert "never retrieved" not in caplog.text
+    assert not [w for w in caught if "never awaited" in str(w.message)]
+    assert box.engine.get("f").status is Status.RUNNING, "refused: the journal as it was"
+
+
 class UncheckedHeadStore(MemoryStore):
     """A store whose head the engine does not look at before each step (as on S3)."""
 
@@ -214,8 +254,12 @@ class UncheckedHeadStore(MemoryStore):
 
 @pytest.mark.parametrize("store_class", [MemoryStore, UncheckedHeadStore])
 def test_a_store_error_while_a_pass_settles_ends_the_drive_and_runs_nothing_again(
-    store_class: type[MemoryStore],
+    store_class: type[MemoryStore], caplog: pytest.LogCaptureFixture
 ) -> None:
+    """...and the step's task, which the flow never awaits, ends with the stop taken as
+    seen: asyncio logs no "Task exception was never retrieved" about it."""
+    import gc
+
     box_holder: list[Any] = []
 
     async def cancelled_meanwhile() -> str:
@@ -242,6 +286,8 @@ def test_a_store_error_while_a_pass_settles_ends_the_drive_and_runs_nothing_agai
         run = box.engine.get("c")
     assert calls.count("slow") == 1, "the step whose append was refused did not run again"
     assert run.status is Status.CANCELLED
+    gc.collect()
+    assert "never retrieved" not in caplog.text
 
 
 def test_a_pass_that_would_run_again_having_journaled_nothing_stops_instead_of_looping() -> None:

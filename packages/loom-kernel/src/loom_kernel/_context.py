@@ -774,6 +774,31 @@ class Context(_Replay):
         self._gate(TIMER_GATE, self._sleep_seconds(duration))
 
 
+def _cancel_tasks_of(
+    coroutines: list[Coroutine[Any, Any, Any]],
+) -> list[Coroutine[Any, Any, Any]]:
+    """Cancel the tasks made around coroutines that never started (`ensure_future`,
+    `create_task` with no await after): cancelled before their first run, such a task
+    closes its coroutine without running it, and ends cancelled, with nothing logged
+    (a coroutine closed under it would make it fail: "Task exception was never
+    retrieved").
+
+    Returns:
+        The coroutines no task holds, which the caller closes.
+    """
+    left = set(coroutines)
+    try:
+        tasks = asyncio.all_tasks()
+    except RuntimeError:  # no loop runs here: no task can hold them
+        tasks = set()
+    for task in tasks:
+        coroutine = task.get_coro()
+        if coroutine in left:
+            task.cancel()
+            left.discard(coroutine)
+    return [coroutine for coroutine in coroutines if coroutine in left]
+
+
 class _Resumptions:
     """Awaits a coroutine, calling `check` each time the event loop resumes it.
 
@@ -957,9 +982,10 @@ class AsyncContext(_Replay):
         if not self._unstarted:
             return
         what, _ = next(iter(self._unstarted.values()))
-        for _what, coroutine in self._unstarted.values():
-            coroutine.close()  # it will never run: no "never awaited" warning on top
+        coroutines = [coroutine for _what, coroutine in self._unstarted.values()]
         self._unstarted.clear()
+        for coroutine in _cancel_tasks_of(coroutines):
+            coroutine.close()  # it will never run: no "never awaited" warning on top
         raise self._halt(
             InvalidArgumentError(
                 f"{what} was called but never awaited before the flow {before}: in an async "
@@ -1078,6 +1104,13 @@ class AsyncContext(_Replay):
                 if following is not None and not following.done():
                     following.set_result(None)
 
+    def _seen_if_stopped(self, task: asyncio.Task[Any]) -> None:
+        """A task of the flow's own making ran a step, and ended: once the drive has
+        stopped, what it ended with goes nowhere (the flow may never await it), so it
+        is taken as seen, and asyncio logs no "Task exception was never retrieved"."""
+        if self._halted is not None and not task.cancelled():
+            task.exception()
+
     async def _new_step(
         self,
         token: object,
@@ -1089,6 +1122,9 @@ class AsyncContext(_Replay):
         returns: type[Any] | None,
     ) -> Any:
         self._unstarted.pop(token, None)
+        task = asyncio.current_task()
+        if task is not None and task is not self._task:
+            task.add_done_callback(self._seen_if_stopped)
         if self._halted is not None:
             raise self._halted  # the drive stopped before this step began
         if self._control.replay_only:
