@@ -32,7 +32,8 @@ class QueueModel(RuleBasedStateMachine):
         self.store = MemoryStore()
         self.now = 1_000.0
         self.waiting: dict[str, _Run] = {}
-        self.active: dict[str, tuple[_Run, int, float, bool]] = {}  # run, take, at, again
+        # run -> (where it waited, take, at, where its wake while driven had it wait)
+        self.active: dict[str, tuple[_Run, int, float, _Run | None]] = {}
         self.admitted: list[float] = []
         self.stale: QueueFold | None = None
 
@@ -54,8 +55,8 @@ class QueueModel(RuleBasedStateMachine):
         self.books[0].add(place, run, "f", "")
         position = self.store.head("queues/m/0")
         if run in self.active:
-            item, take, at, _again = self.active[run]
-            self.active[run] = (item, take, at, True)
+            item, take, at, again = self.active[run]
+            self.active[run] = (item, take, at, again or _Run(priority, position, key))
         elif run not in self.waiting:
             self.waiting[run] = _Run(priority, position, key)
 
@@ -75,7 +76,7 @@ class QueueModel(RuleBasedStateMachine):
         assert not moved, "a take on a stale fold landed"
         assert chosen == self._model_pick(free)
         for run in chosen:
-            self.active[run] = (self.waiting.pop(run), take, self.now, False)
+            self.active[run] = (self.waiting.pop(run), take, self.now, None)
             self.admitted.append(self.now)
         self._check_limits()
 
@@ -126,8 +127,15 @@ class QueueModel(RuleBasedStateMachine):
         del self.active[run]
         if unused:
             self.admitted.remove(at)
-        if requeue or again:
+        self._wait_again(run, item, again, requeue=requeue)
+
+    def _wait_again(self, run: str, item: _Run, again: _Run | None, *, requeue: bool) -> None:
+        """A done: let go running, the run waits at its old place; woken while driven,
+        at its wake's place."""
+        if requeue:
             self.waiting.setdefault(run, item)
+        elif again is not None:
+            self.waiting.setdefault(run, again)
 
     @precondition(lambda self: bool(self.active))
     @rule(data=st.data(), book=st.integers(0, 1), requeue=st.booleans(), free=st.integers(0, 2))
@@ -141,8 +149,7 @@ class QueueModel(RuleBasedStateMachine):
             fold = writer.refresh("m", 0)
             writer.append_at("m", 0, fold, [writer.done_record(run, take, requeue=requeue)])
             del self.active[run]
-            if requeue or again:
-                self.waiting.setdefault(run, item)
+            self._wait_again(run, item, again, requeue=requeue)
             cap, rate = self.queue.share(0)
             chosen = pick(
                 fold, cap=cap, per_key=self.queue.per_key, rate=rate, now=self.now, free=free
@@ -152,7 +159,7 @@ class QueueModel(RuleBasedStateMachine):
                 return
             position = writer.take("m", 0, fold, chosen, f"w{book}")
         for chosen_run in chosen:
-            self.active[chosen_run] = (self.waiting.pop(chosen_run), position, self.now, False)
+            self.active[chosen_run] = (self.waiting.pop(chosen_run), position, self.now, None)
             self.admitted.append(self.now)
         self._check_limits()
 
@@ -178,7 +185,10 @@ class QueueModel(RuleBasedStateMachine):
             assert set(fold.active) == set(self.active)
             for run, (item, take, _at, again) in self.active.items():
                 assert fold.active[run].take == take
-                assert fold.active[run].again == again
+                woken = fold.active[run].again
+                assert (woken and (woken.priority, woken.seq, woken.key)) == (
+                    again and (again.priority, again.seq, again.key)
+                )
                 assert fold.active[run].waiting.key == item.key
             if self.queue.rate is not None:
                 window = self.now - self.queue.rate.per

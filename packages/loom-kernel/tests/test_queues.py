@@ -77,6 +77,16 @@ def naps(ctx: Context, seconds: float) -> Any:
     return ctx.step("woke", lambda: "woke")
 
 
+@flow(name="job", version="1")
+def job_v1(ctx: Context, _input: Any) -> Any:
+    return ctx.step("s", lambda: "v1")
+
+
+@flow(name="job", version="2")
+def job_v2(ctx: Context, _input: Any) -> Any:
+    return ctx.step("s", lambda: "v2")
+
+
 FLOWS = [busy, parks, listens, naps]
 
 
@@ -344,6 +354,14 @@ def test_a_bad_queue_is_refused(make: Any) -> None:
         make()
 
 
+def test_a_queue_whose_last_partitions_stream_id_is_too_long_is_refused() -> None:
+    """Every partition's stream id must be a valid id, not only the first's."""
+    name = "n" * (200 - len("queues/") - 2)  # queues/<name>/9 fits, /10 does not
+    assert len(Queue(name, partitions=10).name) == len(name)
+    with pytest.raises(InvalidArgumentError, match="shorten its name"):
+        Queue(name, partitions=11)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -353,7 +371,10 @@ def test_a_bad_queue_is_refused(make: Any) -> None:
         {"queue": "q", "priority": True},
         {"queue": "q", "queue_key": ""},
         {"queue": "q", "queue_key": 7},
+        {"queue": "q", "queue_key": "\ud800"},
         {"priority": 1},
+        {"priority": False},
+        {"priority": 0.0},
         {"queue_key": "k"},
     ],
 )
@@ -369,6 +390,8 @@ def test_a_bad_enqueue_is_refused_and_journals_nothing(options: dict[str, Any]) 
 def test_two_queues_of_one_name_and_a_worker_of_an_unknown_queue_are_refused() -> None:
     with pytest.raises(InvalidArgumentError):
         _engine(MemoryStore(), Queue("q"), Queue("q"))
+    with pytest.raises(InvalidArgumentError, match="a list of Queue"):
+        Engine(MemoryStore(), FLOWS, queues=Queue("q"))  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError):
         Worker(_engine(MemoryStore(), Queue("q")), queues=["other"])
 
@@ -489,14 +512,6 @@ def test_a_passing_fault_on_the_claim_keeps_the_run_on_its_queue() -> None:
 
 
 def test_a_worker_without_the_pinned_code_never_admits_the_run() -> None:
-    @flow(name="job", version="1")
-    def job_v1(ctx: Context, _input: Any) -> Any:
-        return ctx.step("s", lambda: "v1")
-
-    @flow(name="job", version="2")
-    def job_v2(ctx: Context, _input: Any) -> Any:
-        return ctx.step("s", lambda: "v2")
-
     store = MemoryStore()
     queue = Queue("q", rate=Rate(5, per=60.0))
     old = Engine(store, [job_v1], listeners=[], queues=[queue])
@@ -743,3 +758,104 @@ def test_an_enqueue_on_a_queue_waits_there_at_once_with_no_worker_running() -> N
     engine = _engine(MemoryStore(), Queue("q"))
     handle = engine.enqueue("parks", "w", queue="q")
     assert engine.queue("q").waiting == [handle.id], "not left for a sweep to add"
+
+
+def test_a_waiting_queued_run_migrated_to_new_code_is_driven_by_its_workers() -> None:
+    """`resume_as` of a run waiting on its queue gives its entry there the new code
+    (keeping its place): workers with only the new code admit it."""
+    store = MemoryStore()
+    old = Engine(store, [job_v1], listeners=[], queues=[Queue("q")])
+    new = Engine(store, [job_v1, job_v2], listeners=[], queues=[Queue("q")])
+    only_new = Engine(store, [job_v2], listeners=[], queues=[Queue("q")])
+    first = old.enqueue("job", None, queue="q")
+    second = old.enqueue("job", None, queue="q")
+    new.resume_as(second.id, "2")
+    new.resume_as(first.id, "2")
+    assert new.queue("q").waiting == [first.id, second.id], "each kept its place"
+    with Worker(only_new):
+        assert first.result(timeout=10) == "v2"
+        assert second.result(timeout=10) == "v2"
+
+
+def test_a_run_woken_while_its_driver_finishes_waits_behind_the_runs_before_its_wake() -> None:
+    """A wake that lands before the driver's done (a listener resuming the run as it
+    parks) puts it in line at the wake's place, not back at its first one."""
+    engine: list[Engine] = []
+
+    def resume_at_once(_engine: Engine, execution: Any) -> None:
+        if execution.status is Status.SUSPENDED:
+            engine[0].resume(execution.id, "now", on="go")
+
+    store = MemoryStore()
+    engine.append(
+        Engine(store, FLOWS, listeners=[resume_at_once], queues=[Queue("q", concurrency=1)])
+    )
+    parked = engine[0].enqueue("parks", "p", queue="q")
+    others = [engine[0].enqueue("busy", {"tag": f"r{i}", "s": 0.0}, queue="q") for i in range(3)]
+    with Worker(engine[0], concurrency=1):
+        assert parked.result(timeout=10) == "p:after:now"
+        for handle in others:
+            handle.result(timeout=10)
+    assert _order == ["p:before", "r0", "r1", "r2", "p:after:now"]
+
+
+def test_a_busy_queue_leaves_a_workers_other_queue_and_its_timers_their_turn() -> None:
+    """A slot that ends a run takes the next from the worker's queues in turn, and a
+    due timer waits for the next free slot: neither waits for a busy queue to drain."""
+    store = MemoryStore()
+    engine = _engine(store, Queue("a"), Queue("b"))
+    flood = [engine.enqueue("busy", {"tag": f"a{i}", "s": 0.002}, queue="a") for i in range(300)]
+    with Worker(engine, concurrency=2, idle_poll=0.05):
+        _wait(lambda: len(_order) >= 4)
+        other = engine.enqueue("busy", {"tag": "b", "s": 0.0}, queue="b")
+        sleeper = engine.enqueue("naps", 0.05)
+        other.result(timeout=30)
+        sleeper.result(timeout=30)
+        served = len(_order)
+        for handle in flood:
+            handle.result(timeout=30)
+    assert _order.index("b") < 20, f"b waited for {_order.index('b')} runs of a"
+    assert served < 250, f"the timer's run waited for {served} runs of a"
+
+
+def test_a_dead_takers_admission_is_given_back_however_far_behind_the_reapers_clock_is() -> None:
+    """A taker known to have exited (a process of this machine) holds its admission
+    no longer than a sweep, even when the reaper's clock is far behind the taker's."""
+    import subprocess
+    import sys
+
+    from loom_kernel._leases import default_worker_id
+
+    store = MemoryStore()
+    queue = Queue("q", concurrency=1)
+    clock = FakeClock(time.time() - 600)  # ten minutes behind the taker's
+    engine = _engine(store, queue, lease=0.4, clock=clock)
+    run = engine.enqueue("busy", {"tag": "r", "s": 0.0}, queue="q")
+    exited = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    machine, _, _rest = default_worker_id().partition(":")
+    dead = f"{machine}:{exited.stdout.strip()}:dead00"
+    book = QueueBook(store, time.time, [queue])
+    book.take("q", 0, book.read("q", 0), [run.id], dead)
+    with Worker(engine, idle_poll=0.05):
+        assert run.result(timeout=10) == "r"
+
+
+def test_a_checkpoint_from_before_wakes_kept_their_place_still_folds() -> None:
+    """A checkpoint written by an older Loom notes a wake while driven as `true`: once
+    done, that run waits again at its old place."""
+    store = MemoryStore()
+    waiting = ["r1", "busy", 0, 5, None, ""]
+    checkpoint = {"waiting": [], "active": [[waiting, 6, "w", 1.0, True]], "admitted": []}
+    store.append(
+        "queues/q/0", 0, [NewRecord("loom.queue.checkpoint", json.dumps(checkpoint).encode(), 1.0)]
+    )
+    book = QueueBook(store, time.time, [Queue("q")])
+    assert book.read("q", 0).active["r1"].again is not None
+    book.done("q", 0, "r1", 6, requeue=False)
+    line = book.read("q", 0).line()
+    assert [(item.execution_id, item.seq) for item in line] == [("r1", 5)]

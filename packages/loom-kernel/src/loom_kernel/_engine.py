@@ -482,8 +482,11 @@ class Engine:
         if queue is not None:
             place = self._queues.queue(queue), priority, queue_key
             return self._enqueue_on(flow_name, input, key, parent, place)
-        if priority != 0 or queue_key is not None:
-            raise InvalidArgumentError("a priority or a queue key needs a queue (queue=name)")
+        if type(priority) is not int or priority != 0 or queue_key is not None:
+            raise InvalidArgumentError(
+                f"a priority or a queue key needs a queue (queue=name), not priority={priority!r}"
+                f" and queue_key={queue_key!r}"
+            )
         return self._enqueue(flow_name, input, key, parent, inline_otherwise=False)
 
     def _enqueue_on(
@@ -1503,11 +1506,25 @@ class Engine:
                     migrated = ExecutionMigrated(state.code_hash, target.code_hash, reason)
                     self._append(state, [migrated])
                 execution = Execution.of(state)
+                place, flow_name, code = state.queue, state.flow, state.code_hash
             except BaseException:
                 self._cache.drop(execution_id)
                 raise
             self._cache.give_back(state)
+        if place is not None and execution.status is Status.RUNNING:
+            self._requeue_migrated(place, execution_id, flow_name, code)
         return execution
+
+    def _requeue_migrated(self, place: QueuePlace, execution_id: str, flow: str, code: str) -> None:
+        """A queued run waiting on its queue, migrated: its entry there takes the new
+        code (keeping its place), or workers with only the new code never admit it."""
+        try:
+            waiting = self._queues.read(place.name, place.partition).waiting.get(execution_id)
+        except LoomError as exc:
+            logger.warning("loom: %s: its queue not told of its new code: %s", execution_id, exc)
+            return
+        if waiting is not None and waiting.code != code:
+            self._queue_up(place, execution_id, flow, code)
 
     def compact(self, execution_id: str) -> int:
         """Snapshot the folded state, then trim the journal below it (K10.4).

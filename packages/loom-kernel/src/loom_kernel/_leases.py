@@ -44,6 +44,7 @@ __all__ = [
     "abandoned_here",
     "default_worker_id",
     "driving_here",
+    "exited_here",
     "last_record",
     "sighting",
 ]
@@ -103,14 +104,17 @@ def abandoned_here(worker_id: str, execution_id: str) -> bool:
     """Whether `worker_id` is known here to have stopped driving `execution_id`: it
     names this process, and no engine here is driving the run, or another process of
     this machine, which has exited."""
-    machine, _, rest = worker_id.partition(":")
-    pid_text, _, _nonce = rest.partition(":")
-    if machine != _THIS_MACHINE or not pid_text.isdigit():
-        return False
-    pid = int(pid_text)
+    pid = _pid_here(worker_id)
     if pid == os.getpid():
         return not driving_here(worker_id, execution_id)
-    if os.name != "posix":
+    return exited_here(worker_id)
+
+
+def exited_here(worker_id: str) -> bool:
+    """Whether `worker_id` names another process of this machine, which has exited
+    (whatever any clock says)."""
+    pid = _pid_here(worker_id)
+    if pid is None or pid == os.getpid() or os.name != "posix":
         return False
     try:
         os.kill(pid, 0)
@@ -119,6 +123,15 @@ def abandoned_here(worker_id: str, execution_id: str) -> bool:
     except OSError:
         return False
     return False
+
+
+def _pid_here(worker_id: str) -> int | None:
+    """The process id a worker id names, when it names one of this machine."""
+    machine, _, rest = worker_id.partition(":")
+    pid_text, _, _nonce = rest.partition(":")
+    if machine != _THIS_MACHINE or not pid_text.isdigit():
+        return None
+    return int(pid_text)
 
 
 @attrs.frozen

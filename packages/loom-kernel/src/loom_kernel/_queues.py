@@ -10,7 +10,8 @@ stream, `queues/<name>/<p>`, of records
   folded, so two workers never admit past a limit: one append wins, the other folds
   again and picks again;
 - `done`: a run admitted by the take at position `take` is no longer driven (it
-  parked, ended, or its driver let it go: then it waits again, at its old place);
+  parked, ended, or its driver let it go: then it waits again, at its old place; or
+  an add came while it was driven: then it waits again, at that add's place);
 - `checkpoint`: the fold so far, appended at the exact head folded; the stream is
   trimmed below it.
 
@@ -115,6 +116,12 @@ def _check_partitions(instance: Queue, _attribute: Any, value: object) -> None:
     assert isinstance(value, int)
     if value > _MAX_PARTITIONS:
         raise InvalidArgumentError(f"partitions is at most {_MAX_PARTITIONS}, not {value}")
+    last = f"{QUEUES_PREFIX}{instance.name}/{value - 1}"
+    if len(last) > MAX_ID_LENGTH:
+        raise InvalidArgumentError(
+            f"queue {instance.name!r} with {value} partitions would have a stream id "
+            f"longer than {MAX_ID_LENGTH} characters ({last!r}): shorten its name"
+        )
     for name, limit in (
         ("concurrency", instance.concurrency),
         ("the rate's limit", None if instance.rate is None else instance.rate.limit),
@@ -144,8 +151,9 @@ class Queue:
             makes every limit exact; more let more workers admit at once (on S3 each
             admission is a conditional PUT on one partition), each partition holding
             its share of the cap and of the rate (see docs/queues.md). Raising it
-            later is safe; lowering it strands the runs waiting in the partitions
-            dropped.
+            later is safe, but for `per_key`, which is exact again once the runs
+            added before are driven; lowering it strands the runs waiting in the
+            partitions dropped.
     """
 
     name: str = attrs.field(validator=_check_name)
@@ -182,14 +190,25 @@ class Queue:
                 "a priority is an int from -2**31 to 2**31 - 1 (lower runs first), "
                 f"not {priority!r}"
             )
-        if key is not None and (not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH):
+        if key is not None and (
+            not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH or not _encodes(key)
+        ):
             raise InvalidArgumentError(
-                f"a queue key is a non-empty str of at most {MAX_ID_LENGTH} characters, not {key!r}"
+                f"a queue key is a non-empty str of at most {MAX_ID_LENGTH} characters "
+                f"(UTF-8, so no lone surrogate), not {key!r}"
             )
         spread = key if key is not None else execution_id
         digest = hashlib.blake2b(spread.encode(), digest_size=4).digest()
         partition = int.from_bytes(digest, "big") % self.partitions
         return QueuePlace(self.name, partition, priority, key)
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 @attrs.frozen
@@ -213,7 +232,8 @@ class _Active:
     take: int  # the position of the take that admitted it
     by: str  # the worker that took it
     at: float  # when, by that worker's clock
-    again: bool = False  # woken again while driven: waits again once done
+    # Woken again while driven: where it waits once done (the first wake's place).
+    again: _Waiting | None = None
 
 
 @attrs.define
@@ -367,22 +387,26 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
         if record.kind == _ADD:
             execution_id = str(data["id"])
             active = fold.active.get(execution_id)
-            if active is not None:  # woken while driven: it waits again once done
-                fold.active[execution_id] = attrs.evolve(active, again=True)
-            elif execution_id not in fold.waiting:
-                priority, key, code = data["priority"], data["key"], data.get("code", "")
-                fold.wait(
-                    _waiting_of([execution_id, data["flow"], priority, record.position, key, code])
-                )
+            code = data.get("code", "")
+            place = [data["priority"], record.position, data["key"], code]
+            waiting = _waiting_of([execution_id, data["flow"], *place])
+            if active is not None:  # woken while driven: it waits again once done,
+                # at the wake's place in line, as a wake of a parked run does
+                if active.again is None:
+                    fold.active[execution_id] = attrs.evolve(active, again=waiting)
+            elif execution_id in fold.waiting:  # migrated while it waits: its place, new code
+                fold.waiting[execution_id] = attrs.evolve(fold.waiting[execution_id], code=code)
+            else:
+                fold.wait(waiting)
         elif record.kind == _TAKE:
             by = str(data["by"])
             if window is not None:  # the window ends at this take, by its taker's clock
                 del fold.admitted[: bisect.bisect_right(fold.admitted, record.timestamp - window)]
             for execution_id in data["ids"]:
-                waiting = fold.unwait(str(execution_id))
-                if waiting is not None:
-                    fold.active[waiting.execution_id] = _Active(
-                        waiting, record.position, by, record.timestamp
+                taken = fold.unwait(str(execution_id))
+                if taken is not None:
+                    fold.active[taken.execution_id] = _Active(
+                        taken, record.position, by, record.timestamp
                     )
                     if window is not None:
                         bisect.insort(fold.admitted, record.timestamp)
@@ -393,8 +417,10 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
                 del fold.active[execution_id]
                 if data.get("unused") is True:  # never driven: its admission is void
                     _forget(fold.admitted, active.at)
-                if data["requeue"] is True or active.again:
+                if data["requeue"] is True:  # let go running: back to its old place
                     fold.wait(active.waiting)
+                elif active.again is not None:
+                    fold.wait(active.again)
         elif record.kind == _CHECKPOINT:
             fold.waiting, fold._line = {}, []
             for waiting in map(_waiting_of, data["waiting"]):
@@ -402,7 +428,8 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
             fold.active = {}
             for item in data["active"]:
                 waiting, take, by, at, again = item
-                active = _Active(_waiting_of(waiting), int(take), str(by), float(at), again)
+                held = _waiting_of(waiting)
+                active = _Active(held, int(take), str(by), float(at), _woken(held, again))
                 fold.active[active.waiting.execution_id] = active
             fold.admitted = [] if window is None else sorted(map(float, data["admitted"]))
             fold.since_checkpoint = -1
@@ -421,6 +448,17 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
         fold.since_checkpoint += 1
 
 
+def _woken(held: _Waiting, again: Any) -> _Waiting | None:
+    """A checkpoint's note of an admitted run's wake: where the run waits once done,
+    or None. (A checkpoint from before a wake's place was kept says True: the run's
+    old place.)"""
+    if again is None or again is False:
+        return None
+    if again is True:
+        return held
+    return _waiting_of(again)
+
+
 def _forget(admitted: list[float], at: float) -> None:
     """Drop one admission made at `at` from the window's sorted times, if there."""
     index = bisect.bisect_left(admitted, at)
@@ -432,7 +470,13 @@ def _checkpoint_data(fold: QueueFold) -> dict[str, Any]:
     return {
         "waiting": [_waiting_data(item) for item in fold.waiting.values()],
         "active": [
-            [_waiting_data(item.waiting), item.take, item.by, item.at, item.again]
+            [
+                _waiting_data(item.waiting),
+                item.take,
+                item.by,
+                item.at,
+                None if item.again is None else _waiting_data(item.again),
+            ]
             for item in fold.active.values()
         ],
         "admitted": fold.admitted,
@@ -448,6 +492,8 @@ class QueueBook:
         self._store = store
         self._clock = clock
         self.queues: dict[str, Queue] = {}
+        if isinstance(queues, Queue) or not isinstance(queues, Iterable):
+            raise InvalidArgumentError(f"queues is a list of Queue objects, not {queues!r}")
         for queue in queues:
             if not isinstance(queue, Queue):
                 raise InvalidArgumentError(f"queues holds Queue objects, not {queue!r}")

@@ -37,7 +37,7 @@ from loom_kernel._errors import (
     LoomError,
     SchemaError,
 )
-from loom_kernel._leases import driving_here
+from loom_kernel._leases import driving_here, exited_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
 from loom_kernel._run_index import OpenHint, partition_of
@@ -176,7 +176,7 @@ class Worker:
         self._flows: LoopThread | None = None  # where async flows run, while it runs
         self._threads_left = False  # threads its async flows started outlived its stop
         self._signals = 0
-        self._turn = 0  # which partition of each queue a poll serves first
+        self._turn = 0  # which queue, and partition of each, a poll serves first
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -280,10 +280,10 @@ class Worker:
                 self._repair_index()
             self._let_go_handed()
             busy = self._visit_open(pool, sweep=sweep)
-            busy += self._serve_queues(pool, sweep=sweep)
             if now >= next_timers:  # at most every `fastest` seconds, however busy
                 next_timers = now + fastest
-                busy += self._fire_timers(pool)
+                busy += self._fire_timers(pool)  # due already: before the queues' runs
+            busy += self._serve_queues(pool, sweep=sweep)
             if status is not None and now - shown >= _STATUS_EVERY:
                 shown = now
                 self._show(status)
@@ -303,7 +303,9 @@ class Worker:
         sweep, first give back the admissions of runs their taker no longer drives."""
         handed = 0
         self._turn += 1
-        for name in self.queues:
+        names = list(self.queues)
+        for offset in range(len(names)):  # each queue is served first in turn
+            name = names[(self._turn + offset) % len(names)]
             queue = self.engine._queues.queues[name]
             count = queue.partitions
             for partition in [(self._turn + offset) % count for offset in range(count)]:
@@ -414,20 +416,21 @@ class Worker:
         requeue: bool,
         unused: bool,
     ) -> None:
-        """Say a run this slot drove is done, then admit the next run of its partition
-        for this slot when the limits allow, rather than leave the slot to the next
-        poll; the slot's thread drives it next. On a queue of several partitions the
-        slot is left to the next poll, which serves the partitions in turn (a busy
-        partition would keep its slots otherwise)."""
+        """Say a run this slot drove is done, then admit the next run for this slot
+        when the limits allow, rather than leave the slot to the next poll; the slot's
+        thread drives it next. The next run comes from the worker's queues in turn,
+        starting after this one (a busy queue would keep every slot otherwise); a
+        queue of several partitions is left to the polls, which serve its partitions
+        in turn, for the same reason."""
         book = self.engine._queues
         done = book.done_record(execution_id, take, requeue=requeue, unused=unused)
         with self._lock:
-            # Found work waits for the slot, or the run may need it again at once.
-            chain = not (requeue or self._backlog or queue.partitions > 1)
+            # Found work (a due timer, say) waits for the slot, or the run may need it
+            # again at once.
+            chain = not (requeue or self._backlog)
         try:
             with book.holding(queue.name, partition):
                 book.append_at(queue.name, partition, book.refresh(queue.name, partition), [done])
-                admitted = self._admit(queue, partition, 1) if chain else []
         except LoomError as exc:  # another process moved it: the done wherever the head is
             logger.debug("loom: queue %s/%d: %s", queue.name, partition, exc)
             self._give_back(
@@ -435,10 +438,30 @@ class Worker:
             )
             self._wake.set()  # the next poll admits for the free slots at once
             return
+        try:
+            admitted = self._admit_next(queue) if chain else []
+        except LoomError as exc:  # a damaged partition, say: the polls say it and mend it
+            logger.debug("loom: admitting after %s: %s", execution_id, exc)
+            self._wake.set()
+            return
         with self._lock:
             for task in admitted:  # taken next by this slot's thread, in _work
                 self._backlog.appendleft(task)
                 self._queued.add(task.execution_id)
+
+    def _admit_next(self, after: Queue) -> list[_Task]:
+        """Admit one run for a slot that has just finished a run of `after`: from the
+        first of the worker's queues, in turn from the one after it, that has one to
+        admit (queues of several partitions are left to the polls)."""
+        names = list(self.queues)
+        start = names.index(after.name)
+        for offset in range(1, len(names) + 1):
+            queue = self.engine._queues.queues[names[(start + offset) % len(names)]]
+            if queue.partitions == 1:
+                admitted = self._admit(queue, 0, 1)
+                if admitted:
+                    return admitted
+        return []
 
     def _busy_with(self, execution_id: str) -> bool:
         """Whether a run is in flight or waiting for a slot here (a visit of it, say)."""
@@ -470,7 +493,9 @@ class Worker:
         horizon = engine.clock() - engine.lease / 2
         reaped = False
         for execution_id, active in fold.active.items():
-            if active.at > horizon:
+            # Its taker has had half a lease to claim it, by the clocks; or its taker
+            # is a process of this machine that has exited, whatever the clocks say.
+            if active.at > horizon and not exited_here(active.by):
                 continue
             if active.by == engine.worker_id and self._busy_with(execution_id):
                 continue
@@ -503,7 +528,8 @@ class Worker:
             due = engine._timer_state(entry, now)
             if due is not True:
                 return due
-            if self._submit(pool, _Task(entry.execution_id, partial(self._fire, entry, now))):
+            task = _Task(entry.execution_id, partial(self._fire, entry, now))
+            if self._submit(pool, task, queue=True):  # or the next free slot
                 handed += 1
             return None
 
