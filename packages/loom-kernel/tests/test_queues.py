@@ -859,3 +859,21 @@ def test_a_checkpoint_from_before_wakes_kept_their_place_still_folds() -> None:
     book.done("q", 0, "r1", 6, requeue=False)
     line = book.read("q", 0).line()
     assert [(item.execution_id, item.seq) for item in line] == [("r1", 5)]
+
+
+def test_a_worker_holds_no_more_admissions_than_its_slots() -> None:
+    """A slot that ends a run admits one more for itself, not more: runs it could not
+    drive yet would hold the queue's places from the other workers."""
+    seen: list[int] = []
+    engines: list[Engine] = []
+
+    @flow(name="counts", version="1")
+    def counts(ctx: Context, _input: Any) -> Any:
+        return ctx.step("look", lambda: seen.append(len(engines[0].queue("q").active)))
+
+    engines.append(Engine(MemoryStore(), [counts], listeners=[], queues=[Queue("q")]))
+    handles = [engines[0].enqueue("counts", None, queue="q") for _ in range(6)]
+    with Worker(engines[0], concurrency=1):
+        for handle in handles:
+            handle.result(timeout=10)
+    assert seen == [1] * 6

@@ -458,6 +458,41 @@ def test_a_worker_on_a_store_from_before_the_index_indexes_it_and_takes_its_runs
     assert engine.runs.built()
 
 
+def test_a_worker_whose_index_repair_fails_looks_at_the_index_once_a_sweep_not_a_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Whether the store is indexed costs store reads (two requests on S3) while it is
+    not: a worker whose repair keeps failing asks again at its sweeps only."""
+    from loom_kernel.spi import NewRecord
+
+    written = MemoryStore()
+    _engine(written).enqueue("three", "old", key="old")
+    store = MemoryStore()
+    for stream in written.streams("ex/"):
+        copies = [NewRecord(r.kind, r.payload, r.timestamp) for r in written.read(stream)]
+        store.append(stream, 0, copies)
+    engine = _engine(store, lease=60.0)  # a sweep every 30 s: one in this test
+    looks = []
+    built = engine.runs.built
+
+    def counted() -> bool:
+        looks.append(1)
+        return built()
+
+    def failing() -> list[str]:
+        raise StoreUnavailableError("down")
+
+    monkeypatch.setattr(engine.runs, "built", counted)
+    monkeypatch.setattr(engine, "recover", failing)
+    with Worker(engine, idle_poll=0.01) as worker:
+        deadline = time.monotonic() + 10
+        while worker.stats.failures < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)  # many polls
+    assert worker.stats.failures == 1, "repaired at most once a sweep"
+    assert len(looks) == 1, f"looked {len(looks)} times"
+
+
 def test_a_run_whose_hint_a_poll_saw_while_its_enqueue_was_writing_is_visited_next_poll() -> None:
     from concurrent.futures import ThreadPoolExecutor
 

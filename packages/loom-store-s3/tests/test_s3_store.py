@@ -274,6 +274,31 @@ def test_removal_waits_for_the_retention_period_and_sweep_finishes_it(
     assert patient.streams() == ["t"]
 
 
+def test_an_older_floor_marker_is_removed_only_once_past_the_retention_period(
+    s3_server: S3Server,
+) -> None:
+    """A reader that listed before a trim may still need the floor it saw: the markers
+    below the newest floor stay for the retention period, then go; the newest stays."""
+    patient = s3_server.store()  # default retention: an hour
+    head = 0
+    for _ in range(4):
+        head = patient.append("s", head, _records(1))
+    patient.trim("s", 2)
+    patient.trim("s", 4)
+    floors = sorted(key for key in _keys(s3_server, patient) if "!F" in key)
+    assert [int(key[-20:]) for key in floors] == [1, 3], "within the period: both stay"
+    hasty = S3Store(
+        patient.bucket,
+        patient.prefix,
+        S3Options(retention=0, head_ttl=0),
+        client=s3_server.client(),
+    )
+    hasty.sweep()
+    floors = sorted(key for key in _keys(s3_server, patient) if "!F" in key)
+    assert [int(key[-20:]) for key in floors] == [3], "past it: only the newest stays"
+    assert [r.position for r in patient.read("s", 3)] == [4]
+
+
 def test_delete_on_a_versioned_bucket_still_retires_the_name(s3_server: S3Server) -> None:
     client = s3_server.client()
     bucket = s3_server.new_bucket()

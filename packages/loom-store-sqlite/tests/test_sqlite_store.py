@@ -284,6 +284,22 @@ def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
         )
 
 
+def test_a_delete_frees_the_streams_records_and_keeps_only_its_name(tmp_path: Path) -> None:
+    """A deleted stream's records take no space: only its `loom_streams` row stays,
+    retiring the name at its final head."""
+    store = open_sqlite_store(f"sqlite://{tmp_path / 'deleted.db'}")
+    store.append("gone", 0, _records(3))
+    store.append("kept", 0, _records(2))
+    store.delete("gone")
+    rows = store._connection.execute(
+        "SELECT stream, COUNT(*) FROM loom_records GROUP BY stream"
+    ).fetchall()
+    assert rows == [("kept", 2)]
+    assert store._connection.execute(
+        "SELECT floor, deleted FROM loom_streams WHERE name = 'gone'"
+    ).fetchall() == [(3, 1)]
+
+
 def test_a_listing_skips_deleted_streams_through_the_live_names_index(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path / 'live.db'}")
     for number in range(50):
