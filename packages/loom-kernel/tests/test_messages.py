@@ -55,6 +55,10 @@ def deadline(ctx: Context, timeout: float) -> Any:
     try:
         return ctx.suspend("approve", timeout=timeout)
     except GateTimeoutError as exc:
+        assert (exc.execution_id, exc.gate) == (ctx.execution_id, "approve")
+        assert str(exc) == (
+            f"execution {ctx.execution_id!r}: gate 'approve' was not resumed within {timeout:g} s"
+        )
         return f"timed out after {exc.timeout:g}"
 
 

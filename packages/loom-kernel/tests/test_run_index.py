@@ -109,6 +109,26 @@ def test_executions_by_status_and_flow_read_only_the_runs_that_match() -> None:
     }
 
 
+def test_executions_by_flow_include_the_runs_moved_to_their_status_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Closed runs compacted out of the open partitions (into `runs/<status>/<p>`) are
+    listed by flow as the still-open partitions' closed ones are."""
+    from loom_kernel import _run_index
+
+    monkeypatch.setattr(_run_index, "_COMPACT_AT", 2)
+    store = CountingStore()
+    engine = _engine(store)
+    for number in range(64):
+        engine.start("work" if number % 2 else "other", "done", key=f"r{number:03d}")
+    assert engine.recover() == []  # reads the open partitions: compacts them
+    fresh = _engine(store)
+    assert len(list(fresh.runs.ended(Status.COMPLETED))) > 32, "most were moved"
+    others = {f"r{number:03d}" for number in range(0, 64, 2)}
+    assert {e.id for e in fresh.executions(flow="other")} == others
+    assert {e.id for e in fresh.executions(flow="other", status="completed")} == others
+
+
 def test_an_unknown_status_is_refused() -> None:
     from loom_kernel import InvalidArgumentError
 
