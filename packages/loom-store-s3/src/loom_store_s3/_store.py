@@ -72,6 +72,13 @@ class _Scan:
     def deleted(self) -> bool:
         return self.last is not None and self.last.state == "tomb"
 
+    def ends(self) -> Iterator[tuple[_Key, int]]:
+        """Each batch, in order, with the position of its last record (the next
+        batch's first key, or the head for the last batch)."""
+        batches = self.batches
+        for index, key in enumerate(batches):
+            yield key, batches[index + 1].number if index + 1 < len(batches) else self.head
+
 
 @attrs.define
 class _Known:
@@ -314,12 +321,7 @@ class S3Store(FaultInjection, JournalStore):
         stop = scan.head if limit is None else min(scan.head, after + limit)
         if stop <= after:
             return []
-        starts = [key.number for key in scan.batches]
-        wanted: list[str] = []
-        for index, key in enumerate(scan.batches):
-            end = starts[index + 1] if index + 1 < len(starts) else scan.head
-            if end > after and key.number < stop:
-                wanted.append(key.key)
+        wanted = [key.key for key, end in scan.ends() if end > after and key.number < stop]
         last_key = scan.batches[-1].key
         if self._closed:
             raise StoreUnavailableError(f"S3 store s3://{self.bucket}/{self.prefix} is closed")
@@ -422,9 +424,7 @@ class S3Store(FaultInjection, JournalStore):
         ]
         if scan.deleted:
             doomed += [marker.key for marker in scan.floors if marker.modified < cutoff]
-        starts = [key.number for key in scan.batches]
-        for index, key in enumerate(scan.batches):
-            end = starts[index + 1] if index + 1 < len(starts) else scan.head
+        for index, (key, end) in enumerate(scan.ends()):
             if end > floor:
                 break
             keep = index == 0 or index == len(scan.batches) - 1
