@@ -886,3 +886,123 @@ def test_the_inboxes_and_published_values_kept_parsed_are_bounded(
     kept = list(engine._published._read)
     assert kept == ["p2-progress", "p3-progress", "p4-progress"], "the least recent dropped"
     assert engine.get_event("p0-progress", "done") == 1, "read again from the store"
+
+
+# -- sends and resumes from inside a step -----------------------------------------------
+
+_peers: list[Engine] = []
+_both_in_step = threading.Barrier(2, timeout=10)
+
+
+def _notify(other: str, me: str) -> int:
+    _both_in_step.wait()  # both runs are in this step now, each holding its own lock
+    return _peers[0].send(other, f"hello from {me}", topic="peer", key=f"{me}-1")
+
+
+@flow(name="inbox.peer")
+def peer(ctx: Context, names: list[str]) -> Any:
+    me, other = names
+    ctx.suspend("go")
+    ctx.step("notify", _notify, other, me)
+    return ctx.receive("peer", timeout=60)
+
+
+def test_two_runs_whose_steps_send_to_each_other_at_once_both_read_their_message() -> None:
+    """A send from a step does not wait for a run another drive holds (it reads its
+    inbox itself as it parks): two runs messaging each other never wait for ever."""
+    _both_in_step.reset()
+    engine = Engine(MemoryStore(), [peer], listeners=[])
+    _peers[:] = [engine]
+    engine.start("inbox.peer", ["A", "B"], key="A")
+    engine.start("inbox.peer", ["B", "A"], key="B")
+    threads = [
+        threading.Thread(target=engine.resume, args=(name, None), kwargs={"on": "go"}, daemon=True)
+        for name in "AB"
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=20)
+    assert not any(thread.is_alive() for thread in threads), "deadlocked"
+    assert engine.get("A").result == "hello from B"
+    assert engine.get("B").result == "hello from A"
+
+
+def test_a_resume_from_a_step_waits_half_a_lease_for_a_run_another_drive_holds() -> None:
+    """A resume from inside a step cannot know the run it waits for is not waiting for
+    it: past half a lease it gives up with RunBusyError in the step, journaling
+    nothing, instead of waiting for ever."""
+    from loom_kernel import LoomError, RetryPolicy, RunBusyError
+
+    release, busy = threading.Event(), threading.Event()
+
+    @flow(name="inbox.holds")
+    def holds(ctx: Context, _input: Any) -> Any:
+        ctx.step("hold", lambda: (busy.set(), release.wait(20)))
+        return ctx.suspend("go")
+
+    @flow(name="inbox.resumes")
+    def resumes(ctx: Context, _input: Any) -> Any:
+        return ctx.step("resume", lambda: ctx.engine.resume("h", "x", on="go").status.value)
+
+    engine = Engine(
+        MemoryStore(), [holds, resumes], listeners=[], lease=0.4, retry=RetryPolicy(attempts=1)
+    )
+    holder = threading.Thread(target=engine.start, args=("inbox.holds",), kwargs={"key": "h"})
+    holder.start()
+    try:
+        assert busy.wait(10)
+        began = time.monotonic()
+        run = engine.start("inbox.resumes", key="r")
+        assert time.monotonic() - began < 10
+        assert run.status is Status.FAILED
+        assert run.error is not None
+        assert "RunBusyError: execution 'h' was held by another drive of this engine for 0.2 s" in (
+            run.error.message
+        )
+    finally:
+        release.set()
+        holder.join(20)
+    assert engine.get("h").status is Status.SUSPENDED, "the resume journaled nothing"
+    assert issubclass(RunBusyError, LoomError)
+
+
+@pytest.mark.parametrize("reason", [5, {"why": 1}, ["x"], "caf\udce9"])
+def test_a_cancel_or_a_migration_with_a_reason_that_is_not_text_is_refused(reason: Any) -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.two", None, key="r")
+    head = store.head("ex/r")
+    with pytest.raises(InvalidArgumentError, match="a reason"):
+        engine.cancel("r", reason=reason)
+    with pytest.raises(InvalidArgumentError, match="a reason"):
+        engine.resume_as("r", "inbox.two", reason=reason)
+    assert store.head("ex/r") == head, "nothing journaled"
+    assert _engine(store).get("r").status is Status.SUSPENDED, "still readable"
+
+
+def test_a_topic_or_an_event_key_with_no_utf8_form_is_refused() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.two", None, key="s")
+    with pytest.raises(InvalidArgumentError, match="lone surrogate"):
+        engine.send("s", "x", topic="caf\udce9")
+    assert store.head("inbox/s") == 0
+    for key in ("k\ud800", "", 5, None, "x" * 201):
+        with pytest.raises(InvalidArgumentError, match="an event key"):
+            engine.get_event("s", key, timeout=0)  # type: ignore[arg-type]
+
+
+def test_an_execution_id_too_long_for_its_runs_other_streams_is_refused() -> None:
+    """Its inbox, events and snapshot streams are named by it too: `events/<id>`,
+    the longest, must be a valid stream id."""
+    from loom_kernel import InvalidIdError
+
+    store = MemoryStore()
+    engine = _engine(store)
+    longest = "i" * 193
+    engine.start("inbox.two", None, key=longest)
+    assert engine.send(longest, "hello") == 1
+    with pytest.raises(InvalidIdError, match="at most 193 characters"):
+        engine.start("inbox.two", None, key="i" * 194)
+    assert store.head("ex/" + "i" * 194) == 0

@@ -1040,11 +1040,11 @@ def test_a_handed_run_whose_drive_cannot_begin_is_let_go_and_found_by_a_poll() -
     holds: list[str] = []
 
     @contextlib.contextmanager
-    def hold(key: str) -> Iterator[None]:
+    def hold(key: str, *, wait: float | None = None) -> Iterator[None]:
         holds.append(key)
         if holds.count("x") == 2:  # the enqueue's hold, then the handed drive's
             raise RuntimeError("the drive could not take the run's lock")
-        with original(key):
+        with original(key, wait=wait):
             yield
 
     engine._locks.hold = hold  # type: ignore[method-assign]
@@ -1066,11 +1066,11 @@ def test_a_poll_that_sees_a_run_while_its_failed_drive_ends_looks_at_it_again() 
     read_let_go = threading.Event()
 
     @contextlib.contextmanager
-    def hold(key: str) -> Iterator[None]:
+    def hold(key: str, *, wait: float | None = None) -> Iterator[None]:
         holds.append(key)
         if holds.count("x") == 2:  # the handed drive's
             raise RuntimeError("the drive could not take the run's lock")
-        with original_hold(key):
+        with original_hold(key, wait=wait):
             yield
 
     def open_in(partition: str) -> Any:

@@ -43,11 +43,11 @@ from loom_kernel._events import (
 )
 from loom_kernel._executions import stream_of
 from loom_kernel._flows import RetryPolicy
-from loom_kernel._ids import MAX_ID_LENGTH
+from loom_kernel._ids import is_name
 from loom_kernel._inbox import Inbox, Message
 from loom_kernel._journal import JournalStore, NewRecord
 from loom_kernel._numbers import finite_number
-from loom_kernel._published import Published
+from loom_kernel._published import Published, event_key_refusal
 from loom_kernel._servant import FLOW_LOOP, unwrap
 from loom_kernel._state import ExecutionState, StepFrame
 from loom_kernel._timers import TIMER_GATE, TimerIndex, timer_resume_key
@@ -549,13 +549,8 @@ class _Replay:
         return self._woken(gate, payload)
 
     def _publish(self, key: object, value: Any) -> None:
-        if not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH:
-            raise self._halt(
-                InvalidArgumentError(
-                    f"an event key is a non-empty str of at most {MAX_ID_LENGTH} "
-                    f"characters, not {key!r}"
-                )
-            )
+        if not is_name(key):
+            raise self._halt(InvalidArgumentError(event_key_refusal(key)))
         try:
             data = to_json(value, f"the value of event {key!r}")
         except InvalidArgumentError as exc:

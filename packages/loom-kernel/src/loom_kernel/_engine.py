@@ -30,6 +30,7 @@ from loom_kernel._errors import (
     InvalidIdError,
     LoomError,
     NotSuspendedError,
+    RunBusyError,
     RunFinishedError,
     SchemaError,
     StoreUnavailableError,
@@ -49,7 +50,13 @@ from loom_kernel._events import (
 from loom_kernel._executions import EXECUTION_PREFIX, compact, execution_ids, load, stream_of
 from loom_kernel._flows import Flow, RetryPolicy, flow
 from loom_kernel._handles import RunHandle
-from loom_kernel._ids import MAX_ID_LENGTH, validate_prefix, validate_stream_id
+from loom_kernel._ids import (
+    MAX_ID_LENGTH,
+    has_utf8,
+    is_name,
+    validate_prefix,
+    validate_stream_id,
+)
 from loom_kernel._inbox import Inbox, Message
 from loom_kernel._journal import JournalStore, check_gapless
 from loom_kernel._leases import (
@@ -64,9 +71,9 @@ from loom_kernel._leases import (
     sighting,
 )
 from loom_kernel._listeners import Listener, Listeners, installed_listeners
-from loom_kernel._locks import KeyedLocks
+from loom_kernel._locks import KeyedLocks, LockBusyError
 from loom_kernel._numbers import finite_number
-from loom_kernel._published import Published
+from loom_kernel._published import Published, event_key_refusal
 from loom_kernel._queues import Queue, QueueBook, QueueView
 from loom_kernel._run_index import ENDED, OpenHint, RunIndex
 from loom_kernel._state import ExecutionState, Status, StepFrame
@@ -785,7 +792,7 @@ class Engine:
         on: str | None = None,
         settle: bool = True,
     ) -> Execution:
-        with self._locks.hold(execution_id):
+        with self._run_lock(execution_id):
             state = self._checkout(execution_id)
             try:
                 if timer and key != timer_resume_key(len(state.resume_payloads)):
@@ -813,6 +820,22 @@ class Engine:
             state.apply(resumed)
             execution = self._drive_owned(state, control)
         return self._settled(execution) if settle else execution
+
+    @contextlib.contextmanager
+    def _run_lock(self, execution_id: str) -> Iterator[None]:
+        """Hold a run's lock to resume it. From inside a drive (a step resuming
+        another run), wait half a lease at most: two runs whose steps resume each
+        other would otherwise wait for each other for ever.
+
+        Raises:
+            RunBusyError: the wait from inside a drive passed.
+        """
+        wait = self.lease / 2 if self._locks.holding_any() else None
+        try:
+            with self._locks.hold(execution_id, wait=wait):
+                yield
+        except LockBusyError:
+            raise RunBusyError(execution_id, wait or 0.0) from None
 
     @staticmethod
     def _check_parked(
@@ -903,7 +926,14 @@ class Engine:
         if key is not None:  # a racing resend may have landed first: that one counts
             position = self._inbox.sent(execution_id, key) or position
         try:
-            if drive:
+            if drive and self._locks.holding_any():
+                # From inside a drive (a step): a run held by another drive reads its
+                # inbox itself as it parks, and one held by anything else is looked
+                # at by the workers; waiting for it could wait for ever (its step
+                # may be sending to this run).
+                if self._deliver(execution_id, wait=0.0, nudge=True) is _BUSY:
+                    self.runs.nudged(execution_id, self._view(execution_id, lambda s: s.flow))
+            elif drive:
                 self._deliver(execution_id)
             else:
                 view = self.get(execution_id)
@@ -921,11 +951,18 @@ class Engine:
             self._cache.give_back(state)
         return position
 
-    def _deliver(self, execution_id: str, *, nudge: bool = True) -> Execution | None:
+    def _deliver(
+        self, execution_id: str, *, nudge: bool = True, wait: float | None = None
+    ) -> Execution | _Busy | None:
         """Hand the first waiting message to the gate a run is parked at, if that gate
         takes it, and drive the run on; None when there was nothing to deliver here
-        (see `_deliver_held`)."""
-        execution = self._deliver_held(execution_id, nudge=nudge)
+        (see `_deliver_held`); `_BUSY` when the run's lock was not free within `wait`
+        seconds (None: as long as it takes)."""
+        try:
+            with self._locks.hold(execution_id, wait=wait):
+                execution = self._deliver_held(execution_id, nudge=nudge)
+        except LockBusyError:
+            return _BUSY
         return None if execution is None else self._settled(execution)
 
     def _deliver_held(self, execution_id: str, *, nudge: bool = True) -> Execution | None:
@@ -1004,6 +1041,8 @@ class Engine:
     def _event_looks(self, execution_id: str, key: str, timeout: float | None) -> _EventLooks:
         """The looks of a `get_event`, its arguments checked."""
         self.stream_of(execution_id)
+        if not is_name(key):
+            raise InvalidArgumentError(event_key_refusal(key))
         if timeout is not None and (not finite_number(timeout) or timeout < 0):
             raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
         return _EventLooks(self, execution_id, key, timeout)
@@ -1079,6 +1118,7 @@ class Engine:
         once, and the drive stops before its next step, whichever engine or thread
         runs it (a step already running finishes, and its result is not journaled).
         """
+        _check_reason(reason)
         while True:
             state = self._checkout(execution_id)
             execution = Execution.of(state)
@@ -1492,6 +1532,7 @@ class Engine:
             UnknownFlowError: that version of its flow is not registered here.
             ConflictError: the run moved meanwhile; check again.
         """
+        _check_reason(reason)
         with self._locks.hold(execution_id):
             state = self._checkout(execution_id)
             try:
@@ -1590,6 +1631,13 @@ class _Missing:
 _MISSING: Final = _Missing()
 
 
+class _Busy:
+    """A delivery that found the run's lock taken (see `_deliver`)."""
+
+
+_BUSY: Final = _Busy()
+
+
 class _NotStarted:
     """What `_recover_hint` returns for a hint whose run may still start."""
 
@@ -1621,6 +1669,14 @@ def _timer_due(state: ExecutionState, gate: int, now: float) -> bool | None:
     recorded = state.gates[gate]
     # A hint from an earlier attempt is obsolete; the recorded wake has its own.
     return recorded.wake_at is not None and recorded.wake_at <= now
+
+
+def _check_reason(reason: object) -> None:
+    """A cancel's or a migration's reason: a str, or None (the journal records it)."""
+    if reason is not None and not isinstance(reason, str):
+        raise InvalidArgumentError(f"a reason is a str or None, not {reason!r}")
+    if reason is not None and not has_utf8(reason):
+        raise InvalidArgumentError(f"a reason has a UTF-8 form (no lone surrogate): {reason!r}")
 
 
 def _waits_for_messages(on: str | None) -> bool:

@@ -18,6 +18,7 @@ __all__ = [
     "NotFoundError",
     "NotSuspendedError",
     "ResultTimeoutError",
+    "RunBusyError",
     "RunFinishedError",
     "SchemaError",
     "StepFailedError",
@@ -362,6 +363,27 @@ class GateTimeoutError(LoomError, TimeoutError):
         self.timeout = timeout
         super().__init__(
             f"execution {execution_id!r}: gate {gate!r} was not resumed within {timeout:g} s"
+        )
+
+
+class RunBusyError(LoomError):
+    """A resume made inside a drive (from a step) found the run it resumes held by
+    another drive of this engine for longer than it waits: the two may be waiting for
+    each other (run A's step resumes B while B's step resumes A). Raised in the step,
+    which fails (and is retried by its policy); nothing was journaled.
+
+    Attributes:
+        execution_id: the run resumed.
+        waited: the seconds the resume waited.
+    """
+
+    def __init__(self, execution_id: str, waited: float) -> None:
+        self.execution_id = execution_id
+        self.waited = waited
+        super().__init__(
+            f"execution {execution_id!r} was held by another drive of this engine for "
+            f"{waited:g} s: a resume from inside a step waits no longer (the runs may be "
+            "waiting for each other); nothing was journaled"
         )
 
 

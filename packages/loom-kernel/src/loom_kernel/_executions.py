@@ -31,8 +31,10 @@ from loom_kernel._errors import (
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel._ids import validate_stream_id
+from loom_kernel._ids import MAX_ID_LENGTH, validate_stream_id
+from loom_kernel._inbox import INBOX_PREFIX
 from loom_kernel._journal import JournalStore, NewRecord, Record
+from loom_kernel._published import EVENTS_PREFIX
 from loom_kernel._state import ExecutionState, fold_records
 
 __all__ = [
@@ -47,6 +49,10 @@ __all__ = [
 
 EXECUTION_PREFIX: Final = "ex/"
 SNAPSHOT_PREFIX: Final = "snap/"
+#: The longest execution id every stream of its run can be named by.
+MAX_EXECUTION_ID_LENGTH: Final = MAX_ID_LENGTH - max(
+    len(prefix) for prefix in (EXECUTION_PREFIX, SNAPSHOT_PREFIX, INBOX_PREFIX, EVENTS_PREFIX)
+)
 SNAPSHOT_KIND: Final = "loom.snapshot"
 #: Loads restarted because a compaction moved the journal on meanwhile, before giving up.
 _LOAD_ATTEMPTS: Final = 16
@@ -61,9 +67,16 @@ def stream_of(execution_id: object) -> str:
     if not isinstance(execution_id, str):
         raise InvalidIdError(execution_id, "an execution id is a str")
     try:
-        return validate_stream_id(EXECUTION_PREFIX + execution_id)
+        stream = validate_stream_id(EXECUTION_PREFIX + execution_id)
     except InvalidIdError as exc:
         raise InvalidIdError(execution_id, exc.reason) from None
+    if len(execution_id) > MAX_EXECUTION_ID_LENGTH:
+        raise InvalidIdError(
+            execution_id,
+            f"an execution id is at most {MAX_EXECUTION_ID_LENGTH} characters (its inbox, "
+            "events and snapshot streams are named by it too)",
+        )
+    return stream
 
 
 def _snapshot_stream(execution_id: str) -> str:

@@ -3,15 +3,38 @@
 from __future__ import annotations
 
 import re
-from typing import Final
+from typing import Final, TypeGuard
 
 from loom_kernel._errors import InvalidIdError
 
-__all__ = ["ID_ALPHABET", "MAX_ID_LENGTH", "validate_prefix", "validate_stream_id"]
+__all__ = [
+    "ID_ALPHABET",
+    "MAX_ID_LENGTH",
+    "has_utf8",
+    "is_name",
+    "validate_prefix",
+    "validate_stream_id",
+]
 
 MAX_ID_LENGTH = 200
 ID_ALPHABET = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~:@+=/"
 _ALLOWED = re.compile(r"[A-Za-z0-9\-_.~:@+=/]*")
+
+
+def is_name(value: object) -> TypeGuard[str]:
+    """Whether `value` can be a topic, an event key or a queue key: a non-empty str of
+    at most MAX_ID_LENGTH characters with a UTF-8 form (no lone surrogate), since the
+    journal records it as UTF-8."""
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_LENGTH and has_utf8(value)
+
+
+def has_utf8(text: str) -> bool:
+    """Whether `text` has a UTF-8 form (a lone surrogate has none)."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _check_characters(value: str) -> None:

@@ -23,13 +23,21 @@ from collections.abc import Iterator
 
 import attrs
 
-__all__ = ["KeyedLocks"]
+__all__ = ["KeyedLocks", "LockBusyError"]
 
 
 @attrs.define
 class _Entry:
     lock: threading.Lock = attrs.Factory(threading.Lock)
     users: int = 0
+
+
+class LockBusyError(Exception):
+    """Internal: a lock was not free within the wait asked for."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
 
 
 class KeyedLocks:
@@ -42,9 +50,21 @@ class KeyedLocks:
             f"loom_locks_{id(self)}", default=frozenset()
         )
 
+    def holding_any(self) -> bool:
+        """Whether this context holds a lock (it is inside a drive, say)."""
+        return bool(self._held.get())
+
     @contextlib.contextmanager
-    def hold(self, key: str) -> Iterator[None]:
-        """Hold `key`'s lock for the block; a no-op when this context holds it already."""
+    def hold(self, key: str, *, wait: float | None = None) -> Iterator[None]:
+        """Hold `key`'s lock for the block; a no-op when this context holds it already.
+
+        Args:
+            key: whose lock.
+            wait: the most seconds to wait for it (None: as long as it takes).
+
+        Raises:
+            LockBusyError: `wait` passed with the lock held elsewhere.
+        """
         held = self._held.get()
         if key in held:
             yield
@@ -55,12 +75,16 @@ class KeyedLocks:
                 entry = self._entries[key] = _Entry()
             entry.users += 1
         try:
-            with entry.lock:
+            if not entry.lock.acquire(timeout=-1 if wait is None else wait):
+                raise LockBusyError(key)
+            try:
                 token = self._held.set(held | {key})
                 try:
                     yield
                 finally:
                     self._held.reset(token)
+            finally:
+                entry.lock.release()
         finally:
             with self._mutex:
                 entry.users -= 1

@@ -17,12 +17,22 @@ from typing import Any, Final
 
 from loom_kernel._appends import append_anywhere
 from loom_kernel._errors import SchemaError
-from loom_kernel._ids import validate_stream_id
+from loom_kernel._ids import MAX_ID_LENGTH, validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord
 
-__all__ = ["EVENTS_PREFIX", "Published"]
+__all__ = ["EVENTS_PREFIX", "Published", "event_key_refusal"]
 
 EVENTS_PREFIX: Final = "events/"
+
+
+def event_key_refusal(key: object) -> str:
+    """Why `key` cannot name an event (see `is_name`)."""
+    return (
+        f"an event key is a non-empty str of at most {MAX_ID_LENGTH} characters (UTF-8, "
+        f"so no lone surrogate), not {key!r}"
+    )
+
+
 EVENT_KIND: Final = "loom.event"
 _KEPT: Final = 1024
 

@@ -46,7 +46,7 @@ from loom_kernel._errors import (
     TrimmedError,
 )
 from loom_kernel._events import QueuePlace
-from loom_kernel._ids import MAX_ID_LENGTH, validate_stream_id
+from loom_kernel._ids import MAX_ID_LENGTH, is_name, validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord, Record
 from loom_kernel._numbers import finite_number
 
@@ -190,9 +190,7 @@ class Queue:
                 "a priority is an int from -2**31 to 2**31 - 1 (lower runs first), "
                 f"not {priority!r}"
             )
-        if key is not None and (
-            not isinstance(key, str) or not key or len(key) > MAX_ID_LENGTH or not _encodes(key)
-        ):
+        if key is not None and not is_name(key):
             raise InvalidArgumentError(
                 f"a queue key is a non-empty str of at most {MAX_ID_LENGTH} characters "
                 f"(UTF-8, so no lone surrogate), not {key!r}"
@@ -201,14 +199,6 @@ class Queue:
         digest = hashlib.blake2b(spread.encode(), digest_size=4).digest()
         partition = int.from_bytes(digest, "big") % self.partitions
         return QueuePlace(self.name, partition, priority, key)
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 @attrs.frozen

@@ -20,7 +20,7 @@ import attrs
 
 from loom_kernel._canonical import stable_stringify
 from loom_kernel._errors import InvalidArgumentError
-from loom_kernel._ids import MAX_ID_LENGTH
+from loom_kernel._ids import MAX_ID_LENGTH, is_name
 from loom_kernel._timers import TIMER_GATE
 
 __all__ = [
@@ -81,10 +81,10 @@ def validate_topic(topic: object) -> str | None:
     """A topic: None (the default topic) or a non-empty str of at most 200 characters."""
     if topic is None:
         return None
-    if not isinstance(topic, str) or not topic or len(topic) > MAX_ID_LENGTH:
+    if not is_name(topic):
         raise InvalidArgumentError(
-            f"a topic is None or a non-empty str of at most {MAX_ID_LENGTH} characters, "
-            f"not {topic!r}"
+            f"a topic is None or a non-empty str of at most {MAX_ID_LENGTH} characters "
+            f"(UTF-8, so no lone surrogate), not {topic!r}"
         )
     return topic
 
