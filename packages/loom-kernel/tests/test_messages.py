@@ -936,9 +936,13 @@ def test_a_resume_from_a_step_waits_half_a_lease_for_a_run_another_drive_holds()
 
     release, busy = threading.Event(), threading.Event()
 
+    def hold() -> bool:
+        busy.set()
+        return release.wait(20)
+
     @flow(name="inbox.holds")
     def holds(ctx: Context, _input: Any) -> Any:
-        ctx.step("hold", lambda: (busy.set(), release.wait(20)))
+        ctx.step("hold", hold)
         return ctx.suspend("go")
 
     @flow(name="inbox.resumes")

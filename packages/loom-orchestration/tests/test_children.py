@@ -452,3 +452,88 @@ def test_a_child_started_while_the_engines_worker_stops_runs_inline() -> None:
     assert done.result == {"child": 6, "after": "ok"}
     release.set()
     stopper.join(10)
+
+
+def test_a_child_awaited_twice_gives_its_outcome_to_each_wait() -> None:
+    """As a Temporal child handle: each park at a child's gate gets its outcome, the
+    second from a child that ended long before."""
+    from loom_orchestration import child_gate
+
+    @flow
+    def waits_twice(ctx: Context, _input: Any) -> Any:
+        child = start_child(ctx, approval, "x")
+        first = ctx.suspend(child_gate(child))
+        second = ctx.suspend(child_gate(child))
+        return [first["result"]["decision"], second["result"]["decision"]]
+
+    engine = _engine()
+    engine.register(waits_twice)
+    engine.start("waits_twice", key="w")
+    engine.resume("w/c0", "yes")
+    assert engine.get("w").result == ["yes", "yes"]
+    children_module.settle(engine, engine.get("w/c0"))  # a notice again: a no-op
+    assert len(_resumes(engine, "w")) == 2
+
+
+def test_a_stray_resume_of_a_parent_waiting_for_its_child_leaves_it_waiting() -> None:
+    """A resume meant for the child, sent to the parent, is not a child's outcome: the
+    parent parks at the gate again, and the child's end still wakes it."""
+    engine = _engine()
+    engine.start("asks_for_approval", "r", key="p")
+    assert engine.get("p").waiting_on == "child:p/c0"
+    engine.resume("p", "approved")
+    assert engine.get("p").waiting_on == "child:p/c0"
+    engine.resume("p/c0", "yes")
+    assert engine.get("p").result == {"request": "r", "decision": "yes"}
+    _engine(engine.store).replay_check("p")
+
+
+def test_a_run_with_a_childs_id_that_is_not_its_child_is_not_adopted() -> None:
+    from loom_kernel import RetryPolicy
+    from loom_orchestration import ChildIdTakenError
+
+    engine = Engine(MemoryStore(), FLOWS, clock=FakeClock(), retry=RetryPolicy(attempts=1))
+    engine.start("approval", "someone else's", key="p/c0")  # no parent
+    run = engine.start("asks_for_approval", "r", key="p")
+    assert run.status is Status.FAILED
+    assert run.error is not None
+    assert ChildIdTakenError.__name__ in run.error.message
+    assert "is not a child of 'p'" in run.error.message
+
+
+def test_a_parent_cancelled_while_it_starts_a_child_leaves_no_orphan() -> None:
+    """The cancel lands while the start step runs (the child started, the step not yet
+    journaled): the parent never knew of the child, so its end cancels it."""
+    engine = _engine()
+
+    @flow
+    def starts_then_waits(ctx: Context, _input: Any) -> Any:
+        return await_child(ctx, approval, "x", on_parent_close="cancel")
+
+    original = engine._start_or_hand
+
+    def start_then_cancel(*args: Any, **kwargs: Any) -> Any:
+        started = original(*args, **kwargs)
+        engine.cancel("o", "meanwhile")
+        return started
+
+    engine._start_or_hand = start_then_cancel  # type: ignore[method-assign]
+    engine.register(starts_then_waits)
+    engine.start("starts_then_waits", key="o")
+    assert engine.get("o").status is Status.CANCELLED
+    assert engine.get("o/c0").status is Status.CANCELLED
+
+
+def test_bad_children_lists_fail_the_parent_with_a_loom_error() -> None:
+    @flow
+    def bad(ctx: Context, shape: str) -> Any:
+        children: Any = {"bare": [double], "three": [(double, 1, 2)], "str": "double"}[shape]
+        return await_children(ctx, children) if shape != "three" else await_any(ctx, children)
+
+    engine = _engine()
+    engine.register(bad)
+    for shape in ("bare", "three", "str"):
+        run = engine.start("bad", shape)
+        assert run.status is Status.FAILED
+        assert run.error is not None
+        assert run.error.type == "loom_kernel.InvalidArgumentError"

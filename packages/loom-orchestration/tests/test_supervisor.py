@@ -215,3 +215,95 @@ def test_bad_specs_fail_the_supervisor_clearly() -> None:
     assert failed.status is Status.FAILED
     assert failed.error is not None
     assert "child names must be unique" in failed.error.message
+
+
+@flow
+def first_fails(ctx: Context, _input: Any) -> Any:
+    if ctx.execution_id.endswith("@0"):
+        raise RuntimeError("the first attempt fails")
+    return ctx.suspend("work")
+
+
+_quick_runs: list[str] = []
+
+
+def _effect(execution_id: str) -> str:
+    _quick_runs.append(execution_id)
+    return "done"
+
+
+@flow
+def quick(ctx: Context, _input: Any) -> Any:
+    return ctx.step("effect", _effect, ctx.execution_id)
+
+
+@pytest.mark.parametrize("strategy", ["one_for_all", "rest_for_one"])
+def test_a_group_restart_leaves_children_that_ended_for_good_ended(strategy: str) -> None:
+    """A temporary child, and a transient one that completed, ended before the
+    supervisor handled another's failure: the group restart does not start them
+    again (their side effects would run twice); a permanent one that ended starts
+    again, as its restart type says."""
+    specs = [
+        ChildSpec("a", first_fails, restart="transient"),
+        ChildSpec("t", quick, restart="temporary"),
+        ChildSpec("tr", quick, restart="transient"),
+        ChildSpec("p", quick, restart="permanent"),
+    ]
+    _quick_runs.clear()
+    engine = Engine(
+        MemoryStore(),
+        [first_fails, quick, _supervisor(specs, strategy=strategy, intensity=10)],
+        clock=FakeClock(),
+    )
+    engine.start("supervisor", key="sup")
+    started = _children(engine)
+    assert "sup/t@1" not in started
+    assert "sup/tr@1" not in started
+    assert "sup/a@1" in started
+    assert "sup/p@1" in started
+    assert _quick_runs.count("sup/t@0") == 1
+    assert _quick_runs.count("sup/tr@0") == 1
+    result = engine.get("sup").result if _status(engine, "sup").finished else None
+    assert result is None or result["t"]["status"] == "completed"
+
+
+def test_a_temporary_child_a_group_restart_stops_is_not_started_again() -> None:
+    specs = [ChildSpec("a", worker), ChildSpec("t", worker, restart="temporary")]
+    engine = _engine(specs, strategy="one_for_all")
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    assert _status(engine, "sup/t@0") is Status.CANCELLED
+    assert _children(engine) == ["sup/a@0", "sup/a@1", "sup/t@0"]
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"period": float("nan")}, "period is a finite number"),
+        ({"intensity": float("nan")}, "intensity is an int"),
+        ({"intensity": "3"}, "intensity is an int"),
+        ({"period": None}, "period is a finite number"),
+    ],
+)
+def test_bad_limits_fail_the_supervisor_clearly(options: dict[str, Any], match: str) -> None:
+    engine = _engine([ChildSpec("a", worker)], **options)
+    failed = engine.start("supervisor", key="sup")
+    assert failed.status is Status.FAILED
+    assert failed.error is not None
+    assert match in failed.error.message
+    assert _children(engine) == [], "no child started"
+
+
+def test_a_second_supervision_with_the_same_child_names_fails_clearly() -> None:
+    """Its children's ids would be the first's: it would wait for them for ever."""
+
+    @flow(name="twice", version="1")
+    def twice(ctx: Context, _input: Any) -> Any:
+        supervise_children(ctx, [ChildSpec("q", quick, restart="temporary")])
+        return supervise_children(ctx, [ChildSpec("q", quick, restart="temporary")])
+
+    engine = Engine(MemoryStore(), [quick, twice], clock=FakeClock())
+    run = engine.start("twice", key="sup")
+    assert run.status is Status.FAILED
+    assert run.error is not None
+    assert "already started by this run" in run.error.message

@@ -12,6 +12,7 @@ def order(ctx, order):
 from loom_orchestration._children import (
     ChildCancelledError,
     ChildFailedError,
+    ChildIdTakenError,
     await_any,
     await_child,
     await_children,
@@ -33,6 +34,7 @@ __all__ = [
     "ChildCancelledError",
     "ChildFailedError",
     "ChildId",
+    "ChildIdTakenError",
     "ChildSpec",
     "ChildView",
     "SupervisorEscalationError",
@@ -48,6 +50,6 @@ __all__ = [
 ]
 
 # Shown as loom_orchestration.ChildFailedError (tracebacks, reprs, journal error records).
-for _error in (ChildCancelledError, ChildFailedError, SupervisorEscalationError):
+for _error in (ChildCancelledError, ChildFailedError, ChildIdTakenError, SupervisorEscalationError):
     _error.__module__ = __name__
 del _error

@@ -37,6 +37,7 @@ from loom_kernel import (
 __all__ = [
     "ChildCancelledError",
     "ChildFailedError",
+    "ChildIdTakenError",
     "await_any",
     "await_child",
     "await_children",
@@ -76,7 +77,43 @@ class ChildCancelledError(LoomError):
         super().__init__(f"child {child_id!r} was cancelled" + (f": {reason}" if reason else ""))
 
 
+class ChildIdTakenError(LoomError):
+    """A child's id names a run that is not this parent's child of that flow (a run
+    started with that key by someone else): it is not adopted, and the start step
+    fails.
+
+    Attributes:
+        child_id: the id.
+        parent_id: the parent that derived it.
+    """
+
+    def __init__(self, child_id: str, parent_id: str, found: Execution) -> None:
+        self.child_id = child_id
+        self.parent_id = parent_id
+        super().__init__(
+            f"run {child_id!r} exists and is not a child of {parent_id!r} (its parent is "
+            f"{found.parent!r}, its flow {found.flow!r}): it is not adopted as one"
+        )
+
+
 _installed_on: weakref.WeakSet[Engine] = weakref.WeakSet()
+#: The child ids each pass of a run's code has started (a pass is one ctx).
+_started_by: weakref.WeakKeyDictionary[Context | AsyncContext, set[str]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _claim_child_id(ctx: Context | AsyncContext, child_id: str) -> None:
+    """A run starts each child id once: a second start of one (supervise_children
+    called twice with the same child names) would wait for a child that ended
+    before, for ever."""
+    started = _started_by.setdefault(ctx, set())
+    if child_id in started:
+        raise InvalidArgumentError(
+            f"child {child_id!r} was already started by this run: a run starts a child "
+            "id once (call supervise_children again with other child names)"
+        )
+    started.add(child_id)
 
 
 def install(engine: Engine) -> None:
@@ -114,15 +151,17 @@ def child_gate(child_id: str) -> str:
 
 def _children_of_gate(parked: Execution) -> list[tuple[str, str, str]]:
     """(child id, the gate a delivery names, its dedupe key) of each child the run is
-    parked for. A `wait_first` gate's key names the park's journal position too, so
-    a child awaited before (whose key is its gate's name) still wakes it."""
+    parked for. A key names the park's journal position too, so a child awaited
+    before (the same gate parked at again, or named in a `wait_first`) still wakes
+    each later park, while a second delivery to one park is a no-op."""
     gate = parked.waiting_on
     if gate is None:
         return []
+    key = f"{gate}@{parked.position}"
     if gate.startswith(_ONE):
-        return [(gate.removeprefix(_ONE), gate, gate)]
+        return [(gate.removeprefix(_ONE), gate, key)]
     if gate.startswith(_ANY):
-        return [(child, gate, gate) for child in gate.removeprefix(_ANY).split("|")]
+        return [(child, gate, key) for child in gate.removeprefix(_ANY).split("|")]
     return [
         (name.removeprefix(_ONE), name, f"{name}@{parked.position}")
         for name in parked.gates
@@ -163,13 +202,25 @@ def settle(engine: Engine, execution: Execution) -> None:
 
 
 def _close_children(engine: Engine, parent: Execution) -> None:
-    """Cancel the children the parent started with on_parent_close="cancel"."""
+    """Cancel the children the parent started with on_parent_close="cancel"; and, for
+    a cancelled parent, the children whose start it never journaled (cancelled while
+    its start step ran): the parent never knew of them, so none may outlive it."""
+    journaled: set[str] = set()
     for frame in engine.frames(parent.id).values():
         if frame.name != START_STEP or not isinstance(frame.result, dict):
             continue
+        journaled.add(str(frame.result["id"]))
         if frame.result.get("on_parent_close") == "cancel":
             with contextlib.suppress(ExecutionNotFoundError):
                 engine.cancel(frame.result["id"], f"parent {parent.id!r} ended")
+    if parent.status is not Status.CANCELLED:
+        return
+    for child in engine.executions(prefix=f"{parent.id}/"):
+        if child.parent == parent.id and child.id not in journaled and not child.status.finished:
+            with contextlib.suppress(ExecutionNotFoundError):
+                engine.cancel(
+                    child.id, f"parent {parent.id!r} was cancelled as it started this child"
+                )
 
 
 @overload
@@ -219,10 +270,14 @@ def start_child_as(
     engine = ctx.engine
     install(engine)
     flow_name = flow.name if isinstance(flow, Flow) else flow
+    _claim_child_id(ctx, child_id)
 
     def start() -> dict[str, Any]:
         # A worker here takes the child (one of its slots, or its queue); else inline.
         engine._start_or_hand(flow_name, input, child_id, ctx.execution_id)
+        found = engine.get(child_id)
+        if found.parent != ctx.execution_id or found.flow != flow_name:
+            raise ChildIdTakenError(child_id, ctx.execution_id, found)
         return {"id": child_id, "flow": flow_name, "on_parent_close": on_parent_close}
 
     if isinstance(ctx, AsyncContext):
@@ -239,7 +294,52 @@ def wait_any(ctx: Context | AsyncContext, child_ids: Sequence[str]) -> Any:
     """Park until the first of these existing children ends; return its outcome record
     (id, status, result, error, reason) without raising (awaitable in async flows)."""
     gate = _ONE + child_ids[0] if len(child_ids) == 1 else _ANY + "|".join(child_ids)
-    return ctx.suspend(gate)
+    if isinstance(ctx, AsyncContext):
+        return _outcome_async(ctx, gate, child_ids)
+    return _outcome_at(ctx, gate, child_ids)
+
+
+def _is_outcome(payload: Any, child_ids: Sequence[str]) -> bool:
+    """Whether a gate's payload is an outcome a delivery made (a stray `resume` of
+    the parent is not)."""
+    return (
+        isinstance(payload, dict)
+        and payload.get("id") in child_ids
+        and payload.get("status") in ("completed", "failed", "cancelled")
+        and {"result", "error", "reason"} <= payload.keys()
+    )
+
+
+def _outcome_at(ctx: Context, gate: str, child_ids: Sequence[str]) -> Any:
+    """The outcome at a child gate; a payload that is none (a stray resume) parks the
+    run at the gate again, for the delivery."""
+    while True:
+        outcome = ctx.suspend(gate)
+        if _is_outcome(outcome, child_ids):
+            return outcome
+
+
+async def _outcome_async(ctx: AsyncContext, gate: str, child_ids: Sequence[str]) -> Any:
+    while True:
+        outcome = await ctx.suspend(gate)
+        if _is_outcome(outcome, child_ids):
+            return outcome
+
+
+def _pairs(children: Any) -> list[tuple[str | Flow, Any]]:
+    """The (flow, input) pairs a call was given, checked."""
+    if isinstance(children, (str, bytes)) or not isinstance(children, Sequence):
+        raise InvalidArgumentError(f"children is a list of (flow, input) pairs, not {children!r}")
+    for child in children:
+        if not (
+            isinstance(child, (tuple, list))
+            and len(child) == 2
+            and isinstance(child[0], (str, Flow))
+        ):
+            raise InvalidArgumentError(
+                f"a child is a (flow, input) pair, its flow a name or a Flow, not {child!r}"
+            )
+    return [(flow, data) for flow, data in children]
 
 
 def _unwrap(outcome: dict[str, Any]) -> Any:
@@ -268,14 +368,14 @@ def await_child(
     if isinstance(ctx, AsyncContext):
         return _await_child_async(ctx, flow, input, on_parent_close)
     child_id = start_child(ctx, flow, input, on_parent_close=on_parent_close)
-    return _unwrap(ctx.suspend(_ONE + child_id))
+    return _unwrap(wait_any(ctx, [child_id]))
 
 
 async def _await_child_async(
     ctx: AsyncContext, flow: str | Flow, input: Any, on_parent_close: OnParentClose
 ) -> Any:
     child_id = await start_child(ctx, flow, input, on_parent_close=on_parent_close)
-    return _unwrap(await ctx.suspend(_ONE + child_id))
+    return _unwrap(await wait_any(ctx, [child_id]))
 
 
 @overload
@@ -304,10 +404,11 @@ def await_children(
         ChildFailedError, ChildCancelledError: for the first child, in order, that did
             not complete (after every child has ended).
     """
+    children = _pairs(children)
     if isinstance(ctx, AsyncContext):
         return _await_children_async(ctx, children, on_parent_close)
     ids = [start_child(ctx, flow, data, on_parent_close=on_parent_close) for flow, data in children]
-    outcomes = [ctx.suspend(_ONE + child_id) for child_id in ids]
+    outcomes = [wait_any(ctx, [child_id]) for child_id in ids]
     return [_unwrap(outcome) for outcome in outcomes]
 
 
@@ -320,7 +421,7 @@ async def _await_children_async(
         await start_child(ctx, flow, data, on_parent_close=on_parent_close)
         for flow, data in children
     ]
-    outcomes = [await ctx.suspend(_ONE + child_id) for child_id in ids]
+    outcomes = [await wait_any(ctx, [child_id]) for child_id in ids]
     return [_unwrap(outcome) for outcome in outcomes]
 
 
@@ -352,12 +453,13 @@ def await_any(
     Raises:
         ChildFailedError, ChildCancelledError: the first child to end did not complete.
     """
+    children = _pairs(children)
     if not children:
         raise InvalidArgumentError("await_any needs at least one child")
     if isinstance(ctx, AsyncContext):
         return _await_any_async(ctx, children, on_parent_close)
     ids = [start_child(ctx, flow, data, on_parent_close=on_parent_close) for flow, data in children]
-    outcome = ctx.suspend(_ANY + "|".join(ids))
+    outcome = wait_any(ctx, ids)
     return str(outcome["id"]), _unwrap(outcome)
 
 
@@ -370,5 +472,5 @@ async def _await_any_async(
         await start_child(ctx, flow, data, on_parent_close=on_parent_close)
         for flow, data in children
     ]
-    outcome = await ctx.suspend(_ANY + "|".join(ids))
+    outcome = await wait_any(ctx, ids)
     return str(outcome["id"]), _unwrap(outcome)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Coroutine, Generator, Sequence
 from typing import Any, Final, Literal, overload
@@ -34,6 +35,7 @@ Strategy = Literal["one_for_one", "one_for_all", "rest_for_one"]
 Restart = Literal["permanent", "transient", "temporary"]
 _NAME: Final = re.compile(r"[A-Za-z0-9_.~:+=-]{1,60}")
 _CANCEL_STEP: Final = "loom.supervisor.cancel"
+_RESTART_REASON: Final = "restarted by its supervisor"
 
 
 @attrs.frozen
@@ -91,16 +93,29 @@ def _flow_name(flow: str | Flow) -> str:
 def _check(specs: Sequence[ChildSpec], strategy: str, intensity: int, period: float) -> None:
     if strategy not in ("one_for_one", "one_for_all", "rest_for_one"):
         raise InvalidArgumentError(f"unknown strategy {strategy!r}")
-    if intensity < 0 or period <= 0:
-        raise InvalidArgumentError("intensity must be >= 0 and period > 0")
+    if isinstance(intensity, bool) or not isinstance(intensity, int) or intensity < 0:
+        raise InvalidArgumentError(f"intensity is an int >= 0, not {intensity!r}")
+    if (
+        isinstance(period, bool)
+        or not isinstance(period, (int, float))
+        or not math.isfinite(period)
+        or period <= 0
+    ):
+        raise InvalidArgumentError(f"period is a finite number of seconds > 0, not {period!r}")
+    if isinstance(specs, (str, bytes)) or not isinstance(specs, Sequence):
+        raise InvalidArgumentError(f"specs is a list of ChildSpec, not {specs!r}")
+    for spec in specs:
+        if not isinstance(spec, ChildSpec):
+            raise InvalidArgumentError(f"a supervised child is a ChildSpec, not {spec!r}")
+        if not isinstance(spec.name, str) or _NAME.fullmatch(spec.name) is None:
+            raise InvalidArgumentError(f"invalid child name {spec.name!r}")
+        if not isinstance(spec.flow, (str, Flow)):
+            raise InvalidArgumentError(f"a child's flow is a name or a Flow, not {spec.flow!r}")
+        if spec.restart not in ("permanent", "transient", "temporary"):
+            raise InvalidArgumentError(f"unknown restart type {spec.restart!r}")
     names = [spec.name for spec in specs]
     if len(set(names)) != len(names):
         raise InvalidArgumentError(f"child names must be unique: {names}")
-    for spec in specs:
-        if _NAME.fullmatch(spec.name) is None:
-            raise InvalidArgumentError(f"invalid child name {spec.name!r}")
-        if spec.restart not in ("permanent", "transient", "temporary"):
-            raise InvalidArgumentError(f"unknown restart type {spec.restart!r}")
 
 
 def _needs_restart(spec: ChildSpec, status: str) -> bool:
@@ -193,9 +208,19 @@ def _perform(ctx: Context | AsyncContext, op: _Op) -> Any:
         return start_child_as(ctx, op.child_id, op.flow, op.input, "cancel")
     if isinstance(op, _Cancel):
         child_id = op.child_id
-        return ctx.step(
-            _CANCEL_STEP, lambda: ctx.engine.cancel(child_id, "restarted by its supervisor").id
-        )
+
+        def cancel() -> dict[str, Any]:
+            child = ctx.engine.cancel(child_id, _RESTART_REASON)
+            error = child.error and {"type": child.error.type, "message": child.error.message}
+            stopped = child.status is Status.CANCELLED and child.cancel_reason == _RESTART_REASON
+            return {
+                "id": child.id,
+                "status": str(child.status),
+                "error": error,
+                "ended": not stopped,
+            }
+
+        return ctx.step(_CANCEL_STEP, cancel)
     if isinstance(op, _WaitAny):
         return wait_any(ctx, op.child_ids)
     return ctx.now()
@@ -236,8 +261,27 @@ def _supervise(
         child_id = str(ChildId(supervisor_id, spec.name, attempts[spec.name]))
         running[spec.name] = str((yield _Start(child_id, spec.flow, spec.input)))
 
-    def stop(name: str) -> Generator[_Op, Any, None]:
-        yield _Cancel(running.pop(name))
+    def stop(name: str) -> Generator[_Op, Any, Any]:
+        """Cancel a running child; what the cancel step recorded."""
+        return (yield _Cancel(running.pop(name)))
+
+    def stopped(name: str) -> Generator[_Op, Any, bool]:
+        """Stop a child for a group restart: whether it is to start again. One that
+        had ended by itself meanwhile ends as it did, and starts again only as its
+        restart type says; a temporary one stopped here never starts again. (A
+        journal from before cancels said how the child had ended records its id:
+        the child starts again, as it did then.)"""
+        spec = specs[order[name]]
+        found = yield from stop(name)
+        if not isinstance(found, dict):
+            return True
+        if found["ended"]:
+            last[name] = {key: found[key] for key in ("id", "status", "error")}
+            return _needs_restart(spec, found["status"])
+        if spec.restart == "temporary":
+            last[name] = {"id": found["id"], "status": found["status"], "error": None}
+            return False
+        return True
 
     for spec in specs:
         yield from launch(spec)
@@ -268,10 +312,11 @@ def _supervise(
             group = [s for s in specs if s.name in running or s.name == name]
         else:
             group = [s for s in specs[order[name] :] if s.name in running or s.name == name]
+        again = [member for member in group if member.name == name]
         for member in group:
-            if member.name in running:
-                yield from stop(member.name)
-        for member in group:
+            if member.name in running and (yield from stopped(member.name)):
+                again.append(member)
+        for member in sorted(again, key=lambda spec: order[spec.name]):
             attempts[member.name] += 1
             yield from launch(member)
     return {name: {**view, "attempts": attempts[name] + 1} for name, view in sorted(last.items())}
