@@ -26,6 +26,7 @@ from loom_kernel import (
     NotSuspendedError,
     ResultTimeoutError,
     RetryPolicy,
+    RunBusyError,
     RunFinishedError,
     SchemaError,
     StepFailedError,
@@ -40,6 +41,7 @@ from loom_kernel.testing import NotApplicable
 from loom_orchestration import (
     ChildCancelledError,
     ChildFailedError,
+    ChildIdTakenError,
     SupervisorEscalationError,
 )
 
@@ -66,6 +68,8 @@ EXAMPLES: list[LoomError] = [
     GateTimeoutError("a", "approve", 60.0),
     RunFinishedError("a", "completed"),
     RunFinishedError("a", "completed", 3),
+    RunBusyError("a", 15.0),
+    ChildIdTakenError("p/c0", "p", None, "approval"),
     ChildFailedError("p/c0", "builtins.ValueError", "no"),
     ChildCancelledError("p/c0", "by hand"),
     SupervisorEscalationError("too many restarts"),

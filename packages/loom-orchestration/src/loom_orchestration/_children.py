@@ -85,14 +85,20 @@ class ChildIdTakenError(LoomError):
     Attributes:
         child_id: the id.
         parent_id: the parent that derived it.
+        found_parent: the parent of the run found (None for none).
+        found_flow: the flow of the run found.
     """
 
-    def __init__(self, child_id: str, parent_id: str, found: Execution) -> None:
+    def __init__(
+        self, child_id: str, parent_id: str, found_parent: str | None, found_flow: str
+    ) -> None:
         self.child_id = child_id
         self.parent_id = parent_id
+        self.found_parent = found_parent
+        self.found_flow = found_flow
         super().__init__(
             f"run {child_id!r} exists and is not a child of {parent_id!r} (its parent is "
-            f"{found.parent!r}, its flow {found.flow!r}): it is not adopted as one"
+            f"{found_parent!r}, its flow {found_flow!r}): it is not adopted as one"
         )
 
 
@@ -277,7 +283,7 @@ def start_child_as(
         engine._start_or_hand(flow_name, input, child_id, ctx.execution_id)
         found = engine.get(child_id)
         if found.parent != ctx.execution_id or found.flow != flow_name:
-            raise ChildIdTakenError(child_id, ctx.execution_id, found)
+            raise ChildIdTakenError(child_id, ctx.execution_id, found.parent, found.flow)
         return {"id": child_id, "flow": flow_name, "on_parent_close": on_parent_close}
 
     if isinstance(ctx, AsyncContext):
