@@ -421,3 +421,22 @@ def test_a_process_exits_after_a_worker_stop_left_a_start_async_that_never_ends(
         pytest.fail(f"the process did not exit after its worker stopped: {hung.stdout!r}")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["gave up", "stopped True"], done.stdout
+
+
+def test_calls_in_flight_are_counted_one_by_one() -> None:
+    """Two calls of a tag in flight, one ends: the tag is not quiet until the other
+    does (and the untagged count holds both)."""
+    threads = CallThreads("counted", linger=30)
+    tag = object()
+    first, second = threading.Event(), threading.Event()
+    calls = [threads.run(first.wait, tag), threads.run(second.wait, tag)]
+    try:
+        first.set()
+        calls[0].result(10)
+        assert not threads.wait_quiet(0.05, tag=tag), "one is still in flight"
+        assert not threads.wait_quiet(0.05), "so is it without a tag"
+    finally:
+        second.set()
+    calls[1].result(10)
+    assert threads.wait_quiet(10, tag=tag)
+    assert threads.wait_quiet(10)

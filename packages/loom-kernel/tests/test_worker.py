@@ -160,8 +160,12 @@ def test_a_worker_fires_due_timers() -> None:
     engine = _engine(MemoryStore())
     run = engine.start("napper", 0.2)
     assert run.status is Status.SUSPENDED
-    with Worker(engine, idle_poll=0.05):
+    with Worker(engine, idle_poll=0.05) as worker:
         assert engine.handle(run.id).result(timeout=10) == "rested"
+        deadline = time.monotonic() + 10
+        while worker.stats.timers == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)  # counted once its wake's drive returns
+    assert (worker.stats.timers, worker.stats.failures) == (1, 0), "one timer, counted once"
 
 
 def test_two_workers_drive_two_hundred_runs_each_step_once() -> None:
@@ -459,7 +463,7 @@ def test_a_worker_on_a_store_from_before_the_index_indexes_it_and_takes_its_runs
 
 
 def test_a_worker_whose_index_repair_fails_looks_at_the_index_once_a_sweep_not_a_poll(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Whether the store is indexed costs store reads (two requests on S3) while it is
     not: a worker whose repair keeps failing asks again at its sweeps only."""
@@ -491,6 +495,7 @@ def test_a_worker_whose_index_repair_fails_looks_at_the_index_once_a_sweep_not_a
         time.sleep(0.3)  # many polls
     assert worker.stats.failures == 1, "repaired at most once a sweep"
     assert len(looks) == 1, f"looked {len(looks)} times"
+    assert "loom: recover: StoreUnavailableError: down" in caplog.messages, "said"
 
 
 def test_a_run_whose_hint_a_poll_saw_while_its_enqueue_was_writing_is_visited_next_poll() -> None:
@@ -1286,3 +1291,56 @@ def test_a_task_a_freed_slot_cannot_start_as_the_pool_shuts_down_is_let_go_not_c
     assert let_go == ["next"], "let go for another worker"
     assert worker._in_flight == set()
     assert worker.stats.in_flight == 0
+
+
+def test_stop_returns_once_a_worker_run_in_the_foreground_has_stopped() -> None:
+    """`run()` in a thread of the caller's (as `loom worker` runs it): `stop()` from
+    another thread returns once the run in flight has ended within the grace and
+    `run()` has returned, not at once."""
+    started, ended = threading.Event(), threading.Event()
+
+    def nap() -> str:
+        started.set()
+        time.sleep(0.3)
+        ended.set()
+        return "napped"
+
+    @flow(name="naps_in_a_step", version="1")
+    def naps(ctx: Context, _input: Any) -> Any:
+        return ctx.step("nap", nap)
+
+    engine = Engine(MemoryStore(), [naps], listeners=[])
+    worker = Worker(engine, idle_poll=0.02, grace=10)
+    running = threading.Thread(target=worker.run, kwargs={"handle_signals": False})
+    running.start()
+    try:
+        handle = engine.enqueue("naps_in_a_step", None)
+        assert started.wait(10)
+        worker.stop()
+        assert ended.is_set(), "stop waited for the run in flight"
+        assert handle.get().result == "napped"
+    finally:
+        worker.stop()
+        running.join(10)
+    assert not running.is_alive()
+
+
+def test_a_handed_run_let_go_whose_nudge_fails_is_counted_and_said(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It is held by no one now: the sweeps find it; the failure is counted and logged."""
+    from loom_kernel._worker import _Task
+
+    engine = _engine(MemoryStore())
+    worker = Worker(engine)
+    let_go: list[str] = []
+    worker._backlog.append(_Task("x", lambda: None, lambda: let_go.append("x"), "three", 0.0))
+
+    def down(_execution_id: str, _flow: str) -> None:
+        raise StoreUnavailableError("down")
+
+    monkeypatch.setattr(engine.runs, "nudged", down)
+    worker._let_go_handed()
+    assert let_go == ["x"]
+    assert worker.stats.failures == 1
+    assert "loom: letting x go: down" in caplog.messages

@@ -708,3 +708,25 @@ def test_a_delete_past_the_retention_leaves_the_first_batch_and_the_tombstone_on
     assert batches == [0, 6], "the first (a stub) and the tombstone at the head"
     with pytest.raises(StreamDeletedError):
         store.append("s", 6, _records(1))
+
+
+def test_a_last_batch_removed_between_the_listing_and_its_read_is_listed_again(
+    moto_server: S3Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A concurrent sweep removed the last batch the listing named: the stream is
+    listed again, not taken as empty."""
+    store = moto_server.store(head_ttl=0)
+    store.append("s", 0, _records(2))
+    store.append("s", 2, _records(1))
+    original = store._get_batch
+    vanished: list[str] = []
+
+    def first_read_misses(key: str) -> Any:
+        if not vanished:
+            vanished.append(key)
+            return None
+        return original(key)
+
+    monkeypatch.setattr(store, "_get_batch", first_read_misses)
+    assert store.head("s") == 3
+    assert vanished, "the first read missed"
