@@ -7,9 +7,10 @@ The wake-up protocol. Parent and child each write their own fact, then look at t
 other's: the parent journals its park at gate `child:<id>` and then checks whether
 the child has ended; the child journals its end and then checks whether the parent
 is parked at a gate naming it. Whichever looks second sees both facts, so at least
-one of them delivers the outcome. The delivery is a resume with dedupe key and gate
-name both equal to the gate's name, so a second delivery is a no-op and a delivery
-can never feed any other gate. A crash between a write and its check is covered by
+one of them delivers the outcome. The delivery is a resume of that gate (`on`) with
+the gate's name and the park's position as its dedupe key, so a second delivery to a
+park is a no-op and a delivery can never feed any other gate or park. A crash between
+a write and its check is covered by
 `Engine.recover()`, which runs the same checks for every parked or ended run.
 """
 
