@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import pytest
 from loom_kernel import (
+    AsyncContext,
     Context,
     Engine,
     ExecutionNotFoundError,
@@ -284,6 +285,40 @@ def test_step_retries_then_succeeds(make_engine: EngineFactory) -> None:
     assert ex.result == "ok"
     assert waits == [2.0, 6.0]
     assert engine.state(ex.id).steps[0].attempts == 3
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_a_run_cancelled_between_a_steps_attempts_makes_no_more(
+    make_engine: EngineFactory, kind: str
+) -> None:
+    """A cancel during a retry's backoff: the run never starts another attempt (a
+    cancelled run never starts another step), and nothing of the step is journaled."""
+    attempts: list[int] = []
+    holder: list[Engine] = []
+
+    def failing(run_id: str) -> str:
+        attempts.append(1)
+        holder[0].cancel(run_id, "enough")  # lands while the step runs
+        raise ConnectionError("try again")
+
+    policy = RetryPolicy(attempts=5, backoff=0)
+    if kind == "sync":
+
+        @flow(name="retrier")
+        def retrier(ctx: Context, _input: Any) -> Any:
+            return ctx.step("flaky", failing, ctx.execution_id, retry=policy)
+
+    else:
+
+        @flow(name="retrier")
+        async def retrier(ctx: AsyncContext, _input: Any) -> Any:
+            return await ctx.step("flaky", failing, ctx.execution_id, retry=policy)
+
+    holder.append(make_engine([retrier]))
+    holder[0].start("retrier", key="r")
+    assert attempts == [1]
+    assert holder[0].get("r").status is Status.CANCELLED
+    assert holder[0].state("r").steps == {}
 
 
 def test_exhausted_step_raises_inside_the_flow_which_may_catch_it(

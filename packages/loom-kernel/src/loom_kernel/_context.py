@@ -698,6 +698,7 @@ class Context(_Replay):
                 raise
             except Exception as exc:
                 self._runtime.sleep(self._retry_delay(policy, index, name, exc, attempt))
+                self._check_owner()  # a cancel or a release meanwhile: no more attempts
                 continue
             except BaseException as exc:
                 self._cut_short(name, exc)
@@ -1173,6 +1174,7 @@ class AsyncContext(_Replay):
                 await self._runtime.async_sleep(
                     await self._blocking(self._retry_delay, policy, index, name, exc, attempt)
                 )
+                await self._blocking(self._check_owner)  # a cancel or a release meanwhile
                 continue
             except BaseException as exc:
                 self._cut_short(name, exc)
