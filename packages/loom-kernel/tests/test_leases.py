@@ -554,3 +554,57 @@ def test_a_run_held_twice_is_listed_until_its_last_hold_ends() -> None:
         assert driving_here(engine.worker_id, "r")
     assert "r" not in heartbeat._runs
     assert not driving_here(engine.worker_id, "r")
+
+
+def test_a_beat_lists_a_run_whose_drive_began_as_the_beat_was_stamped() -> None:
+    """A beat is stamped before it lists the runs held: a drive that begins in between
+    is listed (else the beat, newer than the run's first record, would look like it
+    dropped the run, and another engine could take over a live drive)."""
+    import json
+
+    from loom_kernel._leases import Heartbeat
+
+    store = MemoryStore()
+    clock = FakeClock()
+    holds: list[Any] = []
+    heartbeat = Heartbeat(store, lambda: "w", 30.0, lambda: clock.now)
+
+    def stamp_as_a_drive_begins() -> float:
+        if not holds:
+            holds.append(heartbeat.holding("r"))
+            holds[0].__enter__()
+        return clock.now
+
+    heartbeat._clock = stamp_as_a_drive_begins
+    try:
+        heartbeat.beat()
+        beat = store.read("workers/w")[-1]
+        assert json.loads(beat.payload)["runs"] == ["r"]
+    finally:
+        holds[0].__exit__(None, None, None)
+
+
+def test_an_owner_whose_beats_are_trimmed_as_they_are_read_is_still_seen() -> None:
+    """A trim between reading the beat stream's head and its last record means a newer
+    beat: it is read again, not taken for no beat at all."""
+    from loom_kernel import TrimmedError
+    from loom_kernel._leases import last_record
+    from loom_kernel.spi import NewRecord
+
+    class TrimsOnce(MemoryStore):
+        trimmed = False
+
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            if not self.trimmed:
+                self.trimmed = True
+                self.append(stream, 2, [NewRecord("loom.beat", b'{"runs":["r"]}', 9.0)])
+                raise TrimmedError(stream, after, 2)
+            return super()._read(stream, after, limit)
+
+    store = TrimsOnce()
+    store.append(
+        "workers/w", 0, [NewRecord("loom.beat", b'{"runs":["r"]}', float(n)) for n in (1, 2)]
+    )
+    found = last_record(store, "workers/w")
+    assert found is not None
+    assert found.timestamp == 9.0

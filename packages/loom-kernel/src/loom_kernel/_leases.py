@@ -31,7 +31,7 @@ from typing import Final
 
 import attrs
 
-from loom_kernel._errors import ConflictError, LoomError
+from loom_kernel._errors import ConflictError, LoomError, TrimmedError
 from loom_kernel._ids import validate_stream_id
 from loom_kernel._journal import JournalStore, NewRecord, Record
 
@@ -58,6 +58,8 @@ MAX_LEASE: Final = 86_400.0
 WORKERS_PREFIX: Final = "workers/"
 _BEAT: Final = "loom.beat"
 _TRIM_EVERY: Final = 16
+#: Reads of a last record a racing trim may cut short, before giving up on it.
+_LAST_RECORD_ATTEMPTS: Final = 8
 #: Seconds a heartbeat thread stays after its engine's last drive (and waits at most).
 _LINGER: Final = 1.0
 
@@ -156,12 +158,21 @@ class Sighting:
 
 
 def last_record(store: JournalStore, stream: str) -> Record | None:
-    """A stream's last record; None when it has none, or it cannot be read now."""
-    try:
-        head = store.head(stream)
-        return store.read(stream, head - 1)[-1] if head else None
-    except (LoomError, IndexError):
-        return None  # trimmed or deleted meanwhile: the other stream still tells
+    """A stream's last record; None when it has none, or it cannot be read now.
+
+    A trim between reading the head and reading the record (a beat trims its stream
+    now and then, a compaction a run's) means newer records: the head is read again,
+    or an owner renewing its lease would look unseen.
+    """
+    for _ in range(_LAST_RECORD_ATTEMPTS):
+        try:
+            head = store.head(stream)
+            return store.read(stream, head - 1)[-1] if head else None
+        except TrimmedError:
+            continue
+        except (LoomError, IndexError):
+            return None  # deleted meanwhile, or unreadable: the other stream still tells
+    return None
 
 
 def _beat_lists(record: Record, execution_id: str) -> bool:
@@ -255,6 +266,10 @@ class Heartbeat:
         stream = validate_stream_id(WORKERS_PREFIX + self._worker_id())
         store = self._store
         with self._beating:
+            # Stamped before the runs held are listed: a drive that begins after the
+            # listing writes records stamped after the beat, so the beat never looks
+            # like it dropped a run it only missed.
+            stamp = self._clock()
             with self._lock:
                 runs = sorted(self._runs)
             head = self._heads.get(stream)
@@ -262,7 +277,7 @@ class Heartbeat:
                 head = store.head(stream)
             payload = json.dumps({"runs": runs}, separators=(",", ":")).encode()
             try:
-                head = store.append(stream, head, [NewRecord(_BEAT, payload, self._clock())])
+                head = store.append(stream, head, [NewRecord(_BEAT, payload, stamp)])
             except ConflictError:
                 self._heads.pop(stream, None)  # another engine with this id: re-read next time
                 raise
