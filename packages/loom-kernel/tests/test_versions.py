@@ -346,3 +346,43 @@ def test_a_flow_version_that_is_not_registered_is_refused_not_swapped() -> None:
     box.engine.start(v2, key="o")
     with pytest.raises(InvalidArgumentError, match="another flow than 'order'"):
         box.engine.resume_as("o", other)
+
+
+def test_a_run_being_driven_by_a_live_owner_is_not_migrated_under_it() -> None:
+    """Its code cannot change under a drive in flight (the drive's step would be
+    refused and another version's step run instead): refused, nothing journaled; once
+    it parks, the migration goes through."""
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def a() -> str:
+        inside.set()
+        release.wait(20)
+        return "A"
+
+    @flow(name="slow_job", version="1")
+    def v1(ctx: Context, _input: Any) -> Any:
+        ctx.step("a", a)
+        return ctx.suspend("g")
+
+    @flow(name="slow_job", version="2")
+    def v2(ctx: Context, _input: Any) -> Any:
+        ctx.step("a", a)
+        return ctx.suspend("g")
+
+    store = MemoryStore()
+    driver = Engine(store, [v1], listeners=[], worker_id="driver")
+    other = Engine(store, [v1, v2], listeners=[], worker_id="other")
+    running = threading.Thread(target=driver.start, args=("slow_job",), kwargs={"key": "r"})
+    running.start()
+    try:
+        assert inside.wait(10)
+        head = store.head("ex/r")
+        with pytest.raises(InvalidArgumentError, match="being driven by 'driver'"):
+            other.resume_as("r", "2")
+        assert store.head("ex/r") == head
+    finally:
+        release.set()
+        running.join(10)
+    assert other.resume_as("r", "2").code_hash == "version:2"

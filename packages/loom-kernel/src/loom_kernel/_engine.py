@@ -1418,26 +1418,30 @@ class Engine:
         old owner's next append is refused)."""
         self._pinned_flow(state)  # a worker without the run's code never claims it
         owner, me = state.owner, self.worker_id
-        if owner == me:
-            # Ours: a drive of ours stopped (a store fault), or this worker restarted
-            # under its configured id; unless a drive of ours is on it right now.
-            if driving_here(owner, state.id, besides=1):  # besides this recover
-                return False
-        elif owner is not None and not abandoned_here(owner, state.id):
-            seen = sighting(self.store, owner, state.id, self.stream_of(state.id))
-            if not seen.expired(self.clock(), self.lease):
-                logger.debug(
-                    "loom: %s is running on %s (seen %.1f s ago): not taken over",
-                    state.id,
-                    owner,
-                    self.clock() - (seen.seen_at or 0.0),
-                )
-                return False
+        if self._driven_now(state, besides=1):  # besides this recover
+            logger.debug("loom: %s is running on %s: not taken over", state.id, owner)
+            return False
         try:  # a claim even of a run with no owner (1.16) or ours: it is a fresh sighting
             self._append(state, [ExecutionClaimed(me, owner)])
         except ConflictError:
             return False  # another taker, a cancel or the owner itself moved first
         return True
+
+    def _driven_now(self, state: ExecutionState, *, besides: int = 0) -> bool:
+        """Whether a running run's owner may be driving it now: a drive of this
+        engine's own (not counting `besides` holds the caller has), or another owner
+        seen within the lease that has not dropped it and is not known gone."""
+        owner = state.owner
+        if owner is None:
+            return False
+        if owner == self.worker_id:
+            # Ours: a drive of ours stopped (a store fault), or this worker restarted
+            # under its configured id; unless a drive of ours is on it right now.
+            return driving_here(owner, state.id, besides=besides)
+        if abandoned_here(owner, state.id):
+            return False
+        seen = sighting(self.store, owner, state.id, self.stream_of(state.id))
+        return not seen.expired(self.clock(), self.lease)
 
     def fire_due_timers(self) -> list[str]:
         """Wake every run whose timer is due by the engine's clock.
@@ -1542,6 +1546,16 @@ class Engine:
                         "runs again, so there is nothing to migrate"
                     )
                 target = self._resolve_version(state.flow, to)
+                if (
+                    target.code_hash != state.code_hash
+                    and state.status is Status.RUNNING
+                    and self._driven_now(state)
+                ):
+                    raise InvalidArgumentError(
+                        f"execution {execution_id!r} is being driven by {state.owner!r}: "
+                        "its code cannot change under a drive in flight; migrate it once it "
+                        "parks, or once its owner is gone (its lease runs out)"
+                    )
                 if target.code_hash != state.code_hash:
                     replay_check(target, self._runtime(), state)
                     migrated = ExecutionMigrated(state.code_hash, target.code_hash, reason)
