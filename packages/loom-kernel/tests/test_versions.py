@@ -4,6 +4,7 @@ deploy commands check and migrate a whole store."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -386,3 +387,49 @@ def test_a_run_being_driven_by_a_live_owner_is_not_migrated_under_it() -> None:
         release.set()
         running.join(10)
     assert other.resume_as("r", "2").code_hash == "version:2"
+
+
+def test_two_codes_under_one_version_of_a_flow_are_refused() -> None:
+    @flow(name="twin", version="1")
+    def first(ctx: Context, _input: Any) -> Any:
+        return ctx.step("s", lambda: "first")
+
+    @flow(name="twin", version="1")
+    def second(ctx: Context, _input: Any) -> Any:
+        return ctx.step("s", lambda: "second, forgot to bump the version")
+
+    engine = Engine(MemoryStore(), [first], listeners=[])
+    engine.register(first)  # the same code again: fine
+    with pytest.raises(InvalidArgumentError, match="registered already with other code"):
+        engine.register(second)
+    assert engine.start("twin").result == "first"
+
+
+def test_a_flow_without_source_hashes_the_same_in_every_process() -> None:
+    """Built at run time (exec, a .pyc-only deploy): its hash is of its bytecode and
+    constants, nested code objects included, never of their memory addresses."""
+    source = textwrap.dedent(
+        """
+        def built(ctx, _input):
+            return ctx.step("s", lambda: "v")
+        """
+    )
+    hashes = set()
+    for _ in range(3):
+        namespace: dict[str, Any] = {}
+        exec(compile(source, "<built at run time>", "exec"), namespace)
+        hashes.add(flow(name="built")(namespace["built"]).code_hash)
+    assert len(hashes) == 1
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from loom_kernel import flow\nnamespace = {}\n"
+            f"exec(compile({source!r}, '<built at run time>', 'exec'), namespace)\n"
+            "print(flow(name='built')(namespace['built']).code_hash)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert done.stdout.strip() == hashes.pop(), "another process hashes it alike"

@@ -48,7 +48,7 @@ from loom_kernel._events import (
     QueuePlace,
 )
 from loom_kernel._executions import EXECUTION_PREFIX, compact, execution_ids, load, stream_of
-from loom_kernel._flows import Flow, RetryPolicy, flow
+from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
 from loom_kernel._handles import RunHandle
 from loom_kernel._ids import (
     MAX_ID_LENGTH,
@@ -245,7 +245,19 @@ class Engine:
         and new runs start on the version registered last.
         """
         registered = item if isinstance(item, Flow) else flow(item)
-        self._flows.setdefault(registered.name, {})[registered.code_hash] = registered
+        versions = self._flows.setdefault(registered.name, {})
+        same = versions.get(registered.code_hash)
+        if (
+            same is not None
+            and same.fn is not registered.fn
+            and code_hash(same.fn) != code_hash(registered.fn)
+        ):
+            raise InvalidArgumentError(
+                f"flow {registered.name!r} version {registered.version!r} is registered "
+                "already with other code: two codes under one version would drive each "
+                "other's runs; give the new code a version of its own"
+            )
+        versions[registered.code_hash] = registered
         self._newest[registered.name] = registered
         return registered
 

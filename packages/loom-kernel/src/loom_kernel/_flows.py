@@ -6,6 +6,7 @@ import hashlib
 import inspect
 import re
 import textwrap
+import types
 from collections.abc import Callable
 from typing import Any, overload
 
@@ -82,9 +83,19 @@ def code_hash(fn: Callable[..., Any], version: str | None = None) -> str:
     try:
         text = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
-        code = fn.__code__
-        text = repr((code.co_code, code.co_consts, code.co_names))
+        text = _code_text(fn.__code__)
     return "sha256:" + hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def _code_text(code: types.CodeType) -> str:
+    """A code object as text that is the same in every process: its bytecode, names
+    and constants, nested code objects (a lambda, an inner function) spelled the same
+    way (their repr holds a memory address)."""
+    consts = tuple(
+        _code_text(const) if isinstance(const, types.CodeType) else repr(const)
+        for const in code.co_consts
+    )
+    return repr((code.co_code, consts, code.co_names))
 
 
 @attrs.frozen
