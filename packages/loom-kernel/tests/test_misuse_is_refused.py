@@ -300,3 +300,26 @@ def test_every_error_with_attributes_keeps_each_argument_and_crosses_a_pickle() 
         assert (type(again), str(again), vars(again)) == (type(error), str(error), vars(error))
         checked.append(name)
     assert {"TrimmedError", "ResultTimeoutError", "ConflictError"} <= set(checked), checked
+
+
+@pytest.mark.parametrize("call", ["step", "suspend", "patched"])
+def test_a_name_with_no_utf8_form_is_refused_before_anything_runs(call: str) -> None:
+    """The journal records names as UTF-8: a lone surrogate would fail the run after
+    the step's work was done; it is refused at the call, the journal as it was."""
+    ran: list[str] = []
+
+    @flow(name="surrogates")
+    def surrogates(ctx: Context, _input: Any) -> Any:
+        name = "charge\ud800"
+        if call == "step":
+            return ctx.step(name, lambda: ran.append(name))
+        if call == "suspend":
+            return ctx.suspend(name)
+        return ctx.patched(name)
+
+    store = MemoryStore()
+    engine = Engine(store, [surrogates], listeners=[])
+    with pytest.raises(InvalidArgumentError, match="lone surrogate"):
+        engine.start("surrogates", key="s")
+    assert ran == []
+    assert [record.kind for record in store.read("ex/s")] == ["EXECUTION_STARTED"]

@@ -43,7 +43,7 @@ from loom_kernel._events import (
 )
 from loom_kernel._executions import stream_of
 from loom_kernel._flows import RetryPolicy
-from loom_kernel._ids import is_name
+from loom_kernel._ids import has_utf8, is_name
 from loom_kernel._inbox import Inbox, Message
 from loom_kernel._journal import JournalStore, NewRecord
 from loom_kernel._numbers import finite_number
@@ -302,8 +302,12 @@ class _Replay:
         )
 
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
-        if not isinstance(name, str) or not name:
-            raise self._halt(InvalidArgumentError(f"a step name is a non-empty str, not {name!r}"))
+        if not isinstance(name, str) or not name or not has_utf8(name):
+            raise self._halt(
+                InvalidArgumentError(
+                    f"a step name is a non-empty str (UTF-8, so no lone surrogate), not {name!r}"
+                )
+            )
         if self._halted is not None:
             raise self._halted
         self._before_claim(f"ctx.step({name!r})")
@@ -606,9 +610,11 @@ class _Replay:
         Raises:
             InvalidArgumentError: `change` is not a non-empty str.
         """
-        if not isinstance(change, str) or not change:
+        if not isinstance(change, str) or not change or not has_utf8(change):
             raise self._halt(
-                InvalidArgumentError(f"a change id is a non-empty str, not {change!r}")
+                InvalidArgumentError(
+                    f"a change id is a non-empty str (UTF-8, so no lone surrogate), not {change!r}"
+                )
             )
         if self._halted is not None:
             raise self._halted
@@ -624,10 +630,11 @@ class _Replay:
         return bool(self._recorded(name, lambda: True))
 
     def _gate_name(self, on: object) -> str:
-        if not isinstance(on, str) or not on or on.startswith(_RESERVED_PREFIX):
+        if not isinstance(on, str) or not on or on.startswith(_RESERVED_PREFIX) or not has_utf8(on):
             raise self._halt(
                 InvalidArgumentError(
-                    f"a gate name is a non-empty str not starting with 'loom.', not {on!r}"
+                    f"a gate name is a non-empty str (UTF-8, so no lone surrogate) not "
+                    f"starting with 'loom.', not {on!r}"
                 )
             )
         return on
