@@ -144,6 +144,73 @@ def test_loom_worker_refuses_flows_it_cannot_load(capsys: pytest.CaptureFixture[
     assert "cannot load flows" in capsys.readouterr().err
 
 
+def test_loom_ls_goes_on_past_a_damaged_run_and_says_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loom_kernel import Engine, flow
+    from loom_kernel.spi import NewRecord
+
+    url = "memory://cli-damaged"
+    store = open_store(url)
+    engine = Engine(store, [flow(lambda ctx, _i: ctx.suspend("sign"), name="contract")])
+    for key in ("a-1", "b-1", "c-1"):
+        engine.start("contract", key=key)
+    store.append("ex/b-1", store.head("ex/b-1"), [NewRecord("STEP_COMPLETED", b"{bad", 1.0)])
+    assert main(["ls", "--store", url]) == 1
+    captured = capsys.readouterr()
+    assert "a-1" in captured.out
+    assert "c-1" in captured.out, "listed past the damaged run"
+    assert "loom: b-1: SchemaError" in captured.err
+
+
+def test_loom_refuses_flows_whose_module_fails_to_import_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "raises_at_import.py").write_text("raise RuntimeError('no config')\n")
+    (tmp_path / "bad_syntax.py").write_text("def (:\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for spec, said in (
+        ("raises_at_import:FLOWS", "RuntimeError: no config"),
+        ("bad_syntax:FLOWS", "SyntaxError"),
+        (".relative:FLOWS", "cannot load flows"),
+        ("os:getcwd", "@flow needs a Python function"),
+    ):
+        assert main(["worker", "--store", "memory://w", "--flows", spec]) == 1
+        assert said in capsys.readouterr().err
+
+
+def test_loom_demo_on_a_store_it_cannot_open_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    assert main(["demo", "--store", f"sqlite://{tmp_path}/no/such/dir/x.db"]) == 1
+    assert "loom: StoreMisconfiguredError" in capsys.readouterr().err
+
+
 def test_a_store_factory_that_cannot_be_called_is_refused() -> None:
     with pytest.raises(InvalidArgumentError, match="must be callable"):
         register_store("notcallable", "sqlite")  # type: ignore[arg-type]
+
+
+def test_loom_ls_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
+    """`loom ls | head -1`: the reader goes away; no traceback on stderr."""
+    import subprocess
+    import sys
+
+    from loom_kernel import Engine, flow
+
+    url = f"sqlite://{tmp_path}/many.db"
+    with open_store(url) as store:
+        engine = Engine(store, [flow(lambda ctx, _i: ctx.suspend("sign"), name="contract")])
+        for number in range(500):  # long ids: more than a pipe's buffer of lines
+            engine.start("contract", key=f"run-{number:05d}-" + "x" * 150)
+    listing = subprocess.Popen(
+        [sys.executable, "-m", "loom_kernel._cli", "ls", "--store", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert listing.stdout is not None
+    first = listing.stdout.readline()
+    listing.stdout.close()
+    _out, err = listing.communicate(timeout=60)
+    assert first.startswith(b"run-00000")
+    assert b"Traceback" not in err, err.decode()

@@ -84,11 +84,17 @@ def _inspect_command(args: argparse.Namespace) -> int:
     from loom_kernel._engine import Engine  # noqa: PLC0415 - only these commands need it
     from loom_kernel._timeline import format_timeline  # noqa: PLC0415
 
+    unreadable: list[str] = []
+
+    def report(execution_id: str, exc: LoomError) -> None:
+        unreadable.append(execution_id)
+        print(f"loom: {execution_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
     try:
         with open_store(args.store) as store:
             engine = Engine(store, listeners=[])
             if args.command == "ls":
-                for execution in engine.executions(status=args.status, flow=args.flow):
+                for execution in engine._listing("", args.status, args.flow, report):
                     waiting = (
                         f"  waiting on {execution.waiting_on!r}" if execution.waiting_on else ""
                     )
@@ -100,7 +106,7 @@ def _inspect_command(args: argparse.Namespace) -> int:
     except LoomError as exc:
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    return 0
+    return 1 if unreadable else 0
 
 
 def _worker_command(args: argparse.Namespace) -> int:
@@ -187,6 +193,17 @@ def _lint_command(paths: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `loom` command line; returns the exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`loom ls | head`): say nothing more, and let the
+        # interpreter's last flush of stdout go nowhere instead of failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="loom", description="Loom, durable execution for Python.")
     commands = parser.add_subparsers(dest="command", required=True)
     stores = commands.add_parser(
@@ -239,7 +256,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from loom_kernel._demo import run_demo  # noqa: PLC0415 - only this command needs it
 
         default = "sqlite://loom-demo.db" if "sqlite" in installed_stores() else "memory://"
-        return run_demo(args.store or default)
+        try:
+            return run_demo(args.store or default)
+        except LoomError as exc:
+            print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse exits first
     return 2  # pragma: no cover
 

@@ -32,9 +32,11 @@ def _load(spec: str, option: str, example: str) -> list[Any]:
         value: Any = importlib.import_module(module_name)
         for part in attribute.split("."):
             value = getattr(value, part)
-    except (ImportError, AttributeError) as exc:
+    except Exception as exc:  # anything its import raised: a SyntaxError, an error of its own
         what = option.removeprefix("--")
-        raise InvalidArgumentError(f"cannot load {what} from {spec!r}: {exc}") from exc
+        raise InvalidArgumentError(
+            f"cannot load {what} from {spec!r}: {type(exc).__name__}: {exc}"
+        ) from exc
     return list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
 
 

@@ -1223,6 +1223,17 @@ class Engine:
             SchemaError: a journal cannot be folded (the listing stops there; `recover`
                 and `loom ls` go on past it and report it).
         """
+        return self._listing(prefix, status, flow, None)
+
+    def _listing(
+        self,
+        prefix: str,
+        status: Status | str | Iterable[Status | str] | None,
+        flow: str | None,
+        unreadable: Callable[[str, SchemaError], None] | None,
+    ) -> Iterator[Execution]:
+        """`executions`; with `unreadable`, a run whose journal cannot be folded is
+        handed to it and the listing goes on (`loom ls`)."""
         wanted = _statuses(status)
         if wanted is None and flow is None:
             ids: Iterable[str] = execution_ids(self.store, prefix)
@@ -1232,6 +1243,11 @@ class Engine:
             try:
                 execution = self.get(execution_id)
             except ExecutionNotFoundError:
+                continue
+            except SchemaError as exc:
+                if unreadable is None:
+                    raise
+                unreadable(execution_id, exc)
                 continue
             if (wanted is None or execution.status in wanted) and (
                 flow is None or execution.flow == flow

@@ -121,8 +121,8 @@ class Flow:
 
 
 def _make(fn: Callable[..., Any], name: str | None, version: str | None) -> Flow:
-    if not callable(fn):
-        raise InvalidArgumentError(f"@flow needs a function, not {fn!r}")
+    if not callable(fn) or not hasattr(fn, "__code__"):
+        raise InvalidArgumentError(f"@flow needs a Python function, not {fn!r}")
     flow_name = name or fn.__name__
     if _NAME.fullmatch(flow_name) is None:
         raise InvalidArgumentError(f"invalid flow name {flow_name!r}")
