@@ -433,3 +433,25 @@ def test_a_flow_without_source_hashes_the_same_in_every_process() -> None:
         check=True,
     )
     assert done.stdout.strip() == hashes.pop(), "another process hashes it alike"
+
+
+def test_an_old_version_registered_for_its_runs_leaves_new_runs_on_the_newest() -> None:
+    """What CodeVersionError advises (`register(old_flow, newest=False)`) hosts the old
+    runs without moving new runs back to the old code."""
+
+    @flow(name="kept", version="1")
+    def v1(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    @flow(name="kept", version="2")
+    def v2(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    store = MemoryStore()
+    Engine(store, [v1], listeners=[]).start("kept", key="old")
+    engine = Engine(store, [v2], listeners=[])
+    with pytest.raises(CodeVersionError, match=r"register\(old_flow, newest=False\)"):
+        engine.resume("old", None)
+    engine.register(v1, newest=False)
+    assert engine.start("kept", key="new").code_hash == "version:2"
+    assert engine.resume("old", "x").result == "x"

@@ -237,12 +237,17 @@ class Engine:
 
     # -- registration and ids -------------------------------------------------
 
-    def register(self, item: Flow | Callable[..., Any]) -> Flow:
+    def register(self, item: Flow | Callable[..., Any], *, newest: bool = True) -> Flow:
         """Make a flow startable by name; a plain function is wrapped with `@flow`.
 
         Registering another version of a registered name (another `version=`, or
         changed source) hosts both: each run is driven on the code it is pinned to,
-        and new runs start on the version registered last.
+        and new runs start on the version registered last, unless it was registered
+        with `newest=False` (an old version kept for its runs).
+
+        Raises:
+            InvalidArgumentError: another code is registered under this flow's name
+                and version.
         """
         registered = item if isinstance(item, Flow) else flow(item)
         versions = self._flows.setdefault(registered.name, {})
@@ -258,7 +263,8 @@ class Engine:
                 "other's runs; give the new code a version of its own"
             )
         versions[registered.code_hash] = registered
-        self._newest[registered.name] = registered
+        if newest or registered.name not in self._newest:
+            self._newest[registered.name] = registered
         return registered
 
     def _flow(self, name: str | Flow) -> Flow:

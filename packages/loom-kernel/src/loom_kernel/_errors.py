@@ -280,7 +280,8 @@ class CodeVersionError(LoomError):
         super().__init__(
             f"execution {execution_id!r} of flow {flow!r} is pinned to code {pinned!r}, and "
             f"this engine has {have}; keep that version registered beside the new one "
-            f"(engine.register(old_flow)), or migrate the run once its history replays on "
+            f"(engine.register(old_flow, newest=False)), or migrate the run once its history "
+            f"replays on "
             f"the new code: engine.resume_as({execution_id!r}, ...) (docs/versioning.md)"
         )
 
