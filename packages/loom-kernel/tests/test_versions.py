@@ -274,6 +274,25 @@ def test_replay_check_and_migrate_over_a_store(
     assert main(["replay-check", "--store", url, "--flows", "nocolon"]) == 2
 
 
+def test_replay_check_passes_runs_pinned_to_a_version_the_new_flows_keep(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The first way to change a flow (keep the old version registered beside the new
+    one): its runs are driven on their own version, so they pass."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    url = f"sqlite:///{tmp_path}/loom.db"
+    with open_store(url) as store:
+        _engine_on(store, order_v1).start("order", key="a")
+    _module(tmp_path, "kept_v1", "1")
+    _module(tmp_path, "new_v3", "3", extra='ctx.step("fraud_check", lambda: 1)\n    ')
+    (tmp_path / "both.py").write_text(
+        "from kept_v1 import order as v1\nfrom new_v3 import order as v3\nFLOWS = [v1, v3]\n"
+    )
+    assert main(["replay-check", "--store", url, "--flows", "both:FLOWS"]) == 0
+    out = capsys.readouterr().out
+    assert "ok         a (order): pinned version:1, which these flows keep" in out
+
+
 def test_replay_check_fails_on_runs_the_new_code_would_strand_and_on_an_empty_store(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

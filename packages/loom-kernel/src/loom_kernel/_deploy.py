@@ -150,6 +150,13 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
 
 
 def _check(engine: Engine, execution: Execution) -> str:
+    newest = engine.newest(execution.flow).code_hash
+    if execution.code_hash != newest and engine._hosts_code(execution.flow, execution.code_hash):
+        # Kept registered beside the new code (versioning.md, way 1): driven on its own.
+        return (
+            f"ok         {execution.id} ({execution.flow}): pinned {execution.code_hash}, "
+            "which these flows keep"
+        )
     engine.replay_check(execution.id)
     return f"ok         {execution.id} ({execution.flow})"
 
