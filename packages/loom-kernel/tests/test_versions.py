@@ -272,6 +272,8 @@ def test_replay_check_and_migrate_over_a_store(
         assert {_engine_on(reopened).get(k).code_hash for k in ("a", "b")} == {"version:2"}
     assert main(["replay-check", "--store", url, "--flows", "no_such_module:X"]) == 2
     assert main(["replay-check", "--store", url, "--flows", "nocolon"]) == 2
+    assert main(["replay-check", "--store", url, "--flows", good, "--flow", "ordr"]) == 2
+    assert "is --flow right?" in capsys.readouterr().err
 
 
 def test_replay_check_passes_runs_pinned_to_a_version_the_new_flows_keep(

@@ -111,6 +111,13 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
     seen = [0]
     with store:
         engine = Engine(store, flows, listeners=[])
+        if args.flow is not None and not _known_flow(engine, args.flow):
+            print(
+                f"loom: no flow {args.flow!r} in {args.flows}, and no run of it in the "
+                "store: is --flow right? (a mistyped name would check nothing)",
+                file=sys.stderr,
+            )
+            return 2
         for execution_id, found in _candidates(engine, args, seen):
             if isinstance(found, _UnhostedError):
                 counts["failed"] += 1
@@ -147,6 +154,16 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
         f"{counts['failed']} could not be checked"
     )
     return 1 if counts["diverged"] or counts["failed"] else 0
+
+
+def _known_flow(engine: Engine, name: str) -> bool:
+    """Whether the flows loaded define `name`, or the store holds a run of it."""
+    if engine.hosts(name):
+        return True
+    try:
+        return next(iter(engine.executions(flow=name)), None) is not None
+    except LoomError:
+        return True  # the listing below says what is wrong
 
 
 def _check(engine: Engine, execution: Execution) -> str:
