@@ -476,3 +476,21 @@ def test_an_old_version_registered_for_its_runs_leaves_new_runs_on_the_newest() 
     engine.register(v1, newest=False)
     assert engine.start("kept", key="new").code_hash == "version:2"
     assert engine.resume("old", "x").result == "x"
+
+
+def test_a_version_with_a_colon_is_named_by_its_version() -> None:
+    @flow(name="dated", version="2024:01")
+    def old(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    @flow(name="dated", version="2024:02")
+    def new(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    store = MemoryStore()
+    Engine(store, [old], listeners=[]).start("dated", key="r")
+    engine = Engine(store, [old, new], listeners=[])
+    engine.replay_check("r", "2024:02")
+    assert engine.resume_as("r", "2024:02").code_hash == "version:2024:02"
+    with pytest.raises(UnknownFlowError, match="'version:2024:03'"):
+        engine.resume_as("r", "2024:03")

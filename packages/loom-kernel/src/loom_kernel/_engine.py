@@ -325,7 +325,8 @@ class Engine:
                 )
             wanted = to.code_hash
         elif isinstance(to, str) and to:
-            wanted = to if ":" in to else f"version:{to}"
+            # A code hash ("version:2", "sha256:..."), else a version ("2", "2024:02").
+            wanted = to if to in versions else f"version:{to}"
         else:
             raise InvalidArgumentError(f"a version is a Flow, a code hash or a version, not {to!r}")
         found = versions.get(wanted)
