@@ -38,7 +38,17 @@ def bad(ctx, order):
 @flow
 async def forgetful(ctx, order):
     ctx.suspend("approve")                      # LOOM008
+    ctx.receive("shipped")                      # LOOM008
+    ctx.set_event("status", "paid")             # LOOM008
+    if ctx.suspend("approve"):                  # LOOM008
+        pass
+    if not ctx.suspend("approve"):              # LOOM008
+        pass
+    later = ctx.step("later", print)            # a coroutine awaited below: fine
+    await later
     await ctx.step("ok", print)
+    secrets = {"token": "x"}
+    token = secrets.get("token")                # a local named secrets: fine
     return [x for x in set(order)]              # LOOM009
 
 def helper(order):

@@ -134,8 +134,24 @@ for _names, _rule, _what, _fix in (
     for _name in _names:
         _CALLS[_name] = (_rule, _what, _fix)
 
-_AWAITABLE_CTX_CALLS: Final = frozenset({"step", "suspend", "sleep"})
+_AWAITABLE_CTX_CALLS: Final = frozenset(
+    {"step", "suspend", "sleep", "receive", "set_event", "wait_first"}
+)
 _SET_MAKERS: Final = frozenset({"set", "frozenset"})
+
+
+def _unawaited(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Whether an awaitable's call is used as if it were its result: discarded, taken
+    for a truth value, compared, or returned (a coroutine is always true, and never
+    equal to a result)."""
+    parent = parents.get(call)
+    if isinstance(parent, ast.Expr | ast.BoolOp | ast.Compare | ast.Return):
+        return True
+    if isinstance(parent, ast.UnaryOp):
+        return isinstance(parent.op, ast.Not)
+    return isinstance(parent, ast.If | ast.While | ast.IfExp | ast.Assert) and (
+        parent.test is call
+    )
 
 
 def _dotted(node: ast.expr) -> str | None:
@@ -261,7 +277,8 @@ class _FlowChecker:
             return
         resolved = self.resolve(call.func) or name
         found = _CALLS.get(resolved) or _CALLS.get(".".join(resolved.split(".")[-2:]))
-        if found is None and resolved.startswith(("random.", "secrets.")):
+        imported = name.partition(".")[0] in self.imported  # not a local named `secrets`
+        if found is None and imported and resolved.startswith(("random.", "secrets.")):
             found = _CALLS["random.random"]
         if found is not None:
             self.add(call, *found)
@@ -271,11 +288,7 @@ class _FlowChecker:
             return
         if method == "step" and len(call.args) >= 2:
             self.check_step_function(call.args[1])
-        if (
-            self.is_async
-            and method in _AWAITABLE_CTX_CALLS
-            and isinstance(parents.get(call), ast.Expr)
-        ):
+        if self.is_async and method in _AWAITABLE_CTX_CALLS and _unawaited(call, parents):
             self.add(
                 call,
                 "LOOM008",
