@@ -234,7 +234,7 @@ def test_kernel_errors_cross_a_process_pool_whole() -> None:
 
 @pytest.mark.parametrize("thing", [7, "a string"])
 def test_flow_refuses_what_is_not_a_function(thing: Any) -> None:
-    with pytest.raises(InvalidArgumentError, match="@flow needs a function"):
+    with pytest.raises(InvalidArgumentError, match="@flow needs a Python function"):
         flow(thing)
 
 

@@ -627,7 +627,7 @@ def test_a_let_go_enqueue_is_taken_by_another_machine_at_once_not_a_lease_later(
         busy.result(timeout=10)
     claims = [e for e in (x.event for x in engine.history("q")) if isinstance(e, ExecutionClaimed)]
     assert [claim.by for claim in claims] == [taker.worker_id], "taken while the slot was busy"
-    seen = re.findall(r"busy is running on \S+ \(seen (\S+) s ago\): not taken over", caplog.text)
+    seen = re.findall(r"busy is running on \S+ \(seen (\S+) s ago\): left to it", caplog.text)
     assert seen, "the busy run was left to its owner"
     assert all(0 <= float(ago) < 5 for ago in seen), "seen moments ago"
     assert effects["q:0"] == 1

@@ -1454,7 +1454,6 @@ class Engine:
         self._pinned_flow(state)  # a worker without the run's code never claims it
         owner, me = state.owner, self.worker_id
         if self._driven_now(state, besides=1):  # besides this recover
-            logger.debug("loom: %s is running on %s: not taken over", state.id, owner)
             return False
         try:  # a claim even of a run with no owner (1.16) or ours: it is a fresh sighting
             self._append(state, [ExecutionClaimed(me, owner)])
@@ -1476,7 +1475,15 @@ class Engine:
         if abandoned_here(owner, state.id):
             return False
         seen = sighting(self.store, owner, state.id, self.stream_of(state.id))
-        return not seen.expired(self.clock(), self.lease)
+        if seen.expired(self.clock(), self.lease):
+            return False
+        logger.debug(
+            "loom: %s is running on %s (seen %.1f s ago): left to it",
+            state.id,
+            owner,
+            self.clock() - (seen.seen_at or 0.0),
+        )
+        return True
 
     def fire_due_timers(self) -> list[str]:
         """Wake every run whose timer is due by the engine's clock.
