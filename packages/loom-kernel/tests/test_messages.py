@@ -1010,3 +1010,11 @@ def test_an_execution_id_too_long_for_its_runs_other_streams_is_refused() -> Non
     with pytest.raises(InvalidIdError, match="at most 193 characters"):
         engine.start("inbox.two", None, key="i" * 194)
     assert store.head("ex/" + "i" * 194) == 0
+    older = "o" * 195  # started before the check: still read, and cancelled
+    store.append(
+        "ex/" + older,
+        0,
+        [NewRecord(r.kind, r.payload, r.timestamp) for r in store.read("ex/" + longest)],
+    )
+    assert _engine(store).get(older).status is Status.SUSPENDED
+    assert _engine(store).cancel(older).status is Status.CANCELLED

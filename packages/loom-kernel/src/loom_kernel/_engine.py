@@ -47,7 +47,14 @@ from loom_kernel._events import (
     ExecutionStarted,
     QueuePlace,
 )
-from loom_kernel._executions import EXECUTION_PREFIX, compact, execution_ids, load, stream_of
+from loom_kernel._executions import (
+    EXECUTION_PREFIX,
+    compact,
+    execution_ids,
+    load,
+    new_execution_id,
+    stream_of,
+)
 from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
 from loom_kernel._handles import RunHandle
 from loom_kernel._ids import (
@@ -731,7 +738,7 @@ class Engine:
         """The id and the EXECUTION_STARTED of a new run (nothing journaled yet)."""
         definition = self._flow(flow_name)
         data = to_json(input, "the flow input")
-        execution_id = key if key is not None else uuid.uuid4().hex
+        execution_id = new_execution_id(key) if key is not None else uuid.uuid4().hex
         started = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, by)
         return execution_id, started
 

@@ -44,6 +44,7 @@ __all__ = [
     "compact",
     "execution_ids",
     "load",
+    "new_execution_id",
     "stream_of",
 ]
 
@@ -67,16 +68,27 @@ def stream_of(execution_id: object) -> str:
     if not isinstance(execution_id, str):
         raise InvalidIdError(execution_id, "an execution id is a str")
     try:
-        stream = validate_stream_id(EXECUTION_PREFIX + execution_id)
+        return validate_stream_id(EXECUTION_PREFIX + execution_id)
     except InvalidIdError as exc:
         raise InvalidIdError(execution_id, exc.reason) from None
+
+
+def new_execution_id(execution_id: str) -> str:
+    """An id for a new run: a valid execution id whose other streams (inbox, events,
+    snapshot) can be named too. (Runs started before this check with longer ids are
+    still read: only their messages and events cannot be.)
+
+    Raises:
+        InvalidIdError: the id is not a valid id, or is too long for those streams.
+    """
+    stream_of(execution_id)
     if len(execution_id) > MAX_EXECUTION_ID_LENGTH:
         raise InvalidIdError(
             execution_id,
             f"an execution id is at most {MAX_EXECUTION_ID_LENGTH} characters (its inbox, "
             "events and snapshot streams are named by it too)",
         )
-    return stream
+    return execution_id
 
 
 def _snapshot_stream(execution_id: str) -> str:
