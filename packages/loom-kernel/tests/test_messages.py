@@ -1018,3 +1018,40 @@ def test_an_execution_id_too_long_for_its_runs_other_streams_is_refused() -> Non
     )
     assert _engine(store).get(older).status is Status.SUSPENDED
     assert _engine(store).cancel(older).status is Status.CANCELLED
+
+
+def test_a_send_from_a_step_to_a_run_held_by_something_else_is_delivered_at_its_release() -> None:
+    """The target is parked at its receive, its lock held by something that will not
+    read its inbox (a migration's replay, say): the send does not wait, and the
+    message is delivered by whoever releases the lock, with no worker running."""
+    released, holding = threading.Event(), threading.Event()
+
+    @flow(name="inbox.notifies")
+    def notifies(ctx: Context, target: str) -> Any:
+        return ctx.step("send", lambda: ctx.engine.send(target, "hello", topic="t"))
+
+    @flow(name="inbox.listens_once")
+    def listens_once(ctx: Context, _input: Any) -> Any:
+        return ctx.receive("t")
+
+    engine = Engine(MemoryStore(), [notifies, listens_once], listeners=[])
+    engine.start("inbox.listens_once", key="t")
+
+    def hold_it() -> None:
+        with engine._locks.hold("t"):
+            holding.set()
+            released.wait(10)
+
+    holder = threading.Thread(target=hold_it)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        began = time.monotonic()
+        assert engine.start("inbox.notifies", "t", key="s").status is Status.COMPLETED
+        assert time.monotonic() - began < 5, "the send did not wait for the lock"
+        assert engine.get("t").status is Status.SUSPENDED, "still held: not delivered yet"
+    finally:
+        released.set()
+        holder.join(10)
+    assert engine.get("t").result == "hello", "delivered as the lock was released"
+    assert len(engine._locks) == 0

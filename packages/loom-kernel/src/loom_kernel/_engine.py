@@ -953,12 +953,10 @@ class Engine:
             position = self._inbox.sent(execution_id, key) or position
         try:
             if drive and self._locks.holding_any():
-                # From inside a drive (a step): a run held by another drive reads its
-                # inbox itself as it parks, and one held by anything else is looked
-                # at by the workers; waiting for it could wait for ever (its step
-                # may be sending to this run).
-                if self._deliver(execution_id, wait=0.0, nudge=True) is _BUSY:
-                    self.runs.nudged(execution_id, self._view(execution_id, lambda s: s.flow))
+                # From inside a drive (a step): waiting for a run another drive holds
+                # could wait for ever (its step may be sending to this run); the
+                # delivery is made by whoever releases it.
+                self._deliver_now_or_at_release(execution_id)
             elif drive:
                 self._deliver(execution_id)
             else:
@@ -976,6 +974,24 @@ class Engine:
         finally:
             self._cache.give_back(state)
         return position
+
+    def _deliver_now_or_at_release(self, execution_id: str) -> None:
+        """Deliver a waiting message now if the run's lock is free, else once it is
+        released, by the thread that releases it (never waiting for it here)."""
+
+        def attempt() -> None:
+            try:
+                if self._deliver(execution_id, wait=0.0) is not _BUSY:
+                    return
+            except LoomError as exc:
+                logger.warning(
+                    "loom: %s: a message was sent, its wake failed: %s", execution_id, exc
+                )
+                return
+            if not self._locks.after_release(execution_id, attempt):
+                attempt()  # released meanwhile
+
+        attempt()
 
     def _deliver(
         self, execution_id: str, *, nudge: bool = True, wait: float | None = None

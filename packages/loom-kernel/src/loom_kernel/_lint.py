@@ -149,9 +149,7 @@ def _unawaited(call: ast.Call, parents: dict[ast.AST, ast.AST]) -> bool:
         return True
     if isinstance(parent, ast.UnaryOp):
         return isinstance(parent.op, ast.Not)
-    return isinstance(parent, ast.If | ast.While | ast.IfExp | ast.Assert) and (
-        parent.test is call
-    )
+    return isinstance(parent, ast.If | ast.While | ast.IfExp | ast.Assert) and (parent.test is call)
 
 
 def _dotted(node: ast.expr) -> str | None:

@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 
 __all__ = ["KeyedLocks", "LockBusyError"]
+
+_log = logging.getLogger("loom")
 
 
 @attrs.define
 class _Entry:
     lock: threading.Lock = attrs.Factory(threading.Lock)
     users: int = 0
+    after: list[Callable[[], None]] = attrs.Factory(list)  # run by the next release
 
 
 class LockBusyError(Exception):
@@ -38,6 +42,13 @@ class LockBusyError(Exception):
     def __init__(self, key: str) -> None:
         super().__init__(key)
         self.key = key
+
+
+def _run_after_release(callback: Callable[[], None], key: str) -> None:
+    try:
+        callback()
+    except Exception:  # the holder's own work is done: it must not fail for this
+        _log.exception("loom: what waited for the release of %s failed", key)
 
 
 class KeyedLocks:
@@ -74,9 +85,11 @@ class KeyedLocks:
             if entry is None:
                 entry = self._entries[key] = _Entry()
             entry.users += 1
+        acquired = False
         try:
             if not entry.lock.acquire(timeout=-1 if wait is None else wait):
                 raise LockBusyError(key)
+            acquired = True
             try:
                 token = self._held.set(held | {key})
                 try:
@@ -88,8 +101,27 @@ class KeyedLocks:
         finally:
             with self._mutex:
                 entry.users -= 1
+                after: list[Callable[[], None]] = []
+                if acquired:
+                    after, entry.after = entry.after, []
                 if entry.users == 0:
                     del self._entries[key]
+            for callback in after:
+                _run_after_release(callback, key)
+
+    def after_release(self, key: str, callback: Callable[[], None]) -> bool:
+        """Have `callback` run once the lock of `key`, held elsewhere now, is released
+        (by the thread that releases it, outside the lock).
+
+        Returns:
+            False when nobody holds the lock now: the caller acts itself.
+        """
+        with self._mutex:
+            entry = self._entries.get(key)
+            if entry is None or not entry.lock.locked():
+                return False
+            entry.after.append(callback)
+            return True
 
     def __len__(self) -> int:
         """How many keys are held or waited for (tests use it to prove none leak)."""
