@@ -1010,14 +1010,12 @@ def test_an_execution_id_too_long_for_its_runs_other_streams_is_refused() -> Non
     with pytest.raises(InvalidIdError, match="at most 193 characters"):
         engine.start("inbox.two", None, key="i" * 194)
     assert store.head("ex/" + "i" * 194) == 0
-    older = "o" * 195  # started before the check: still read, and cancelled
-    store.append(
-        "ex/" + older,
-        0,
-        [NewRecord(r.kind, r.payload, r.timestamp) for r in store.read("ex/" + longest)],
-    )
-    assert _engine(store).get(older).status is Status.SUSPENDED
-    assert _engine(store).cancel(older).status is Status.CANCELLED
+    copies = [NewRecord(r.kind, r.payload, r.timestamp) for r in store.read("ex/" + longest)]
+    for older in ("o" * 195, "p" * 197):  # started before the check: still read, cancelled
+        store.append("ex/" + older, 0, copies)
+        assert _engine(store).get(older).status is Status.SUSPENDED
+        assert _engine(store).cancel(older).status is Status.CANCELLED
+    assert len(list(_engine(store).executions())) == 3, "the listing reads them all"
 
 
 def test_a_send_from_a_step_to_a_run_held_by_something_else_is_delivered_at_its_release() -> None:

@@ -192,7 +192,10 @@ def _lost(stream: str, covered: int, floor: int) -> SchemaError:
 
 def _latest_snapshot(store: JournalStore, execution_id: str) -> tuple[int, ExecutionState] | None:
     """(snapshot stream head, the state it holds), or None when never compacted."""
-    stream = _snapshot_stream(execution_id)
+    try:
+        stream = _snapshot_stream(execution_id)
+    except InvalidIdError:
+        return None  # an id an older Loom allowed, too long to name one: never compacted
     for _ in range(_LOAD_ATTEMPTS):
         head = store.head(stream)
         if head == 0:
