@@ -206,3 +206,39 @@ def test_keyed_locks_serialise_one_key_and_leave_nothing_behind() -> None:
         thread.join()
     assert overlap == []
     assert len(locks) == 0, "locks of keys no one holds are dropped"
+
+
+def test_what_waits_for_a_release_runs_once_the_releasing_thread_holds_no_lock() -> None:
+    """A callback that drives a run must not find its thread holding another run's
+    lock (a parent's): it runs at the thread's outermost release."""
+    locks = KeyedLocks()
+    order: list[str] = []
+    with locks.hold("parent"):
+        with locks.hold("child"):
+            assert locks.after_release("child", lambda: order.append("callback"))
+        order.append("child released")
+    order.append("parent released")
+    assert order == ["child released", "callback", "parent released"]
+    assert not locks.after_release("child", lambda: None), "nobody holds it now"
+    assert len(locks) == 0
+
+
+def test_callbacks_that_release_locks_run_one_after_another_never_nested() -> None:
+    """Each would add stack frames: a chain of deliveries must not grow the stack."""
+    locks = KeyedLocks()
+    running: list[bool] = [False]
+    seen: list[bool] = []
+
+    def second() -> None:
+        seen.append(running[0])
+
+    def first() -> None:
+        running[0] = True
+        with locks.hold("x"):
+            locks.after_release("x", second)
+        running[0] = False
+
+    with locks.hold("k"):
+        locks.after_release("k", first)
+    assert seen == [False], "the second ran after the first returned"
+    assert len(locks) == 0

@@ -16,6 +16,7 @@ recover) with one of these. Two facts shape them:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import logging
@@ -44,11 +45,37 @@ class LockBusyError(Exception):
         self.key = key
 
 
-def _run_after_release(callback: Callable[[], None], key: str) -> None:
+class _Waiting(threading.local):
+    """This thread's callbacks left to run once it holds no lock (see `_run_after`)."""
+
+    def __init__(self) -> None:
+        self.callbacks: collections.deque[tuple[Callable[[], None], str]] = collections.deque()
+        self.draining = False
+
+
+_waiting = _Waiting()
+
+
+def _run_after(callbacks: list[Callable[[], None]], key: str, *, holds_none: bool) -> None:
+    """Run what waited for the release of `key`, in this (the releasing) thread, once it
+    holds no lock of its own: a callback that drives a run must not find this thread
+    holding another (a parent's, say), nor nest inside another callback's release
+    (each would add stack frames). So they queue while the thread holds a lock or is
+    already running them, and the first release that leaves it holding none runs
+    them, one after another, until none is left."""
+    _waiting.callbacks.extend((callback, key) for callback in callbacks)
+    if not holds_none or _waiting.draining or not _waiting.callbacks:
+        return
+    _waiting.draining = True
     try:
-        callback()
-    except Exception:  # the holder's own work is done: it must not fail for this
-        _log.exception("loom: what waited for the release of %s failed", key)
+        while _waiting.callbacks:
+            callback, waited_for = _waiting.callbacks.popleft()
+            try:
+                callback()
+            except Exception:  # the holder's own work is done: it must not fail for this
+                _log.exception("loom: what waited for the release of %s failed", waited_for)
+    finally:
+        _waiting.draining = False
 
 
 class KeyedLocks:
@@ -106,12 +133,12 @@ class KeyedLocks:
                     after, entry.after = entry.after, []
                 if entry.users == 0:
                     del self._entries[key]
-            for callback in after:
-                _run_after_release(callback, key)
+            _run_after(after, key, holds_none=not held)
 
     def after_release(self, key: str, callback: Callable[[], None]) -> bool:
         """Have `callback` run once the lock of `key`, held elsewhere now, is released
-        (by the thread that releases it, outside the lock).
+        (by the thread that releases it, outside the lock, once that thread holds no
+        lock: see `_run_after`).
 
         Returns:
             False when nobody holds the lock now: the caller acts itself.
