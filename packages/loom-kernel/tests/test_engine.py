@@ -21,9 +21,12 @@ from loom_kernel import (
     Status,
     StepFailedError,
     UnknownFlowError,
+    _context,
     code_hash,
     flow,
 )
+from loom_kernel._codec import encode_event
+from loom_kernel.events import ExecutionClaimed
 from loom_kernel.spi import (
     ConflictError,
     InvalidArgumentError,
@@ -564,6 +567,81 @@ def test_cancel_from_another_engine_stops_a_running_flow_before_its_next_step(
     ex = engine.start("racing", key="r")
     assert ran == ["one"]
     assert engine.get(ex.id).status is Status.CANCELLED
+
+
+class _CountedHeads(MemoryStore):
+    """Counts head() calls; can write a claim by another worker, as another process
+    would, right after the run's first step is journaled (past the process's count)."""
+
+    def __init__(self, *, foreign_claim: bool = False) -> None:
+        super().__init__()
+        self.heads = 0
+        self.foreign_claim = foreign_claim
+
+    def _head(self, stream: str) -> int:
+        self.heads += 1
+        return super()._head(stream)
+
+    def _append(self, stream: str, expected: int, records: Any) -> int:
+        head = super()._append(stream, expected, records)
+        if self.foreign_claim and stream == "ex/r" and records[0].kind == "STEP_COMPLETED":
+            self.foreign_claim = False
+            claim = encode_event(ExecutionClaimed("thief", "x"), 0.0)
+            head = super()._append(stream, head, (claim,))
+        return head
+
+
+def test_steps_in_a_tight_loop_do_not_look_at_the_head_between_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_context, "_FRESH_HEAD", 60.0)  # a loaded machine's pauses
+
+    @flow(name="loop", version="1")
+    def loop(ctx: Context, steps: int) -> Any:
+        return [ctx.step(f"s{index}", lambda index=index: index) for index in range(steps)]
+
+    looks = []
+    for steps in (1, 20):
+        store = _CountedHeads()
+        Engine(store, [loop], listeners=[]).start("loop", steps, key="r")
+        looks.append(store.heads)
+    assert looks[0] == looks[1]  # the first step's look; none after the drive's own appends
+
+
+def test_a_step_long_after_the_last_append_looks_at_the_head_first() -> None:
+    import time
+
+    store = _CountedHeads(foreign_claim=True)
+    effects: list[str] = []
+
+    @flow(name="slow", version="1")
+    def slow(ctx: Context, _input: Any) -> Any:
+        ctx.step("first", lambda: "first")
+        time.sleep(0.01)  # flow code between steps, far longer than an instant
+        return ctx.step("second", lambda: effects.append("second"))
+
+    Engine(store, [slow], listeners=[]).start("slow", key="r")
+    assert effects == [], "it saw the other worker's claim before starting the step"
+
+
+def test_a_move_by_another_process_in_the_instant_after_an_append_is_found_at_the_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(_context, "_FRESH_HEAD", 60.0)  # the instant, however slow
+    store = _CountedHeads(foreign_claim=True)
+    effects: list[str] = []
+
+    @flow(name="quick", version="1")
+    def quick(ctx: Context, _input: Any) -> Any:
+        ctx.step("first", lambda: "first")
+        return ctx.step("second", lambda: effects.append("second"))
+
+    engine = Engine(store, [quick], listeners=[])
+    engine.start("quick", key="r")
+    # The step ran (no look at the head in that instant), its append was refused.
+    assert effects == ["second"]
+    assert engine.get("r").owner == "thief"
+    assert [record.kind for record in store.read("ex/r")].count("STEP_COMPLETED") == 1
 
 
 class _CostlyHeadStore(MemoryStore):

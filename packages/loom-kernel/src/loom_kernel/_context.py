@@ -8,11 +8,12 @@ import inspect
 import itertools
 import random as _random
 import threading
+import time
 import uuid as _uuid
 from collections.abc import Awaitable, Callable, Coroutine, Generator
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Final, TypeVar
 
 import attrs
 
@@ -45,7 +46,7 @@ from loom_kernel._executions import stream_of
 from loom_kernel._flows import RetryPolicy
 from loom_kernel._ids import has_utf8, is_name
 from loom_kernel._inbox import Inbox, Message
-from loom_kernel._journal import JournalStore, NewRecord
+from loom_kernel._journal import JournalStore, NewRecord, appends_asked
 from loom_kernel._numbers import finite_number
 from loom_kernel._published import Published, event_key_refusal
 from loom_kernel._servant import FLOW_LOOP, unwrap
@@ -155,6 +156,12 @@ class DriveControl:
 
 
 _MISSING: Final = object()
+#: Seconds after one of its appends landed during which a drive does not look at its
+#: run's head before a new step, if nothing else in the process appended meanwhile
+#: (see `_check_owner`): a flow's code between two steps takes microseconds, and the
+#: look costs about a tenth of a step on SQLite.
+_FRESH_HEAD: Final = 0.001
+_monotonic: Final = time.monotonic
 
 
 class Unwind(BaseException):
@@ -199,6 +206,10 @@ class _Replay:
         self._control = control or DriveControl()
         self._inside_step: str | None = None  # sync flows: the step whose function runs
         self._halted: Unwind | None = None
+        # When this drive's last append landed (monotonic), and the process's append
+        # count just after it, or -1 if another append may have come in between.
+        self._appended_at = -_FRESH_HEAD
+        self._appends_then = -1
         self.replay_again = False
 
     @property
@@ -261,12 +272,16 @@ class _Replay:
         """Append at the position this run has folded to, after whatever is pending;
         any store error stops the run."""
         pending = self._control.pending
+        before = appends_asked()
         try:
             self._runtime.store.append(
                 self._stream, self._state.position - len(pending), pending + records
             )
         except LoomError as exc:
             raise self._halt(exc) from None
+        self._appended_at = _monotonic()
+        after = appends_asked()
+        self._appends_then = after if after == before + 1 else -1
         pending.clear()
 
     def _running_step(self) -> str | None:
@@ -286,6 +301,9 @@ class _Replay:
                 )
             )
 
+    #: Whether `_before_claim` checks anything (an async context's does).
+    _checks_claims: ClassVar[bool] = False
+
     def _before_claim(self, call: str) -> None:
         """Checks an async context makes before a call takes an index."""
 
@@ -302,7 +320,7 @@ class _Replay:
         )
 
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
-        if not isinstance(name, str) or not name or not has_utf8(name):
+        if not isinstance(name, str) or not name or (not name.isascii() and not has_utf8(name)):
             raise self._halt(
                 InvalidArgumentError(
                     f"a step name is a non-empty str (UTF-8, so no lone surrogate), not {name!r}"
@@ -310,8 +328,11 @@ class _Replay:
             )
         if self._halted is not None:
             raise self._halted
-        self._before_claim(f"ctx.step({name!r})")
-        self._refuse_inside_step(f"ctx.step({name!r})")
+        # The call's text only when a check needs it: a new step is the hot path.
+        if self._checks_claims:
+            self._before_claim(f"ctx.step({name!r})")
+        if self._running_step() is not None:
+            self._refuse_inside_step(f"ctx.step({name!r})")
         index = self._step_index
         self._step_index += 1
         state = self._state
@@ -366,12 +387,18 @@ class _Replay:
                 raise self._halt(ConflictError(self._stream, position, position))
             return
         stopped = self._control.stopped
-        if (
-            not stopped
-            and not self._runtime.store.head_is_cheap
-            and not self._runtime.engine.lease_in_doubt()
-        ):
-            return  # renewed within half a lease: nobody can have taken the run
+        if not stopped and not self._runtime.engine.lease_in_doubt():
+            if not self._runtime.store.head_is_cheap:
+                return  # renewed within half a lease: nobody can have taken the run
+            if (
+                appends_asked() == self._appends_then
+                and _monotonic() - self._appended_at < _FRESH_HEAD
+            ):
+                # This drive's own append landed at the head an instant ago and nothing
+                # in this process has appended since (a cancel by the flow's own code
+                # would have): another process's move since is found by the step's
+                # append, as a move an instant later would be.
+                return
         try:
             head = self._runtime.store.head(self._stream)
         except LoomError as exc:
@@ -947,6 +974,8 @@ class AsyncContext(_Replay):
     def _running_step(self) -> str | None:
         running = _RUNNING_STEP.get()
         return running[1] if running is not None and running[0] is self else None
+
+    _checks_claims = True
 
     def _before_claim(self, call: str) -> None:
         task = self._task

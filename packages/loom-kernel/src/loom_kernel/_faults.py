@@ -64,8 +64,12 @@ class FaultInjection:
 
     def _next_fault(self, stream: str) -> bool:
         """Consume the next injected fault: raise for UNAVAILABLE; True for LOST_REPLY."""
-        faults = self._pending_faults()
-        fault = faults.popleft() if faults else None
+        # Read without _pending_faults: every append of every store asks, nearly always
+        # of a store that never had a fault injected.
+        faults: deque[Fault] | None = getattr(self, "_faults", None)
+        if not faults:
+            return False
+        fault = faults.popleft()
         if fault is Fault.UNAVAILABLE:
             raise StoreUnavailableError(
                 f"{type(self).__name__}: injected fault before appending to {stream!r}"

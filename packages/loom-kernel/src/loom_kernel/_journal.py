@@ -17,6 +17,16 @@ __all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record", "check_gapl
 
 MAX_KIND_LENGTH: Final = 64
 
+#: Appends asked of any store in this process: `appends_asked()`.
+_appends = 0
+
+
+def appends_asked() -> int:
+    """How many appends this process has asked of its stores (counted as each call
+    begins, landed or not). A drive compares it before and after its own append: when
+    it moved by exactly one, no other code of the process appended in between."""
+    return _appends
+
 
 @attrs.frozen
 class NewRecord:
@@ -152,6 +162,8 @@ class JournalStore(abc.ABC):
                 could not be confirmed (re-read before retrying).
             InvalidIdError, InvalidArgumentError: bad arguments; nothing was written.
         """
+        global _appends  # noqa: PLW0603 (one int the hot path bumps)
+        _appends += 1
         validate_stream_id(stream)
         _check_position("expected", expected)
         batch = tuple(records)

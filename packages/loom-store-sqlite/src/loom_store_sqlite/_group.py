@@ -89,31 +89,43 @@ class GroupCommit:
         completed = False
         try:
             with self._lock:
-                taken = self._queue[: self._max_batch - 1]
-                del self._queue[: len(taken)]
-            self._commit([append, *taken])
+                if self._queue:
+                    taken = self._queue[: self._max_batch - 1]
+                    del self._queue[: len(taken)]
+            self._commit([append, *taken] if taken else [append])
             completed = True
         finally:
+            # One turn of the lock for the lone append (the common case): the cleanup
+            # and the hand-over together.
             with self._lock:
                 for other in taken:
                     if other in self._queue:  # interrupted while taking it: not committed
                         self._queue.remove(other)
+                successor = self._next_leader()
             for other in taken:
                 if not completed and other.error is None:
                     # Landed or not: the caller's confirmation (its commit id) tells.
                     other.error = StoreUnavailableError("the group's commit was interrupted")
                 _wake(other)
-            self._pass_lead()
+            if successor is not None:
+                _wake(successor)
+
+    def _next_leader(self) -> PendingAppend | None:
+        """Under the lock: the first append queued, made leader, or None (the leading
+        ends). The caller wakes it once the lock is let go."""
+        if not self._queue:
+            self._leading = False
+            return None
+        successor = self._queue.pop(0)
+        successor._lead = True
+        return successor
 
     def _pass_lead(self) -> None:
         """Hand the lead to the first append queued, or end the leading."""
         with self._lock:
-            if self._queue:
-                successor = self._queue.pop(0)
-                successor._lead = True
-                _wake(successor)
-            else:
-                self._leading = False
+            successor = self._next_leader()
+        if successor is not None:
+            _wake(successor)
 
     def _abandon(self, append: PendingAppend) -> None:
         """An append whose caller was interrupted while it waited: take it out of the

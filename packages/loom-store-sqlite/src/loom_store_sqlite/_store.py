@@ -114,17 +114,22 @@ _as_record: Final = cast(Callable[[tuple[Any, ...]], Record], partial(tuple.__ne
 
 
 _commit_ids: Final = itertools.count()
-_commit_prefix: list[tuple[int, str]] = [(-1, "")]  # (pid, random prefix) of this process
+_commit_prefix: Final = [os.urandom(8).hex()]  # this process's random prefix
+
+
+def _new_commit_prefix() -> None:
+    _commit_prefix[0] = os.urandom(8).hex()
+
+
+# A forked child must not reuse its parent's ids (both would count on from one value).
+os.register_at_fork(after_in_child=_new_commit_prefix)
 
 
 def _commit_id() -> str:
     """An id no other append anywhere has: a random prefix made once per process
-    (again after a fork), then a counter (a random id per append costs a syscall)."""
-    pid, prefix = _commit_prefix[0]
-    if pid != os.getpid():
-        pid, prefix = os.getpid(), os.urandom(8).hex()
-        _commit_prefix[0] = (pid, prefix)
-    return f"{prefix}{next(_commit_ids):x}"
+    (again after a fork), then a counter (a random id per append costs a syscall, and
+    so would a check of the process id)."""
+    return f"{_commit_prefix[0]}{next(_commit_ids):x}"
 
 
 class _ThreadEnd:
@@ -203,6 +208,10 @@ class SqliteStore(FaultInjection, JournalStore):
         self._memory = path == ":memory:"
         self._target = path if self._memory else os.path.abspath(path)
         self._serial = threading.RLock() if self._memory else None
+        # What a group's commit holds: `_serial` where threads share one connection;
+        # else a lock nobody contends (one group commits at a time), which costs less
+        # than `_serialised()`'s generator on the path of every append.
+        self._commit_lock = self._serial or threading.Lock()
         self.path = path
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
@@ -345,12 +354,15 @@ class SqliteStore(FaultInjection, JournalStore):
     ) -> int:
         new_head = expected + len(records)
         # The commit id marks the batch's first record.
+        first = records[0]
         rows: list[tuple[str, int, str, bytes, float, str | None]] = [
-            (stream, expected + offset, r.kind, r.payload, float(r.timestamp), txn)
-            if offset == 1
-            else (stream, expected + offset, r.kind, r.payload, float(r.timestamp), None)
-            for offset, r in enumerate(records, start=1)
+            (stream, expected + 1, first.kind, first.payload, float(first.timestamp), txn)
         ]
+        if len(records) > 1:
+            rows += [
+                (stream, expected + offset, r.kind, r.payload, float(r.timestamp), None)
+                for offset, r in enumerate(records[1:], start=2)
+            ]
         pending = PendingAppend(stream, expected, rows)
         try:
             self._group.submit(pending)
@@ -374,7 +386,7 @@ class SqliteStore(FaultInjection, JournalStore):
         (Measured with bench/bench_sqlite.py: sqlite-utils' insert_all, or a head
         column updated on every append, cost more than the commit they wrap.)
         """
-        with self._serialised():
+        with self._commit_lock:
             connection = self._connection
             landed: list[PendingAppend] | None
             if len(batch) == 1 and _alone(batch[0]):
