@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import AsyncContext, Engine, MemoryStore, RetryPolicy, Status, flow
+from loom_kernel import AsyncContext, Engine, Flow, MemoryStore, RetryPolicy, Status, flow
 from loom_kernel.testing import FakeClock
 
 #: Each test runs with a loop per drive and on one loop of another thread.
@@ -237,3 +237,9 @@ def test_an_async_step_renamed_since_it_was_recorded_is_a_divergence() -> None:
     with pytest.raises(NonDeterminismError, match=r"step #0 was recorded as 'quote'.*'price'"):
         Engine(store, [changed]).resume("r", "ok")
     assert [record.kind for record in store.read("ex/r")][-1] == "EXECUTION_SUSPENDED"
+
+
+def test_a_flow_made_directly_is_driven_as_sync_unless_it_says_async() -> None:
+    direct = Flow("direct", lambda ctx, number: ctx.step("double", lambda: number * 2))
+    assert direct.is_async is False
+    assert Engine(MemoryStore(), [direct], listeners=[]).start("direct", 21).result == 42

@@ -608,3 +608,35 @@ def test_an_owner_whose_beats_are_trimmed_as_they_are_read_is_still_seen() -> No
     found = last_record(store, "workers/w")
     assert found is not None
     assert found.timestamp == 9.0
+
+
+def test_recover_by_another_engine_with_the_same_worker_id_leaves_a_run_driven_here() -> None:
+    store = MemoryStore()
+    entered, go = threading.Event(), threading.Event()
+    runs: list[int] = []
+
+    def work() -> str:
+        runs.append(1)
+        if len(runs) == 1:
+            entered.set()
+            go.wait(10)
+        return "done"
+
+    @flow(name="held", version="1")
+    def held(ctx: Context, _input: Any) -> Any:
+        ctx.suspend("go")
+        return ctx.step("work", work)
+
+    first = Engine(store, [held], worker_id="w", listeners=[])
+    second = Engine(store, [held], worker_id="w", listeners=[])
+    first.start("held", key="r")
+    driving = threading.Thread(target=first.resume, args=("r", 1))  # a drive that holds once
+    driving.start()
+    assert entered.wait(10)
+    try:
+        assert second.recover() == []  # its own hold aside, a drive of this process holds it
+    finally:
+        go.set()
+        driving.join(10)
+    assert runs == [1]
+    assert first.get("r").status is Status.COMPLETED

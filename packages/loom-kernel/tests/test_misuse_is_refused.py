@@ -55,6 +55,44 @@ def test_a_ctx_call_inside_a_step_function_is_refused(call: str) -> None:
     assert store.streams("timers/") == []
 
 
+def test_a_refused_ctx_call_inside_a_step_is_not_an_exception_the_flow_can_catch() -> None:
+    caught: list[str] = []
+
+    @flow
+    def catching(ctx: Context, _input: Any) -> Any:
+        try:
+            ctx.step("outer", lambda: ctx.step("inner", lambda: 1))
+        except Exception as exc:  # the refusal is a stop, not an error of the flow's
+            caught.append(type(exc).__name__)
+        return "went on"
+
+    engine = Engine(MemoryStore(), [catching], listeners=[])
+    with pytest.raises(InvalidArgumentError, match="inside the function of step 'outer'"):
+        engine.start("catching", key="c")
+    assert caught == []
+
+
+@pytest.mark.parametrize("call", ["suspend", "receive", "wait_first"])
+@pytest.mark.parametrize("timeout", ["soon", float("nan"), 1e200, True])
+def test_a_gate_timeout_that_cannot_be_a_timer_is_refused_at_the_call(
+    call: str, timeout: Any
+) -> None:
+    @flow
+    def waiter(ctx: Context, _input: Any) -> Any:
+        if call == "suspend":
+            return ctx.suspend("gate", timeout=timeout)
+        if call == "receive":
+            return ctx.receive(timeout=timeout)
+        return ctx.wait_first(["gate"], timeout=timeout)
+
+    store = MemoryStore()
+    engine = Engine(store, [waiter], clock=FakeClock(), listeners=[])
+    with pytest.raises(InvalidArgumentError, match=r"a timeout (takes a finite number|is at most)"):
+        engine.start("waiter", key="w")
+    assert [r.kind for r in store.read("ex/w")] == ["EXECUTION_STARTED"], "it did not park"
+    assert store.streams("timers/") == []
+
+
 def test_a_ctx_call_inside_an_async_step_is_refused_but_gathered_steps_are_not() -> None:
     @flow
     async def gathered(ctx: AsyncContext, _input: Any) -> Any:

@@ -1146,6 +1146,38 @@ def test_a_handle_wakes_when_a_drive_of_its_engine_ends_the_run_not_at_its_next_
         assert handle.result(timeout=30) == "w:after"
 
 
+def test_a_handle_does_not_wait_when_the_run_ended_between_its_look_and_its_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("loom_kernel._handles._FIRST_WAIT", 60.0)  # looks a minute apart
+
+    @flow(name="parks", version="1")
+    def parks(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    engine = Engine(MemoryStore(), [parks], listeners=[])
+    engine.start("parks", key="p")
+    looked = engine.get
+
+    def look_then_finish(execution_id: str) -> Any:
+        view = looked(execution_id)
+        if not view.status.finished:
+            engine.resume("p", "done")  # a drive of the engine ends it after the look
+        return view
+
+    waits: list[float | None] = []
+    real_wait = engine._finishes.wait
+
+    def wait(timeout: float | None = None) -> bool:
+        waits.append(timeout)
+        return real_wait(0)
+
+    monkeypatch.setattr(engine, "get", look_then_finish)
+    monkeypatch.setattr(engine._finishes, "wait", wait)
+    assert engine.handle("p").result(timeout=120) == "done"
+    assert waits == [], "it waited for a finish that had already happened"
+
+
 def test_run_on_the_main_thread_stops_gracefully_on_sigterm() -> None:
     import os
     import signal

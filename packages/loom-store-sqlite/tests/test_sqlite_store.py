@@ -274,6 +274,24 @@ def test_a_forked_child_closes_none_of_its_parents_thread_connections(tmp_path: 
     assert _run_script(script) == "0 1"
 
 
+def test_a_forked_child_never_makes_a_commit_id_its_parent_makes() -> None:
+    script = """
+        import os
+        from loom_store_sqlite._store import _commit_id
+        before = _commit_id()
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.write(write, " ".join(_commit_id() for _ in range(3)).encode())
+            os._exit(0)
+        os.waitpid(pid, 0)
+        child = set(os.read(read, 4096).decode().split())
+        parent = {_commit_id() for _ in range(3)}
+        print(len(child), len(parent), len(child & parent), before in child)
+        """
+    assert _run_script(script) == "3 3 0 False"
+
+
 def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/u.db")
     store.append("s", 0, _records(1))

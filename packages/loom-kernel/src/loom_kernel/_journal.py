@@ -17,6 +17,9 @@ __all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record", "check_gapl
 
 MAX_KIND_LENGTH: Final = 64
 
+_KINDS_KEPT: Final = 256
+_kinds_seen: set[str] = set()  # record kinds that passed the check
+
 #: Appends asked of any store in this process: `appends_asked()`.
 _appends = 0
 
@@ -48,17 +51,20 @@ class NewRecord:
         # One check after init rather than a validator call per field: the kernel
         # makes one of these for every journaled step.
         kind, payload, timestamp = self.kind, self.payload, self.timestamp
-        if (
-            not isinstance(kind, str)
-            or not kind
-            or len(kind) > MAX_KIND_LENGTH
-            or not kind.isascii()
-            or not kind.isprintable()
-        ):
-            raise InvalidArgumentError(
-                f"a record kind must be 1 to {MAX_KIND_LENGTH} printable ASCII characters, "
-                f"not {kind!r}"
-            )
+        if type(kind) is not str or kind not in _kinds_seen:
+            if (
+                not isinstance(kind, str)
+                or not kind
+                or len(kind) > MAX_KIND_LENGTH
+                or not kind.isascii()
+                or not kind.isprintable()
+            ):
+                raise InvalidArgumentError(
+                    f"a record kind must be 1 to {MAX_KIND_LENGTH} printable ASCII "
+                    f"characters, not {kind!r}"
+                )
+            if type(kind) is str and len(_kinds_seen) < _KINDS_KEPT:
+                _kinds_seen.add(kind)  # a store's few kinds, checked once each
         if not isinstance(payload, bytes):
             raise InvalidArgumentError(
                 f"a record payload must be bytes, not {type(payload).__name__}"
