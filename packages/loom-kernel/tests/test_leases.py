@@ -640,3 +640,30 @@ def test_recover_by_another_engine_with_the_same_worker_id_leaves_a_run_driven_h
         driving.join(10)
     assert runs == [1]
     assert first.get("r").status is Status.COMPLETED
+
+
+def test_drives_at_once_share_one_heartbeat_thread() -> None:
+    entered, go = threading.Event(), threading.Event()
+
+    def blocks() -> str:
+        entered.set()
+        go.wait(10)
+        return "done"
+
+    @flow(name="blocking", version="1")
+    def blocking(ctx: Context, _input: Any) -> Any:
+        return ctx.step("blocks", blocks)
+
+    engine = Engine(MemoryStore(), [blocking, two_steps], lease=3600.0, listeners=[])
+    held = threading.Thread(target=engine.start, args=("blocking",), kwargs={"key": "held"})
+    held.start()
+    try:
+        assert entered.wait(10)
+        beating = engine._heartbeat._thread
+        assert beating is not None
+        assert beating.is_alive()
+        engine.start("two_steps", key="meanwhile")
+        assert engine._heartbeat._thread is beating, "a second thread renewing the same lease"
+    finally:
+        go.set()
+        held.join(10)

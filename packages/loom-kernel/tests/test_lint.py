@@ -145,6 +145,16 @@ def test_the_walk_does_not_follow_links_and_ends_on_a_loop(tmp_path: Path) -> No
     assert files == ["pkg/clean.py", "pkg/deep/flows.py"]
 
 
+def test_the_walk_yields_files_in_name_order_each_directory_before_the_next(
+    tmp_path: Path,
+) -> None:
+    for name in ("b.py", "a.py", "c/d.py", "c/a.py", "ca.py"):
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    files = [path.relative_to(tmp_path).as_posix() for path in python_files([str(tmp_path)])]
+    assert files == ["a.py", "b.py", "c/a.py", "c/d.py", "ca.py"]  # the lint's output order
+
+
 def test_the_command_exits_non_zero_on_problems_and_zero_when_clean(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
