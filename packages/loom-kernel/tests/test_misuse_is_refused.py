@@ -340,15 +340,28 @@ def test_every_error_with_attributes_keeps_each_argument_and_crosses_a_pickle() 
     assert {"TrimmedError", "ResultTimeoutError", "ConflictError"} <= set(checked), checked
 
 
+class _SaysAscii(str):
+    """A str whose own methods claim it is ASCII and encodes, whatever it holds."""
+
+    def isascii(self) -> bool:
+        return True
+
+    def encode(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return b"charge"
+
+
+@pytest.mark.parametrize("subclass", [str, _SaysAscii])
 @pytest.mark.parametrize("call", ["step", "suspend", "patched"])
-def test_a_name_with_no_utf8_form_is_refused_before_anything_runs(call: str) -> None:
+def test_a_name_with_no_utf8_form_is_refused_before_anything_runs(
+    call: str, subclass: type[str]
+) -> None:
     """The journal records names as UTF-8: a lone surrogate would fail the run after
     the step's work was done; it is refused at the call, the journal as it was."""
     ran: list[str] = []
 
     @flow(name="surrogates")
     def surrogates(ctx: Context, _input: Any) -> Any:
-        name = "charge\ud800"
+        name = subclass("charge\ud800")
         if call == "step":
             return ctx.step(name, lambda: ran.append(name))
         if call == "suspend":

@@ -320,7 +320,7 @@ class _Replay:
         )
 
     def _claim_step(self, name: object) -> tuple[int, StepFrame | None]:
-        if not isinstance(name, str) or not name or (not name.isascii() and not has_utf8(name)):
+        if not isinstance(name, str) or not name or (not str.isascii(name) and not has_utf8(name)):
             raise self._halt(
                 InvalidArgumentError(
                     f"a step name is a non-empty str (UTF-8, so no lone surrogate), not {name!r}"

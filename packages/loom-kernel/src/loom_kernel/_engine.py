@@ -1158,7 +1158,10 @@ class Engine:
 
         A cancel does not wait for a drive in progress: it journals the cancel at
         once, and the drive stops before its next step, whichever engine or thread
-        runs it (a step already running finishes, and its result is not journaled).
+        of this process runs it (a step already running finishes, and its result is
+        not journaled). A drive in another process stops there too, unless the step
+        begins within a millisecond of its last append (or its store's heads cost a
+        request, as on S3): then the step runs and its append is refused.
         """
         _check_reason(reason)
         while True:

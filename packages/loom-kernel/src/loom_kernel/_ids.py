@@ -29,9 +29,10 @@ def is_name(value: object) -> TypeGuard[str]:
 
 
 def has_utf8(text: str) -> bool:
-    """Whether `text` has a UTF-8 form (a lone surrogate has none)."""
+    """Whether `text` has a UTF-8 form (a lone surrogate has none); str's own encode,
+    whatever a subclass makes of it."""
     try:
-        text.encode()
+        str.encode(text)
     except UnicodeEncodeError:
         return False
     return True
