@@ -4,6 +4,7 @@ ever left below it, whatever writers and polls do at the same moment."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from typing import Any
 
@@ -436,3 +437,22 @@ def test_a_poll_that_loses_the_race_to_create_the_floor_uses_the_winners() -> No
     assert TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True) == ([], [])
     assert store.meanwhile is None, "the other poll created the floor first"
     assert store.listed_after == [], "it read the minutes since the floor by name, no listing"
+
+
+def test_a_floor_that_cannot_be_created_is_logged_and_the_poll_lists_every_bucket(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class NoFloor(MemoryStore):
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == FLOOR_STREAM:
+                raise StoreUnavailableError("the floor cannot be written")
+            return super()._append(stream, expected, records)
+
+    store, clock = NoFloor(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    run = engine.start("nap", 30)
+    clock.advance(120)
+    with caplog.at_level(logging.WARNING, logger="loom"), pytest.raises(StoreUnavailableError):
+        engine.fire_due_timers()
+    assert "timer floor: StoreUnavailableError: the floor cannot be written" in caplog.text
+    assert engine.get(run.id).status is Status.COMPLETED, "every bucket listed: it fired"
