@@ -877,3 +877,13 @@ def test_a_worker_holds_no_more_admissions_than_its_slots() -> None:
         for handle in handles:
             handle.result(timeout=10)
     assert seen == [1] * 6
+
+
+def test_a_queue_pass_counts_the_runs_it_hands_to_slots_and_none_when_idle() -> None:
+    engine = _engine(MemoryStore(), Queue("q", concurrency=2))
+    worker = Worker(engine, concurrency=2)  # not started: one pass at a time, by hand
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        assert worker._serve_queues(pool, sweep=False) == 0, "idle: the poll may back off"
+        handle = engine.enqueue("busy", {"tag": "only", "s": 0.0}, queue="q")
+        assert worker._serve_queues(pool, sweep=False) == 1
+        assert handle.result(timeout=30) == "only"
