@@ -887,3 +887,22 @@ def test_a_queue_pass_counts_the_runs_it_hands_to_slots_and_none_when_idle() -> 
         handle = engine.enqueue("busy", {"tag": "only", "s": 0.0}, queue="q")
         assert worker._serve_queues(pool, sweep=False) == 1
         assert handle.result(timeout=30) == "only"
+
+
+def test_a_freed_slot_admits_the_next_queued_run_without_waiting_for_a_poll() -> None:
+    engine = _engine(MemoryStore(), Queue("q", concurrency=1))
+    handles = [engine.enqueue("busy", {"tag": tag, "s": 0.05}, queue="q") for tag in "ab"]
+    worker = Worker(engine, concurrency=1, idle_poll=0.05)
+    serve = worker._serve_queues
+    handed: list[int] = []
+
+    def polls_admit_once(pool: ThreadPoolExecutor, *, sweep: bool) -> int:
+        if sum(handed):
+            return 0  # after the first admission only a freed slot can admit
+        handed.append(serve(pool, sweep=sweep))
+        return handed[-1]
+
+    worker._serve_queues = polls_admit_once  # type: ignore[method-assign]
+    with worker:
+        assert [handle.result(timeout=20) for handle in handles] == ["a", "b"]
+    assert sum(handed) == 1

@@ -654,6 +654,18 @@ def test_a_full_listing_closes_a_finished_run_a_readable_partition_still_holds_o
     assert [e.id for e in fresh.executions(status="completed")] == ["r"]
 
 
+def test_a_full_listing_only_adds_to_a_readable_partition() -> None:
+    store = MemoryStore()
+    engine = _engine(store)
+    parked = engine.start("work", "park", key="p")
+    stream = "runs/open/" + partition_of("p")
+    before = store.read(stream)
+    hint = next(iter(engine.runs.open_runs()))
+    engine.runs.rebuild([hint], {})
+    assert store.read(stream)[: len(before)] == before, "nothing rewritten or trimmed"
+    assert [h.execution_id for h in engine.runs.open_runs()] == [parked.id]
+
+
 def test_a_damaged_checkpoint_has_its_partition_rewritten_by_recover() -> None:
     store = MemoryStore()
     engine = _engine(store)

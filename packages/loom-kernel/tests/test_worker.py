@@ -1376,3 +1376,26 @@ def test_a_handed_run_let_go_whose_nudge_fails_is_counted_and_said(
     assert let_go == ["x"]
     assert worker.stats.failures == 1
     assert "loom: letting x go: down" in caplog.messages
+
+
+def test_an_idle_worker_doubles_its_pause_between_polls_up_to_idle_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from loom_kernel import _worker
+
+    monkeypatch.setattr(_worker, "_FASTEST_POLL", 0.001)
+    worker = Worker(_engine(MemoryStore()), idle_poll=0.02)
+    waits: list[float] = []
+
+    class Recorded(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            assert timeout is not None
+            waits.append(timeout)
+            return super().wait(0)  # no real pause: the next poll comes at once
+
+    worker._wake = Recorded()
+    with worker:
+        deadline = time.monotonic() + 10
+        while len(waits) < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert waits[:7] == pytest.approx([0.002, 0.004, 0.008, 0.016, 0.02, 0.02, 0.02])

@@ -204,6 +204,28 @@ def test_a_file_that_is_not_a_database_is_a_misconfiguration(tmp_path: Path) -> 
         open_store(f"sqlite://{path}")
 
 
+def test_a_schema_that_cannot_be_prepared_closes_what_the_store_opened(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "other.db"
+    other = sqlite3.connect(path)
+    other.execute("CREATE TABLE loom_streams (name TEXT PRIMARY KEY)")  # not Loom's
+    other.commit()
+    other.close()
+    closed: list[SqliteStore] = []
+    close = SqliteStore.close
+
+    def recording_close(self: SqliteStore) -> None:
+        closed.append(self)
+        close(self)
+
+    monkeypatch.setattr(SqliteStore, "close", recording_close)
+    with pytest.raises(StoreUnavailableError, match="cannot prepare sqlite database"):
+        open_store(f"sqlite://{path}")
+    assert len(closed) == 1, "the connection it opened is closed"
+    assert closed[0]._connections == []
+
+
 def test_a_missing_directory_is_a_misconfiguration(tmp_path: Path) -> None:
     with pytest.raises(StoreMisconfiguredError, match="directory exists"):
         open_store(f"sqlite://{tmp_path}/no/such/dir/loom.db")
