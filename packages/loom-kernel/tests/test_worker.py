@@ -1399,3 +1399,32 @@ def test_an_idle_worker_doubles_its_pause_between_polls_up_to_idle_poll(
         while len(waits) < 7 and time.monotonic() < deadline:
             time.sleep(0.01)
     assert waits[:7] == pytest.approx([0.002, 0.004, 0.008, 0.016, 0.02, 0.02, 0.02])
+
+
+def test_a_stop_waits_for_its_runs_in_flight_without_spinning() -> None:
+    worker = Worker(_engine(MemoryStore()), concurrency=1).start()
+    handle = worker.engine.enqueue("slow", "s")
+    assert at_gate.wait(10)
+    waits = [0]
+    wake = worker._wake
+
+    class Counted(threading.Event):
+        def wait(self, timeout: float | None = None) -> bool:
+            waits[0] += 1
+            return wake.wait(timeout)
+
+        def set(self) -> None:
+            wake.set()
+
+        def clear(self) -> None:
+            wake.clear()
+
+        def is_set(self) -> bool:
+            return wake.is_set()
+
+    worker._wake = Counted()
+    threading.Timer(0.1, wake.set).start()  # a wake-up as it waits (an enqueue, say)
+    threading.Timer(0.5, gate.set).start()  # the run in flight ends half a second on
+    worker.stop(grace=5)
+    assert handle.result(timeout=10) == "s:after"
+    assert waits[0] < 100, f"{waits[0]} waits in half a second: it spun"
