@@ -411,3 +411,27 @@ def test_a_database_whose_tables_are_gone_fails_each_call_with_the_stores_error(
     with pytest.raises(StoreUnavailableError, match=f"{says}: no such table"):
         call(store)
     store.close()
+
+
+def test_an_interrupt_at_commit_leaves_the_connection_out_of_its_transaction(
+    tmp_path: Path,
+) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/i.db")
+    store.append("s", 0, _records(1))
+    real = store._connection
+
+    class InterruptedAtCommit:
+        def execute(self, sql: str, *args: Any) -> Any:
+            if sql == "COMMIT":
+                raise KeyboardInterrupt
+            return real.execute(sql, *args)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(real, name)
+
+    store._local.connection = InterruptedAtCommit()
+    with pytest.raises(KeyboardInterrupt):
+        store.read("s")
+    assert not real.in_transaction, "it would hold a read snapshot, or refuse its next BEGIN"
+    store._local.connection = real
+    assert store.append("s", 1, _records(1)) == 2
