@@ -440,3 +440,24 @@ def test_calls_in_flight_are_counted_one_by_one() -> None:
     calls[1].result(10)
     assert threads.wait_quiet(10, tag=tag)
     assert threads.wait_quiet(10)
+
+
+def test_an_idle_thread_keeps_nothing_of_its_last_call_alive() -> None:
+    import gc
+    import weakref
+
+    class Argument:
+        """What a call was given (a large request, say)."""
+
+    threads = CallThreads("forgets", linger=30)
+    argument = Argument()
+    gone = weakref.ref(argument)
+    assert threads.run([argument].__len__).result(10) == 1
+    del argument
+
+    def collected() -> bool:
+        gc.collect()
+        return gone() is None
+
+    _eventually(collected)
+    assert threads.threads() == 1, "the thread is still there, idle"
