@@ -11,6 +11,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loom_kernel import StoreUnavailableError
 from loom_kernel.spi import ConflictError, StreamDeletedError
 from loom_store_sqlite import SqliteOptions, SqliteStore
 from loom_store_sqlite import _store as store_module
@@ -146,3 +147,25 @@ def test_the_head_checked_in_the_insert_decides_as_reading_first(
         assert _streams(stores[0]) == _streams(stores[1])
     for store in stores:
         store.close()
+
+
+def test_a_row_the_table_refuses_at_the_head_fails_the_append_never_landing(
+    tmp_path: Path,
+) -> None:
+    """OR IGNORE skips a row that breaks any NOT NULL constraint, not only the position
+    made NULL off the head: a row skipped with the head as expected must fail its
+    append (alone, and in a group beside one that lands), never be acknowledged."""
+    store = _open(SqliteStore, tmp_path / "refused.db")
+    store._commit_group([PendingAppend("a", 0, [("a", 1, "k", b"first", 1.0, None)])])
+    store._commit_group([PendingAppend("b", 0, [("b", 1, "k", b"first", 1.0, None)])])
+    alone = PendingAppend("a", 1, [("a", 2, "k", None, 1.0, "t")])
+    store._commit_group([alone])
+    assert isinstance(alone.error, StoreUnavailableError)
+    assert "refused the row at position 2 of 'a'" in str(alone.error)
+    grouped = PendingAppend("a", 1, [("a", 2, "k", None, 1.0, "t")])
+    beside = PendingAppend("b", 1, [("b", 2, "k", b"second", 1.0, "u")])
+    store._commit_group([grouped, beside])
+    assert isinstance(grouped.error, StoreUnavailableError)
+    assert beside.error is None
+    assert (store.head("a"), store.head("b")) == (1, 2)
+    store.close()

@@ -100,11 +100,16 @@ _INSERT_RECORD: Final = (
 #: The first record of an append to an existing stream, inserted only if the stream is
 #: live and its head (its last position, or its floor) is the expected one: the head
 #: check and the insert in one statement. Parameters: the row, then the expected head.
+#: Off the head (or on a stream deleted or never written) the position is NULL, and
+#: OR IGNORE skips the row (its NOT NULL constraint) instead of failing: nothing is
+#: inserted and no error raised. A one-row VALUES, not INSERT ... SELECT: a SELECT
+#: reading the table it inserts into is first copied to a temporary b-tree, which
+#: cost a third of the statement.
 _INSERT_AT_HEAD: Final = (
-    "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
-    "SELECT ?1, ?2, ?3, ?4, ?5, ?6 FROM loom_streams AS s "
-    "WHERE s.name = ?1 AND s.deleted = 0 AND ?7 = max(s.floor, "
-    "coalesce((SELECT MAX(position) FROM loom_records WHERE stream = ?1), 0))"
+    "INSERT OR IGNORE INTO loom_records (stream, position, kind, payload, timestamp, txn) "
+    "VALUES (?1, CASE WHEN ?7 = (SELECT max(s.floor, coalesce((SELECT MAX(position) "
+    "FROM loom_records WHERE stream = ?1), 0)) FROM loom_streams AS s "
+    "WHERE s.name = ?1 AND s.deleted = 0) THEN ?2 END, ?3, ?4, ?5, ?6)"
 )
 
 #: A row (position, kind, payload, timestamp) as a Record, without `Record._make`'s
@@ -469,8 +474,8 @@ class SqliteStore(FaultInjection, JournalStore):
             # confirms by commit id.
             append.error = StoreUnavailableError("the append was interrupted")
             raise
-        if not inserted:  # nothing written: the stream says why
-            self._off_head(connection, append)
+        if not inserted:
+            self._not_inserted(connection, append)
             return []
         return [append]
 
@@ -553,8 +558,8 @@ class SqliteStore(FaultInjection, JournalStore):
             return False
         if isolated:
             connection.execute("RELEASE loom_append")
-        if not inserted:  # nothing written: the stream says why
-            self._off_head(connection, append)
+        if not inserted:
+            self._not_inserted(connection, append)
             return False
         heads[stream] = append.expected + len(append.rows)
         return True
@@ -563,6 +568,16 @@ class SqliteStore(FaultInjection, JournalStore):
         """Whether the stream's head refuses the append (its error then set)."""
         row = self._stream_row(connection, append.stream)
         return not self._at(append, 0 if row is None else row[0], deleted=bool(row and row[2]))
+
+    def _not_inserted(self, connection: sqlite3.Connection, append: PendingAppend) -> None:
+        """`_INSERT_AT_HEAD` wrote nothing: the stream says why (a conflict, a deleted
+        stream). If it does not, OR IGNORE skipped the row for another constraint, and
+        the append fails (never acknowledged as landed)."""
+        if not self._off_head(connection, append):
+            append.error = StoreUnavailableError(
+                f"sqlite append failed on {self.path!r}: the records table refused the "
+                f"row at position {append.expected + 1} of {append.stream!r}"
+            )
 
     @staticmethod
     def _at(append: PendingAppend, head: int, *, deleted: bool) -> bool:
