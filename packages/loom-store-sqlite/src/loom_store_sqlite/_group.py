@@ -81,15 +81,19 @@ class GroupCommit:
                 _raise(append)
                 return
         self._lead(append)
-        _raise(append)
+        if append.error is not None:
+            raise append.error
 
     def _lead(self, append: PendingAppend) -> None:
         """Commit `append` with what is queued, then pass the lead on, whatever happens."""
         taken: list[PendingAppend] = []
         completed = False
         try:
-            with self._lock:
-                if self._queue:
+            # Read first without the lock (the lone append's path): an append queued
+            # after this look waits for the hand-over below, as one queued after the
+            # taking would.
+            if self._queue:
+                with self._lock:
                     taken = self._queue[: self._max_batch - 1]
                     del self._queue[: len(taken)]
             self._commit([append, *taken] if taken else [append])

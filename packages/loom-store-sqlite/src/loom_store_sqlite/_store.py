@@ -400,8 +400,8 @@ class SqliteStore(FaultInjection, JournalStore):
                 landed = self._transact(connection, batch, isolated=False)
                 if landed is None:
                     landed = self._transact(connection, batch, isolated=True)
-        known = self._known_heads()
-        if known is not None and landed:
+        known: KnownHeads | None  # `_known_heads()`, inline: every append comes here
+        if landed and not self._memory and (known := getattr(self._local, "heads", None)):
             for append in landed:
                 known.learn(append.stream, append.expected + len(append.rows))
 
