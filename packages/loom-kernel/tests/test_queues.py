@@ -906,3 +906,25 @@ def test_a_freed_slot_admits_the_next_queued_run_without_waiting_for_a_poll() ->
     with worker:
         assert [handle.result(timeout=20) for handle in handles] == ["a", "b"]
     assert sum(handed) == 1
+
+
+def test_a_sweep_leaves_an_admission_this_worker_holds_for_its_next_free_slot() -> None:
+    """A run this worker admitted and holds for a slot (not claimed yet, so by the
+    journal no one drives it) keeps its admission through a sweep, however old: given
+    back, it would wait on the queue again while the slot drives it, and be admitted
+    twice. Once it no longer waits here, the same sweep gives it back."""
+    store = MemoryStore()
+    clock = FakeClock()
+    engine = _engine(store, Queue("q"), clock=clock)
+    handle = engine.enqueue("parks", "p", queue="q")
+    worker = Worker(engine, concurrency=1)
+    book = engine._queues
+    book.take("q", 0, book.read("q", 0), [handle.id], engine.worker_id)
+    worker._queued.add(handle.id)  # admitted for the slot a run in flight holds
+    clock.advance(engine.lease)
+    queue = engine._queues.queues["q"]
+    assert worker._reap(queue, 0, book.read("q", 0)) is False
+    assert (engine.queue("q").waiting, engine.queue("q").active) == ([], [handle.id])
+    worker._queued.discard(handle.id)
+    assert worker._reap(queue, 0, book.read("q", 0)) is True
+    assert (engine.queue("q").waiting, engine.queue("q").active) == ([handle.id], [])

@@ -1428,3 +1428,29 @@ def test_a_stop_waits_for_its_runs_in_flight_without_spinning() -> None:
     worker.stop(grace=5)
     assert handle.result(timeout=10) == "s:after"
     assert waits[0] < 100, f"{waits[0]} waits in half a second: it spun"
+
+
+def test_a_run_handed_over_as_its_slot_frees_is_not_left_marked_as_waiting() -> None:
+    """`enqueue` reserved a place in the worker's queue (no slot free), and a slot
+    freed before the run was handed over: it is driven at once, and nothing marks it
+    as waiting for a slot afterwards (a mark left would keep this worker from taking
+    the run again: a later hand-over, a poll's visit, a sweep's reaping)."""
+    from loom_kernel._worker import _Task
+
+    worker = Worker(_engine(MemoryStore()), concurrency=1)
+
+    class Inline:
+        def submit(self, fn: Any, *args: Any) -> None:
+            fn(*args)
+
+    worker._pool = Inline()  # type: ignore[assignment]
+    worker._in_flight.add("busy")
+    assert worker._reserve("handed", queue=True), "a place in its queue"
+    assert worker._queued == {"handed"}
+    worker._work(_Task("busy", lambda: None))  # the slot frees before the hand-over
+    driven: list[str] = []
+    assert worker._hand("handed", lambda: driven.append("handed") or "", lambda: None, "three")
+    assert driven == ["handed"]
+    assert (worker._in_flight, worker._queued, worker._handed) == (set(), set(), set())
+    assert not worker._busy_with("handed")
+    assert worker._reserve("handed", queue=False), "taken again when handed again"
