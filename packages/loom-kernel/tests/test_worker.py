@@ -1449,7 +1449,12 @@ def test_a_run_handed_over_as_its_slot_frees_is_not_left_marked_as_waiting() -> 
     assert worker._queued == {"handed"}
     worker._work(_Task("busy", lambda: None))  # the slot frees before the hand-over
     driven: list[str] = []
-    assert worker._hand("handed", lambda: driven.append("handed") or "", lambda: None, "three")
+
+    def drive() -> str:
+        driven.append("handed")
+        return "handed"
+
+    assert worker._hand("handed", drive, lambda: None, "three")
     assert driven == ["handed"]
     assert (worker._in_flight, worker._queued, worker._handed) == (set(), set(), set())
     assert not worker._busy_with("handed")
