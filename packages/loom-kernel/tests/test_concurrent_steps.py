@@ -299,3 +299,22 @@ def test_a_pass_that_would_run_again_having_journaled_nothing_stops_instead_of_l
     with pytest.raises(LoomError, match="journaled nothing"):
         box.engine.start("spins", key="s")
     assert [record[1] for record in box.store.read("ex/s")] == ["EXECUTION_STARTED"]
+
+
+@pytest.mark.parametrize("call", ["now", "random", "uuid"])
+def test_a_journaled_value_asked_in_another_task_is_refused(call: str) -> None:
+    """`ctx.now()`, `ctx.random()` and `ctx.uuid()` take a position as a step does:
+    asked from a task of its own, the position would depend on timing."""
+
+    async def branch(ctx: AsyncContext) -> Any:
+        await asyncio.sleep(0)
+        return getattr(ctx, call)()
+
+    @flow(name="values", version="1")
+    async def values(ctx: AsyncContext, _input: Any) -> Any:
+        return await asyncio.create_task(branch(ctx))
+
+    box = sandbox(values)
+    with pytest.raises(InvalidArgumentError, match="another task than the flow's own"):
+        box.engine.start("values", key="v")
+    assert [record[1] for record in box.store.read("ex/v")] == ["EXECUTION_STARTED"]

@@ -667,3 +667,33 @@ def test_drives_at_once_share_one_heartbeat_thread() -> None:
     finally:
         go.set()
         held.join(10)
+
+
+def test_a_take_over_whose_claim_loses_the_race_drives_nothing() -> None:
+    """Two takers of an expired run: the one whose claim meets the other's first does
+    not drive. On a store whose heads cost a request (no look before a step), driving
+    on would run the next step's function before its append was refused."""
+    from loom_kernel._codec import encode_event
+    from loom_kernel.events import ExecutionClaimed
+
+    class CostlyHeads(MemoryStore):
+        """Heads cost a request here (as on S3); another taker's claim lands just
+        before this taker's."""
+
+        head_is_cheap = False
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == "ex/r" and records[0].kind == "EXECUTION_CLAIMED":
+                claim = encode_event(ExecutionClaimed("other-taker.1:1:aaaaaa", REMOTE), 0.0)
+                super()._append(stream, expected, (claim,))
+            return super()._append(stream, expected, records)
+
+    store, clock = CostlyHeads(), FakeClock(1_000.0)
+    _left_running_by(store, REMOTE, clock)
+    clock.advance(60.0)
+    engine = Engine(store, [two_steps], clock=clock, lease=30.0, listeners=[])
+    calls.clear()
+    assert engine.recover() == []
+    assert calls == [], "the second step's function never ran"
+    assert _kinds(store, "r")[2:] == ["EXECUTION_CLAIMED"]
+    assert engine.get("r").owner == "other-taker.1:1:aaaaaa"

@@ -1053,3 +1053,32 @@ def test_a_send_from_a_step_to_a_run_held_by_something_else_is_delivered_at_its_
         holder.join(10)
     assert engine.get("t").result == "hello", "delivered as the lock was released"
     assert len(engine._locks) == 0
+
+
+def test_an_engine_with_another_version_of_the_flow_sends_and_leaves_the_wake_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A run pinned to code the sending engine lacks (it has the flow, at another
+    version) is not driven by that engine: the message waits, nothing is journaled,
+    nothing fails, and the engine with the run's code delivers it."""
+
+    @flow(name="inbox.pinned", version="1")
+    def first_version(ctx: Context, _input: Any) -> Any:
+        return ctx.receive("t")
+
+    @flow(name="inbox.pinned", version="2")
+    def second_version(ctx: Context, _input: Any) -> Any:
+        return ["v2", ctx.receive("t")]
+
+    store = MemoryStore()
+    old = Engine(store, [first_version], listeners=[])
+    new = Engine(store, [second_version], listeners=[])
+    old.start("inbox.pinned", None, key="p")
+    before = store.head("ex/p")
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert new.send("p", "hello", topic="t") == 1
+    assert store.head("ex/p") == before, "nothing journaled by the engine without its code"
+    assert [r.message for r in caplog.records] == []
+    assert new.get("p").status is Status.SUSPENDED
+    assert old.recover() == ["p"]
+    assert old.get("p").result == "hello"

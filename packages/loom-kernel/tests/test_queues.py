@@ -928,3 +928,24 @@ def test_a_sweep_leaves_an_admission_this_worker_holds_for_its_next_free_slot() 
     worker._queued.discard(handle.id)
     assert worker._reap(queue, 0, book.read("q", 0)) is True
     assert (engine.queue("q").waiting, engine.queue("q").active) == ([handle.id], [])
+
+
+def test_a_migrated_queued_run_whose_queue_cannot_be_read_says_so(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`resume_as` of a run waiting on its queue migrates the run; a queue that cannot
+    be read then (its entry keeps the old code) is logged, not passed over in silence."""
+    store = MemoryStore()
+    old = Engine(store, [job_v1], listeners=[], queues=[Queue("q")])
+    new = Engine(store, [job_v1, job_v2], listeners=[], queues=[Queue("q")])
+    handle = old.enqueue("job", None, queue="q")
+
+    def unreadable(*_args: Any) -> Any:
+        raise StoreUnavailableError("the queue is unreadable (injected)")
+
+    monkeypatch.setattr(new._queues, "read", unreadable)
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        new.resume_as(handle.id, "2")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"loom: {handle.id}: its queue not told of its new code: the queue is unreadable (injected)"
+    ]

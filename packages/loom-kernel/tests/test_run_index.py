@@ -676,3 +676,16 @@ def test_a_damaged_checkpoint_has_its_partition_rewritten_by_recover() -> None:
         list(engine.runs.open_runs())
     assert engine.recover() == []
     assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
+
+
+def test_a_listing_with_no_filter_reads_the_journals_and_one_by_status_the_index() -> None:
+    """`executions()` with no filter lists every journal, one the index does not know
+    of included (written by a Loom before the index, or by a start that crashed before
+    its hint); with a status it answers from the index, as documented."""
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("work", "done", key="a")
+    assert engine.runs.built()
+    store.append("ex/b", 0, [NewRecord(r.kind, r.payload, r.timestamp) for r in store.read("ex/a")])
+    assert [e.id for e in engine.executions()] == ["a", "b"]
+    assert [e.id for e in engine.executions(status="completed")] == ["a"]

@@ -1459,3 +1459,21 @@ def test_a_run_handed_over_as_its_slot_frees_is_not_left_marked_as_waiting() -> 
     assert (worker._in_flight, worker._queued, worker._handed) == (set(), set(), set())
     assert not worker._busy_with("handed")
     assert worker._reserve("handed", queue=False), "taken again when handed again"
+
+
+def test_an_enqueue_of_a_key_that_exists_gives_back_the_slot_it_reserved() -> None:
+    """The slot `enqueue` reserved for a run whose key exists already (nothing to
+    hand over) goes back: kept, one run of a one-slot worker would never be driven
+    again."""
+    engine = _engine(MemoryStore())
+    with Worker(engine, concurrency=1, idle_poll=0.05) as worker:
+        first = engine.enqueue("three", "a", key="k")
+        assert first.result(timeout=10) == ["a:0", "a:1", "a:2"]
+        deadline = time.monotonic() + 10
+        while worker._in_flight and time.monotonic() < deadline:
+            time.sleep(0.005)  # its slot's thread is done with it
+        again = engine.enqueue("three", "b", key="k")
+        assert again.id == first.id
+        assert worker._in_flight == set(), "the slot went back"
+        later = engine.enqueue("three", "c")
+        assert later.result(timeout=10) == ["c:0", "c:1", "c:2"]
