@@ -697,3 +697,22 @@ def test_a_take_over_whose_claim_loses_the_race_drives_nothing() -> None:
     assert calls == [], "the second step's function never ran"
     assert _kinds(store, "r")[2:] == ["EXECUTION_CLAIMED"]
     assert engine.get("r").owner == "other-taker.1:1:aaaaaa"
+
+
+def test_the_machine_part_of_a_worker_id_names_this_boot_and_pid_namespace() -> None:
+    """A pid is judged only on the boot and namespace it belongs to: the worker id's
+    machine part carries this boot's id and this process's pid namespace."""
+    import os
+    import re
+    from pathlib import Path
+
+    from loom_kernel._leases import _machine
+
+    boot_file = Path("/proc/sys/kernel/random/boot_id")
+    if not boot_file.exists():
+        pytest.skip("no boot id on this system")
+    boot = re.sub(r"[^0-9a-f]", "", boot_file.read_text())[:12]
+    namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    host, found_boot, found_namespace = _machine().split(".")
+    assert (found_boot, found_namespace) == (boot, namespace)
+    assert host
