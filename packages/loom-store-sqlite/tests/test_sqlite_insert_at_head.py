@@ -9,10 +9,11 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom_kernel import StoreUnavailableError
-from loom_kernel.spi import ConflictError, StreamDeletedError
+from loom_kernel.spi import ConflictError, NewRecord, StreamDeletedError
 from loom_store_sqlite import SqliteOptions, SqliteStore
 from loom_store_sqlite import _store as store_module
 from loom_store_sqlite._failures import store_error
@@ -22,7 +23,13 @@ LIMIT = 5000  # bytes: a record above it is refused, as a full disk would refuse
 
 
 class ReadThenInsert(SqliteStore):
-    """The reference: read the stream's head, then insert every row."""
+    """The reference: read the stream's head, then insert every row (a lone append too,
+    in a transaction of its own)."""
+
+    def _insert_alone(
+        self, connection: sqlite3.Connection, append: PendingAppend
+    ) -> list[PendingAppend]:
+        return self._transact(connection, [append], isolated=False) or []
 
     def _stage(
         self,
@@ -99,7 +106,10 @@ operations = st.lists(
     st.one_of(
         st.tuples(st.just("delete"), st.sampled_from("abc")),
         st.tuples(st.just("trim"), st.sampled_from("abc"), st.integers(0, 3)),
-        st.tuples(st.just("group"), st.lists(appends, min_size=1, max_size=4)),
+        # One append alone goes through `append`, which confirms an ambiguous failure
+        # (a lone append's statement refusing a record says no more than that).
+        st.tuples(st.just("group"), st.lists(appends, min_size=2, max_size=4)),
+        st.tuples(st.just("alone"), appends),
     ),
     max_size=25,
 )
@@ -126,6 +136,22 @@ def test_the_head_checked_in_the_insert_decides_as_reading_first(
                 except StreamDeletedError:
                     continue
                 store.trim(step[1], min(head + 1, step[2] + head // 2))
+        elif step[0] == "alone":  # through `append`: an ambiguous failure is confirmed
+            stream, off, sizes = step[1]
+            try:
+                expected = max(0, stores[1].head(stream) + off)
+            except StreamDeletedError:
+                expected = 1
+            records = [NewRecord("k", b"a%d" % number * size, 1.0) for size in sizes]
+            outcomes = []
+            for store in stores:
+                try:
+                    store.append(stream, expected, records)
+                except (ConflictError, StreamDeletedError, StoreUnavailableError) as exc:
+                    outcomes.append(_outcome(exc))
+                else:
+                    outcomes.append(None)
+            assert outcomes[0] == outcomes[1]
         else:
             outcomes = []
             for store in stores:
@@ -161,11 +187,36 @@ def test_a_row_the_table_refuses_at_the_head_fails_the_append_never_landing(
     alone = PendingAppend("a", 1, [("a", 2, "k", None, 1.0, "t")])
     store._commit_group([alone])
     assert isinstance(alone.error, StoreUnavailableError)
-    assert "refused the row at position 2 of 'a'" in str(alone.error)
+    assert "nothing was inserted at position 2 of 'a'" in str(alone.error)
     grouped = PendingAppend("a", 1, [("a", 2, "k", None, 1.0, "t")])
     beside = PendingAppend("b", 1, [("b", 2, "k", b"second", 1.0, "u")])
     store._commit_group([grouped, beside])
     assert isinstance(grouped.error, StoreUnavailableError)
     assert beside.error is None
     assert (store.head("a"), store.head("b")) == (1, 2)
+    store.close()
+
+
+def test_a_lone_append_whose_stream_cannot_be_read_after_inserting_nothing_fails_cleanly(
+    tmp_path: Path,
+) -> None:
+    """The read that says why a lone append inserted nothing fails: the append raises
+    the kernel's StoreUnavailableError, not sqlite3's error, and the next one works."""
+
+    class Faulty(SqliteStore):
+        armed = False
+
+        @staticmethod
+        def _stream_row(connection: sqlite3.Connection, stream: str) -> Any:
+            if Faulty.armed:
+                Faulty.armed = False
+                raise sqlite3.OperationalError("disk I/O error (injected)")
+            return SqliteStore._stream_row(connection, stream)
+
+    store = Faulty(str(tmp_path / "faulty.db"), SqliteOptions(synchronous="off"))
+    store.append("x", 0, [NewRecord("k", b"1", 1.0)])
+    Faulty.armed = True
+    with pytest.raises(ConflictError):  # said by the confirmation's own read
+        store.append("x", 5, [NewRecord("k", b"2", 1.0)])
+    assert store.append("x", 1, [NewRecord("k", b"2", 1.0)]) == 2
     store.close()

@@ -475,7 +475,14 @@ class SqliteStore(FaultInjection, JournalStore):
             append.error = StoreUnavailableError("the append was interrupted")
             raise
         if not inserted:
-            self._not_inserted(connection, append)
+            try:
+                self._not_inserted(connection, append)
+            except sqlite3.Error as exc:  # nothing was written; why is not known
+                append.error = store_error(
+                    f"sqlite append to {append.stream!r} inserted nothing on {self.path!r}, "
+                    "and the stream could not be read to say why",
+                    exc,
+                )
             return []
         return [append]
 
@@ -571,12 +578,15 @@ class SqliteStore(FaultInjection, JournalStore):
 
     def _not_inserted(self, connection: sqlite3.Connection, append: PendingAppend) -> None:
         """`_INSERT_AT_HEAD` wrote nothing: the stream says why (a conflict, a deleted
-        stream). If it does not, OR IGNORE skipped the row for another constraint, and
-        the append fails (never acknowledged as landed)."""
+        stream). If its head is the expected one after all, the append fails, never
+        acknowledged as landed: another connection moved the head there since the
+        statement (a lone append outside a transaction), or OR IGNORE skipped the row
+        for another constraint."""
         if not self._off_head(connection, append):
             append.error = StoreUnavailableError(
-                f"sqlite append failed on {self.path!r}: the records table refused the "
-                f"row at position {append.expected + 1} of {append.stream!r}"
+                f"sqlite append failed on {self.path!r}: nothing was inserted at position "
+                f"{append.expected + 1} of {append.stream!r}, whose head is now the one "
+                "expected (moved there since by another writer, or the row refused)"
             )
 
     @staticmethod
