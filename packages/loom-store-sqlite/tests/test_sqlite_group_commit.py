@@ -3,6 +3,7 @@ its own head check, its own conflict and its own failure."""
 
 from __future__ import annotations
 
+import linecache
 import sqlite3
 import threading
 import time
@@ -424,3 +425,132 @@ def test_a_failed_rollback_to_an_appends_savepoint_fails_the_group_and_tears_no_
     assert [record.payload for record in store.read("b")] == [b"b0"], "no half of it landed"
     assert [record.payload for record in store.read("a")] == [b"a0"]
     assert lone.error is not None, "rolled back with the group: its caller confirms, not told"
+
+
+class _InterruptAt:
+    """A trace hook for this thread: raises KeyboardInterrupt at the `nth` line run in
+    the group commit's module (as a signal handler raising there would).
+
+    Not where a `with` block's lock is being let go (its line seen again as the block
+    ends): a trace hook can raise there, before `__exit__`, but a signal cannot (the
+    interpreter looks for one after the call that releases the lock, not before)."""
+
+    def __init__(self, nth: int) -> None:
+        from loom_store_sqlite import _group
+
+        self._file = _group.__file__
+        self._left = nth
+        self.fired = False
+
+    def __call__(self, frame: Any, event: str, arg: Any) -> Any:
+        if frame.f_code.co_filename != self._file:
+            return None
+        seen: set[int] = set()
+
+        def line(frame: Any, event: str, arg: Any) -> Any:
+            if event != "line" or self.fired:
+                return line
+            again = frame.f_lineno in seen
+            seen.add(frame.f_lineno)
+            if again and linecache.getline(self._file, frame.f_lineno).strip().startswith("with "):
+                return line
+            if self._left == 0:
+                self.fired = True
+                raise KeyboardInterrupt("a signal lands here")
+            self._left -= 1
+            return line
+
+        return line
+
+
+def _submit_interrupted(group: Any, append: PendingAppend, nth: int) -> bool:
+    """`group.submit(append)` on this thread, interrupted at its `nth` line; whether
+    the interrupt fired."""
+    import sys
+
+    hook = _InterruptAt(nth)
+    before = sys.gettrace()
+    sys.settrace(hook)
+    try:
+        group.submit(append)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(before)
+    return hook.fired
+
+
+def _in_a_thread(call: Any) -> threading.Thread:
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread
+
+
+def _round_interrupted_at(role: str, nth: int) -> bool:
+    """One round of the test below, the append on this thread interrupted at its
+    `nth` line; whether the interrupt fired (it did not: the append ran fewer lines)."""
+    from loom_store_sqlite import _group
+
+    committed: list[PendingAppend] = []
+    gate = threading.Event()
+
+    def commit(batch: list[PendingAppend]) -> None:
+        if batch[0].stream == "first":
+            gate.wait(10)
+        committed.extend(batch)
+
+    group = _group.GroupCommit(commit)
+    told: list[PendingAppend] = []
+
+    def submit(append: PendingAppend) -> None:
+        try:
+            group.submit(append)
+        except StoreUnavailableError:
+            return  # told to confirm by its commit id: landed or not
+        told.append(append)  # returned with no error: it says it landed
+
+    def queue_behind() -> None:
+        while len(group._queue) < 1 and not gate.is_set():  # behind mine, if it queues
+            time.sleep(0.001)
+        submit(PendingAppend("behind", 1, []))
+
+    def open_gate() -> None:
+        while len(group._queue) < 2 and not gate.is_set():
+            time.sleep(0.001)
+        gate.set()
+
+    threads = []
+    if role != "alone":
+        threads.append(_in_a_thread(lambda: submit(PendingAppend("first", 1, []))))
+        threads += [_in_a_thread(queue_behind), _in_a_thread(open_gate)]
+        while not group._leading:
+            time.sleep(0.001)  # the first leads, held at the gate
+    fired = _submit_interrupted(group, PendingAppend("mine", 1, []), nth)
+    gate.set()
+    for thread in threads:
+        thread.join(5)
+        assert not thread.is_alive(), f"an append waits for good (line {nth})"
+    later = PendingAppend("later", 1, [])
+    thread = _in_a_thread(lambda: submit(later))
+    thread.join(5)
+    assert later in told, f"a later append commits (line {nth})"
+    assert (group._leading, group._queue) == (False, []), f"line {nth}"
+    assert all(append in committed for append in told), f"line {nth}"
+    return fired
+
+
+@pytest.mark.parametrize("role", ["alone", "handed the lead of a group"])
+def test_an_interrupt_at_any_line_of_group_commit_leaves_no_append_waiting_for_good(
+    monkeypatch: pytest.MonkeyPatch, role: str
+) -> None:
+    """Interrupted at each line it runs in turn, an append that leads (alone, or handed
+    the lead with another append queued behind it) leaves the store working: every
+    other append ends, a later one commits, the leading ends, and no append is told it
+    landed unless a group committed it."""
+    from loom_store_sqlite import _group
+
+    monkeypatch.setattr(_group, "_LOOK_AGAIN", 0.01)
+    nth = 0
+    while _round_interrupted_at(role, nth):
+        nth += 1
+    assert nth > 10, "the sweep ran past the group commit's lines"

@@ -14,14 +14,18 @@ and its own error when the commit fails, which its caller resolves as it would a
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from threading import Event
-from typing import Any
+from typing import Any, Final
 
 import attrs
 from loom_kernel.spi import StoreUnavailableError
 
 __all__ = ["GroupCommit", "PendingAppend"]
+
+#: Seconds a queued append waits before it looks whether its turn came with its wake
+#: lost (an interrupt in the thread that was to wake it).
+_LOOK_AGAIN: Final = 0.5
 
 
 @attrs.define(eq=False)
@@ -42,7 +46,9 @@ class PendingAppend:
     # Made only for an append that queues behind a commit (the common, lone append
     # never waits, and an Event costs a Condition and two locks).
     _done: Event | None = attrs.field(default=None, init=False)
-    _lead: bool = attrs.field(default=False, init=False)
+    _lead: bool = attrs.field(default=False, init=False)  # it holds the lead
+    _decided: bool = attrs.field(default=False, init=False)  # a group's verdict is in
+    _taken: Sequence[PendingAppend] = attrs.field(default=(), init=False)  # its group's others
 
 
 class GroupCommit:
@@ -63,30 +69,44 @@ class GroupCommit:
         self._leading = False
 
     def submit(self, append: PendingAppend) -> None:
-        """Commit `append`, alone or with others; raise its own error, if any."""
-        with self._lock:
-            follow = self._leading
+        """Commit `append`, alone or with others; raise its own error, if any.
+
+        An interrupt (KeyboardInterrupt, a signal handler raising) anywhere in here
+        leaves no other append waiting for good: the lead this append holds, or was
+        just handed, goes on (`_let_go`), and a queued append whose wake was lost finds
+        its turn, or its group's verdict, by looking every `_LOOK_AGAIN` seconds.
+        """
+        follow = False
+        try:
+            with self._lock:
+                follow = self._leading
+                if follow:
+                    append._done = Event()
+                    self._queue.append(append)
+                else:
+                    append._lead = True  # first: an interrupt between them leads nobody
+                    self._leading = True
             if follow:
-                append._done = done = Event()
-                self._queue.append(append)
-            else:
-                self._leading = True
-        if follow:
-            try:
-                done.wait()
-            except BaseException:  # an interrupt while queued: leave no one waiting on it
-                self._abandon(append)
-                raise
-            if not append._lead:
-                _raise(append)
-                return
-        self._lead(append)
+                self._wait_for_turn(append)
+            if append._lead:
+                self._lead(append)
+        except BaseException:
+            self._let_go(append)
+            raise
         if append.error is not None:
             raise append.error
 
+    def _wait_for_turn(self, append: PendingAppend) -> None:
+        """Wait until a group decided `append` or it was handed the lead."""
+        done = append._done
+        assert done is not None
+        while not done.wait(_LOOK_AGAIN):
+            with self._lock:
+                if append._lead or append._decided:  # its wake was lost to an interrupt
+                    return
+
     def _lead(self, append: PendingAppend) -> None:
         """Commit `append` with what is queued, then pass the lead on, whatever happens."""
-        taken: list[PendingAppend] = []
         completed = False
         try:
             # Read first without the lock (the lone append's path): an append queued
@@ -94,61 +114,61 @@ class GroupCommit:
             # taking would.
             if self._queue:
                 with self._lock:
-                    taken = self._queue[: self._max_batch - 1]
-                    del self._queue[: len(taken)]
+                    append._taken = self._queue[: self._max_batch - 1]
+                    del self._queue[: len(append._taken)]
+            taken = append._taken
             self._commit([append, *taken] if taken else [append])
             completed = True
         finally:
-            # One turn of the lock for the lone append (the common case): the cleanup
-            # and the hand-over together.
+            # One turn of the lock for the lone append (the common case): the verdicts
+            # and the hand-over together, the wakes after.
             with self._lock:
-                for other in taken:
-                    if other in self._queue:  # interrupted while taking it: not committed
-                        self._queue.remove(other)
-                successor = self._next_leader()
-            for other in taken:
+                woken = self._close_group(append, completed=completed)
+            for other in woken:
+                _wake(other)
+
+    def _close_group(self, append: PendingAppend, *, completed: bool) -> list[PendingAppend]:
+        """Under the lock, once only: the verdicts on the appends `append`'s group took,
+        and, if `append` holds the lead, the lead handed to the first append queued
+        (or the leading ended); the appends to wake once the lock is let go.
+
+        An interrupt between its lines leaves at worst a second leader, and two groups
+        committing one after the other are still right (each append is taken, under
+        the lock, by one group only)."""
+        woken: list[PendingAppend] = []
+        for other in append._taken:
+            if other in self._queue:  # interrupted while taking it: not committed
+                self._queue.remove(other)
+            if not other._decided:
                 if not completed and other.error is None:
                     # Landed or not: the caller's confirmation (its commit id) tells.
                     other.error = StoreUnavailableError("the group's commit was interrupted")
-                _wake(other)
-            if successor is not None:
-                _wake(successor)
+                other._decided = True
+                woken.append(other)
+        append._taken = ()
+        if append._lead:
+            if self._queue:
+                successor = self._queue.pop(0)
+                successor._lead = True
+                woken.append(successor)
+            else:
+                self._leading = False
+            append._lead = False
+        return woken
 
-    def _next_leader(self) -> PendingAppend | None:
-        """Under the lock: the first append queued, made leader, or None (the leading
-        ends). The caller wakes it once the lock is let go."""
-        if not self._queue:
-            self._leading = False
-            return None
-        successor = self._queue.pop(0)
-        successor._lead = True
-        return successor
-
-    def _pass_lead(self) -> None:
-        """Hand the lead to the first append queued, or end the leading."""
-        with self._lock:
-            successor = self._next_leader()
-        if successor is not None:
-            _wake(successor)
-
-    def _abandon(self, append: PendingAppend) -> None:
-        """An append whose caller was interrupted while it waited: take it out of the
-        queue if no group took it yet (it never happens); pass the lead on if it had
-        just been handed the lead; if a group took it, that group decides it."""
+    def _let_go(self, append: PendingAppend) -> None:
+        """An append whose caller was interrupted: take it out of the queue if no group
+        took it yet; if it leads, close its group (its verdicts, told to retry unless
+        given) and pass the lead on; if another's group took it, that group decides."""
         with self._lock:
             if append in self._queue:
                 self._queue.remove(append)
                 return
-            handed_the_lead = append._lead
-        if handed_the_lead:
-            self._pass_lead()
+            woken = self._close_group(append, completed=False)
+        for other in woken:
+            _wake(other)
 
 
 def _wake(append: PendingAppend) -> None:
     assert append._done is not None  # it queued, so it waits
     append._done.set()
-
-
-def _raise(append: PendingAppend) -> None:
-    if append.error is not None:
-        raise append.error
