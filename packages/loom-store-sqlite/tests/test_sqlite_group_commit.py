@@ -553,4 +553,5 @@ def test_an_interrupt_at_any_line_of_group_commit_leaves_no_append_waiting_for_g
     nth = 0
     while _round_interrupted_at(role, nth):
         nth += 1
+        assert nth < 300, "an append keeps running lines of the group commit: it never ends"
     assert nth > 10, "the sweep ran past the group commit's lines"

@@ -47,7 +47,9 @@ def test_loom_stores_checks_sqlite_in_its_scratch_directory(tmp_path: Path) -> N
 def test_url_options() -> None:
     assert SqliteOptions.parse("") == SqliteOptions("full", 10.0)
     assert SqliteOptions.parse("synchronous=NORMAL&timeout=2.5") == SqliteOptions("normal", 2.5)
-    for bad in ("synchronous=sometimes", "timeout=soon", "timeout=-1", "cache=big"):
+    # An option given with no value is refused, not read as the default.
+    blank = ("synchronous=", "timeout=", "synchronous=&timeout=2")
+    for bad in ("synchronous=sometimes", "timeout=soon", "timeout=-1", "cache=big", *blank):
         with pytest.raises(InvalidArgumentError):
             SqliteOptions.parse(bad)
     with pytest.raises(InvalidArgumentError):
@@ -331,3 +333,27 @@ def test_a_listing_skips_deleted_streams_through_the_live_names_index(tmp_path: 
         ("timers/", "timers0", 100),
     ).fetchall()
     assert "loom_live_streams" in str(plan), "a listing walks live names only"
+
+
+def test_a_failed_migration_rolls_back_and_leaves_no_write_lock_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migration that fails leaves the connection out of its transaction: another
+    connection can write at once, and nothing of the half-made schema is left."""
+    from loom_store_sqlite import _schema
+
+    def broken(_db: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error (injected)")
+
+    monkeypatch.setitem(_schema.MIGRATIONS, 0, broken)
+    path = tmp_path / "half.db"
+    connection = sqlite3.connect(path, isolation_level=None)
+    with pytest.raises(sqlite3.OperationalError, match="injected"):
+        _schema.ensure_schema(connection, str(path))
+    assert not connection.in_transaction
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")
+    assert other.execute("SELECT name FROM sqlite_master").fetchall() == []
+    other.execute("ROLLBACK")
+    other.close()
+    connection.close()
