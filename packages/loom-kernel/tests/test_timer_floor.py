@@ -456,3 +456,39 @@ def test_a_floor_that_cannot_be_created_is_logged_and_the_poll_lists_every_bucke
         engine.fire_due_timers()
     assert "timer floor: StoreUnavailableError: the floor cannot be written" in caplog.text
     assert engine.get(run.id).status is Status.COMPLETED, "every bucket listed: it fired"
+
+
+def test_a_bucket_whose_seal_meets_a_new_hint_trims_what_the_poll_handled() -> None:
+    """A poll retiring a past bucket meets a hint written there as it seals it: the
+    bucket stays, with the hints the poll handled trimmed (the next poll reads only
+    the new one)."""
+
+    class HintAsSealed(MemoryStore):
+        raced = False
+        hint: Any = None  # the last hint written to a bucket
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream.startswith("timers/") and records[0].kind == SEAL_KIND and not self.raced:
+                self.raced = True
+                payload = json.loads(self.hint.payload) | {"id": "newcomer"}
+                newcomer = NewRecord(self.hint.kind, json.dumps(payload).encode(), 0.0)
+                expected = super()._append(stream, expected, (newcomer,)) - 1
+                return super()._append(stream, expected, records)  # meets the newcomer
+            if stream.startswith("timers/") and stream != OVERDUE:
+                self.hint = records[0]
+            return super()._append(stream, expected, records)
+
+    store, clock = HintAsSealed(), FakeClock(BASE)
+    engine = _engine(store, clock)
+    engine.start(nap.name, 30.0, key="sleeper")
+    (bucket,) = [b for b in TimerIndex(store, clock).buckets() if b != OVERDUE]
+    clock.advance(DAY)
+    engine.fire_due_timers()
+    assert engine.get("sleeper").status is Status.COMPLETED
+    assert store.raced, "the poll tried to seal the bucket"
+    try:
+        records = store.read(bucket)
+    except TrimmedError as trimmed:
+        records = store.read(bucket, trimmed.floor)
+    left = [json.loads(record.payload)["id"] for record in records]
+    assert left == ["newcomer"], "what the poll handled is trimmed; the new hint stays"
