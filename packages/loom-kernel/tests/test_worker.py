@@ -773,18 +773,25 @@ def test_run_with_a_status_stream_writes_the_live_line_and_ends_it() -> None:
     out = io.StringIO()
     worker = Worker(engine, idle_poll=0.02)
     runner = threading.Thread(target=worker.run, kwargs={"handle_signals": False, "status": out})
+    started = time.monotonic()
     runner.start()
     assert worker._ready.wait(10)
     assert engine.enqueue("three", "s").result(timeout=10) == ["s:0", "s:1", "s:2"]
     deadline = time.monotonic() + 10
     while "driven 1" not in out.getvalue() and time.monotonic() < deadline:
         time.sleep(0.01)  # the line is redrawn at most once a second
+    time.sleep(0.5)  # about 25 polls more
     worker.stop()
     runner.join(10)
     text = out.getvalue()
     assert text.startswith("\rloom worker w2: driving ")
     assert "driven 1" in text
     assert text.endswith("\n"), "the line is ended when the worker stops"
+    # Polled every 0.02 s, the line is drawn at most once a second, not at each poll.
+    drawn = text.count("\r")
+    assert drawn <= time.monotonic() - started + 2, (
+        f"drawn {drawn} times in {time.monotonic() - started}"
+    )
 
 
 def test_terminal_status_is_stderr_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
