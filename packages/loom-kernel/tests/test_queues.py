@@ -676,10 +676,13 @@ def test_a_queued_run_a_worker_drives_counts_once_as_visited_and_driven() -> Non
         assert worker.stats.visited == 3, "one visit each"
 
 
-def test_a_done_that_meets_another_writer_is_recorded_at_once_not_left_to_the_reaper() -> None:
+def test_a_done_that_meets_another_writer_is_recorded_at_once_not_left_to_the_reaper(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Another process adds to the partition between the slot's fold and its done: the
     done is appended at the new head at once, so the slot is free again at once (the
-    reaper would give it back only half a lease later)."""
+    reaper would give it back only half a lease later); the meeting is logged, for
+    debugging."""
     store = MemoryStore()
     queue = Queue("q", concurrency=1)
     engine = _engine(store, queue, lease=600.0)
@@ -695,10 +698,15 @@ def test_a_done_that_meets_another_writer_is_recorded_at_once_not_left_to_the_re
 
     book.append_at = another_add_first  # type: ignore[method-assign]
     handles = [engine.enqueue("busy", {"tag": str(i), "s": 0.0}, queue="q") for i in range(2)]
-    with Worker(engine):
+    with caplog.at_level(logging.DEBUG, logger="loom"), Worker(engine):
         assert [handle.result(timeout=10) for handle in handles] == ["0", "1"]
         assert raced[0].result(timeout=10) == "raced"
     assert engine.queue("q").active == []
+    assert any(
+        record.getMessage().startswith("loom: queue q/0: ")
+        for record in caplog.records
+        if record.levelno == logging.DEBUG
+    ), "the done that met another writer is logged"
 
 
 class _CountedEvent(threading.Event):
