@@ -957,3 +957,27 @@ def test_a_migrated_queued_run_whose_queue_cannot_be_read_says_so(
     assert [r.getMessage() for r in caplog.records] == [
         f"loom: {handle.id}: its queue not told of its new code: the queue is unreadable (injected)"
     ]
+
+
+def test_a_poll_whose_every_take_meets_another_writer_admits_nothing_and_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every attempt to take a run meets another process's write: the poll admits
+    nothing this time (the next one tries again) and does not fail."""
+    from loom_kernel import ConflictError
+
+    engine = _engine(MemoryStore(), Queue("q"))
+    engine.enqueue("parks", "p", queue="q")
+    worker = Worker(engine, concurrency=1)
+    tries: list[int] = []
+
+    def always_beaten(*_args: Any) -> int:
+        tries.append(1)
+        raise ConflictError("queues/q/0", 1, 2)
+
+    monkeypatch.setattr(engine._queues, "take", always_beaten)
+    queue = engine._queues.queues["q"]
+    with ThreadPoolExecutor(1) as pool:
+        assert worker._serve_partition(pool, queue, 0, sweep=False) == 0
+    assert len(tries) > 1, "folded again and retried before giving up"
+    assert engine.queue("q").active == []

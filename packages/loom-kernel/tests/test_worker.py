@@ -1484,3 +1484,25 @@ def test_an_enqueue_of_a_key_that_exists_gives_back_the_slot_it_reserved() -> No
         assert worker._in_flight == set(), "the slot went back"
         later = engine.enqueue("three", "c")
         assert later.result(timeout=10) == ["c:0", "c:1", "c:2"]
+
+
+def test_a_task_for_a_run_waiting_here_for_a_slot_is_refused_not_kept_twice() -> None:
+    """A second task for a run already waiting in this worker's backlog (a poll's
+    admission of a run a hand-over queued) is refused, so its caller gives its
+    admission back; it is not kept, to drive the run twice."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loom_kernel._worker import _Task
+
+    worker = Worker(_engine(MemoryStore()), concurrency=1)
+    waiting = _Task("r", lambda: None)
+    worker._backlog.append(waiting)
+    worker._queued.add("r")
+    with ThreadPoolExecutor(1) as pool:
+        assert worker._submit(pool, _Task("r", lambda: None), queue=True) is False
+        assert list(worker._backlog) == [waiting]
+        # Every slot busy: a visit (not to be queued) is refused, and not queued.
+        worker._in_flight.add("busy")
+        ran: list[str] = []
+        assert worker._submit(pool, _Task("v", lambda: ran.append("v"))) is False
+    assert (list(worker._backlog), ran, worker._queued) == ([waiting], [], {"r"})
