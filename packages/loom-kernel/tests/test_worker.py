@@ -1506,3 +1506,18 @@ def test_a_task_for_a_run_waiting_here_for_a_slot_is_refused_not_kept_twice() ->
         ran: list[str] = []
         assert worker._submit(pool, _Task("v", lambda: ran.append("v"))) is False
     assert (list(worker._backlog), ran, worker._queued) == ([waiting], [], {"r"})
+
+
+def test_a_run_not_started_yet_is_looked_at_again_by_a_few_polls_then_left_to_sweeps() -> None:
+    """A hint read before its run's start landed has the next few polls look again;
+    past `_NOT_STARTED_LOOKS` looks (its writer may be gone), only the sweeps do."""
+    from loom_kernel._worker import _NOT_STARTED_LOOKS
+
+    worker = Worker(_engine(MemoryStore()))
+    for _ in range(_NOT_STARTED_LOOKS):
+        worker._look_again("r")
+        assert "r" in worker._look_again_after
+        worker._look_again_after.discard("r")
+    worker._look_again("r")
+    assert "r" not in worker._look_again_after
+    assert "r" not in worker._not_started
