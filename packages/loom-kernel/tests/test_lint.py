@@ -210,3 +210,22 @@ def test_a_step_function_defined_in_the_flow_and_passed_by_name_is_walked_for_ct
         """
     )
     assert [(f.rule, f.line) for f in lint_source(source, "named.py")] == [("LOOM007", 7)]
+
+
+ORDERED_LOOPS = """
+from loom_kernel import flow
+
+@flow
+def ordered(ctx, order):
+    for i in range(3):
+        ctx.step(f"s{i}", print)
+    for sku in sorted(set(order)):
+        ctx.step(sku, print)
+    return [x for x in list(order)]
+"""
+
+
+def test_loops_over_calls_that_are_not_sets_are_not_flagged() -> None:
+    """LOOM009 is for a set's order: `range(...)`, `sorted(set(...))` and `list(...)`
+    iterate in an order every process shares."""
+    assert lint_source(ORDERED_LOOPS, "ordered.py") == []

@@ -689,3 +689,16 @@ def test_a_listing_with_no_filter_reads_the_journals_and_one_by_status_the_index
     store.append("ex/b", 0, [NewRecord(r.kind, r.payload, r.timestamp) for r in store.read("ex/a")])
     assert [e.id for e in engine.executions()] == ["a", "b"]
     assert [e.id for e in engine.executions(status="completed")] == ["a"]
+
+
+def test_an_ended_partition_deleted_by_hand_lists_no_run_and_fails_nothing() -> None:
+    """A partition of the ended runs deleted (an operator's cleanup) reads as empty:
+    the listing of ended runs goes on, with none from it."""
+    from loom_kernel._run_index import _ended_stream
+
+    store = MemoryStore()
+    clock = FakeClock()
+    index = RunIndex(store, clock)
+    for partition in index.partitions():
+        store.delete(_ended_stream(Status.COMPLETED, partition))
+    assert list(index.ended(Status.COMPLETED)) == []
