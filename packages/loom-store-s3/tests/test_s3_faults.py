@@ -242,3 +242,26 @@ def test_a_layout_descriptor_the_server_lost_is_unavailable_not_read(s3_server: 
     client.meta.events.register("before-send.s3.PutObject", lose_the_descriptor)
     with pytest.raises(StoreUnavailableError, match="cannot create the layout descriptor"):
         s3_server.store(client=client)
+
+
+def test_an_injected_lost_reply_really_takes_the_confirmation_path(
+    faulty: tuple[S3Store, _Injector, S3Server], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`Fault.LOST_REPLY`: the write lands, its reply is dropped, and the store learns
+    the outcome by reading the commit id back, as for a real lost reply."""
+    from loom_kernel.spi import Fault
+
+    store, _, _ = faulty
+    transport = store._transport
+    commit_of = transport.commit_of
+    confirmations: list[str] = []
+
+    def counted(key: str) -> Any:
+        confirmations.append(key)
+        return commit_of(key)
+
+    monkeypatch.setattr(transport, "commit_of", counted)
+    store.inject_fault(Fault.LOST_REPLY)
+    assert store.append("s", 2, _records("new")) == 3
+    assert len(confirmations) == 1, "the landed write was confirmed by its commit id"
+    assert _journal(store) == [b"base0", b"base1", b"new0"]
