@@ -589,6 +589,8 @@ def test_a_closed_store_refuses_reads_with_a_clear_error(moto_server: S3Server) 
     store.close()
     with pytest.raises(StoreUnavailableError, match="closed"):
         store.read("s")
+    with pytest.raises(RuntimeError, match="shutdown"):  # its read workers are stopped
+        store._pool.submit(print)
 
 
 def test_a_deleted_stream_trimmed_to_its_head_leaves_no_floor_marker_after_a_sweep(
