@@ -797,3 +797,37 @@ def test_a_set_event_beside_a_step_not_yet_started_is_no_gate_on_either_loop() -
     view = engine.start("loop.publishes", None, key="p")
     assert (view.status, view.result) == (Status.COMPLETED, "done")
     assert engine.get_event("p", "k") == 1
+
+
+def test_a_drive_stopped_with_its_loop_leaves_no_flow_code_to_run_when_it_runs_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller's loop stops (not closed) mid-drive: the drive stops, the journal as
+    it was, and the flow's coroutine is cancelled, so when the loop runs again later,
+    none of that drive's code goes on without it."""
+    from loom_kernel import _servant
+
+    monkeypatch.setattr(_servant, "LOOP_CHECK", 0.05)
+    reached: list[str] = []
+
+    @flow(name="loop.stopped", version="1")
+    async def stopped(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.step("a", instant)
+        await asyncio.sleep(0.3)
+        reached.append("after the sleep")
+        return "done"
+
+    store = MemoryStore()
+    engine = Engine(store, [stopped], listeners=[])
+    loop = asyncio.new_event_loop()
+    try:
+        starting = loop.create_task(engine.start_async("loop.stopped", None, key="s"))
+        loop.run_until_complete(asyncio.sleep(0.1))  # the loop stops mid-drive
+        time.sleep(0.5)  # the drive's thread sees the loop stopped, and stops
+        loop.run_until_complete(asyncio.sleep(0.5))  # the loop runs again, past the sleep
+        assert reached == [], "the stopped drive's code did not go on"
+        with contextlib.suppress(BaseException):
+            loop.run_until_complete(starting)
+    finally:
+        loop.close()
+    assert [record[1] for record in store.read("ex/s")] == ["EXECUTION_STARTED", "STEP_COMPLETED"]
