@@ -831,3 +831,23 @@ def test_a_drive_stopped_with_its_loop_leaves_no_flow_code_to_run_when_it_runs_a
     finally:
         loop.close()
     assert [record[1] for record in store.read("ex/s")] == ["EXECUTION_STARTED", "STEP_COMPLETED"]
+
+
+def test_a_call_handed_over_as_the_drive_ends_is_refused_not_left_unanswered() -> None:
+    """A call the flow's code hands to the drive's thread just as the drive ends (a
+    task it left running) gets `LoopStoppedError`: left unanswered, the task awaiting
+    it would never end, and neither would its loop's shutdown."""
+    from loom_kernel._servant import LoopStoppedError, Servant
+
+    loop = asyncio.new_event_loop()
+    try:
+        servant = Servant(loop)
+        answer: asyncio.Future[Any] = loop.create_future()
+        servant._calls.put((None, print, (), answer))  # queued, never served
+        servant._close()
+        loop.run_until_complete(asyncio.wait_for(answer, 5))
+        value, error = answer.result()
+        assert value is None
+        assert isinstance(error, LoopStoppedError)
+    finally:
+        loop.close()
