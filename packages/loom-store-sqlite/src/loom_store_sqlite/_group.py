@@ -76,7 +76,6 @@ class GroupCommit:
         just handed, goes on (`_let_go`), and a queued append whose wake was lost finds
         its turn, or its group's verdict, by looking every `_LOOK_AGAIN` seconds.
         """
-        follow = False
         try:
             with self._lock:
                 follow = self._leading
