@@ -89,8 +89,9 @@ def register_upcaster(kind: str, before: str, lift: Lift) -> None:
         _upcasters.sort(key=lambda item: item.before)
 
 
-def _compact_encoder() -> Callable[[Any], str]:
-    """json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False).
+def _compact_chunks() -> Callable[[Any, int], Sequence[str]]:
+    """The chunks of json.dumps(value, separators=(",", ":"), ensure_ascii=False,
+    allow_nan=False), for `"".join`: `_CHUNKS(value, 0)`.
 
     The standard library builds its C encoder anew on every call, most of the cost
     of dumping a step's small result; this builds it once, with the same settings, so
@@ -102,8 +103,8 @@ def _compact_encoder() -> Callable[[Any], str]:
     reference = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     make = getattr(json.encoder, "c_make_encoder", None)
     if make is None:  # pragma: no cover - CPython has it
-        return reference.encode
-    chunks_of = make(
+        return lambda value, _level: (reference.encode(value),)
+    chunks_of: Callable[[Any, int], Sequence[str]] = make(
         None,  # no circular-reference markers
         reference.default,
         json.encoder.encode_basestring,
@@ -114,14 +115,10 @@ def _compact_encoder() -> Callable[[Any], str]:
         False,  # skipkeys
         False,  # allow_nan
     )
-
-    def encode(value: Any) -> str:
-        return "".join(chunks_of(value, 0))
-
-    return encode
+    return chunks_of
 
 
-_ENCODE: Final = _compact_encoder()
+_CHUNKS: Final = _compact_chunks()
 
 
 def dump_json(value: Any) -> str:
@@ -131,7 +128,7 @@ def dump_json(value: Any) -> str:
         InvalidArgumentError: the value is not JSON (a set, NaN, an object...).
     """
     try:
-        text: str = _ENCODE(value)
+        text = "".join(_CHUNKS(value, 0))
         if not text.isascii():
             text.encode("utf-8")  # a lone surrogate has no UTF-8 form: no JSON text either
     except (TypeError, ValueError, RecursionError) as exc:  # UnicodeEncodeError: a ValueError

@@ -46,7 +46,7 @@ from loom_kernel._executions import stream_of
 from loom_kernel._flows import RetryPolicy
 from loom_kernel._ids import has_utf8, is_name
 from loom_kernel._inbox import Inbox, Message
-from loom_kernel._journal import JournalStore, NewRecord, appends_asked
+from loom_kernel._journal import APPENDS, JournalStore, NewRecord
 from loom_kernel._numbers import finite_number
 from loom_kernel._published import Published, event_key_refusal
 from loom_kernel._servant import FLOW_LOOP, unwrap
@@ -100,6 +100,9 @@ class Runtime:
         timers: the due-timer index a sleep writes its hint to.
         inbox: the run inboxes a receive reads.
         published: where `set_event` publishes.
+        lease_in_doubt: whether the engine's lease may have run out (no renewal for
+            half a lease): a drive then looks at the journal's head before its next
+            step, even on a store where that costs a request.
     """
 
     engine: Engine
@@ -111,6 +114,7 @@ class Runtime:
     timers: TimerIndex
     inbox: Inbox
     published: Published
+    lease_in_doubt: Callable[[], bool]
 
 
 #: Set by a worker around the drives it makes: once the event is set (the worker is
@@ -272,7 +276,7 @@ class _Replay:
         """Append at the position this run has folded to, after whatever is pending;
         any store error stops the run."""
         pending = self._control.pending
-        before = appends_asked()
+        before = APPENDS.asked
         try:
             self._runtime.store.append(
                 self._stream, self._state.position - len(pending), pending + records
@@ -280,7 +284,7 @@ class _Replay:
         except LoomError as exc:
             raise self._halt(exc) from None
         self._appended_at = _monotonic()
-        after = appends_asked()
+        after = APPENDS.asked
         self._appends_then = after if after == before + 1 else -1
         pending.clear()
 
@@ -331,7 +335,10 @@ class _Replay:
         # The call's text only when a check needs it: a new step is the hot path.
         if self._checks_claims:
             self._before_claim(f"ctx.step({name!r})")
-        if self._running_step() is not None:
+        # A sync context's `_running_step()`, read inline (an async one checks claims).
+        if self._inside_step is not None or (
+            self._checks_claims and self._running_step() is not None
+        ):
             self._refuse_inside_step(f"ctx.step({name!r})")
         index = self._step_index
         self._step_index += 1
@@ -387,11 +394,11 @@ class _Replay:
                 raise self._halt(ConflictError(self._stream, position, position))
             return
         stopped = self._control.stopped
-        if not stopped and not self._runtime.engine.lease_in_doubt():
+        if not stopped and not self._runtime.lease_in_doubt():
             if not self._runtime.store.head_is_cheap:
                 return  # renewed within half a lease: nobody can have taken the run
             if (
-                appends_asked() == self._appends_then
+                APPENDS.asked == self._appends_then
                 and _monotonic() - self._appended_at < _FRESH_HEAD
             ):
                 # This drive's own append landed at the head an instant ago and nothing
@@ -717,9 +724,11 @@ class Context(_Replay):
         if frame is not None and frame.name == name and frame.error is None and returns is None:
             self._step_index += 1
             return frame.result
-        index, replayed = self._begin_step(name, returns)
-        if replayed is not _MISSING:
-            return replayed
+        # `_begin_step`, inline: a sync context checks the owner at once.
+        index, frame = self._claim_step(name)
+        if frame is not None:
+            return self._replayed(frame, returns)
+        self._check_owner()
         policy = retry or self._runtime.retry
         for attempt in itertools.count(1):
             self._inside_step = name

@@ -394,6 +394,7 @@ class Engine:
             self.timers,
             self._inbox,
             self._published,
+            self._heartbeat.in_doubt,
         )
 
     def _drive(self, state: ExecutionState, control: DriveControl | None = None) -> None:
@@ -1466,12 +1467,6 @@ class Engine:
         if pid != os.getpid():
             self._default_id = pid, made = os.getpid(), default_worker_id()
         return made
-
-    def lease_in_doubt(self) -> bool:
-        """Whether this engine's lease may have run out (no renewal for half a lease):
-        a drive then looks at the journal's head before its next step, even on a store
-        where that costs a request."""
-        return self._heartbeat.in_doubt()
 
     def _take_over(self, state: ExecutionState) -> bool:
         """Whether this engine may drive a running run now, claiming it first when

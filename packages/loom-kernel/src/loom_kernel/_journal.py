@@ -13,22 +13,28 @@ from loom_kernel._errors import InvalidArgumentError, SchemaError
 from loom_kernel._ids import validate_prefix, validate_stream_id
 from loom_kernel._numbers import finite_number
 
-__all__ = ["MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record", "check_gapless"]
+__all__ = ["APPENDS", "MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record", "check_gapless"]
 
 MAX_KIND_LENGTH: Final = 64
 
 _KINDS_KEPT: Final = 256
 _kinds_seen: set[str] = set()  # record kinds that passed the check
 
-#: Appends asked of any store in this process: `appends_asked()`.
-_appends = 0
 
-
-def appends_asked() -> int:
+class AppendCount:
     """How many appends this process has asked of its stores (counted as each call
-    begins, landed or not). A drive compares it before and after its own append: when
-    it moved by exactly one, no other code of the process appended in between."""
-    return _appends
+    begins, landed or not), in `asked`. A drive compares it before and after its own
+    append: when it moved by exactly one, no other code of the process appended in
+    between. An attribute, not a function: a step reads it three times."""
+
+    __slots__ = ("asked",)
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+
+#: The process's one count (`JournalStore.append` bumps it).
+APPENDS: Final = AppendCount()
 
 
 @attrs.frozen
@@ -168,10 +174,10 @@ class JournalStore(abc.ABC):
                 could not be confirmed (re-read before retrying).
             InvalidIdError, InvalidArgumentError: bad arguments; nothing was written.
         """
-        global _appends  # noqa: PLW0603 (one int the hot path bumps)
-        _appends += 1
+        APPENDS.asked += 1
         validate_stream_id(stream)
-        _check_position("expected", expected)
+        if type(expected) is not int or expected < 0:  # the common case without a call
+            _check_position("expected", expected)
         batch = tuple(records)
         if not batch:
             raise InvalidArgumentError("append needs at least one record")

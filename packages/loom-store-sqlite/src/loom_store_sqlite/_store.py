@@ -163,11 +163,6 @@ class _InsertRefusedError(Exception):
         self.cause = cause
 
 
-def _alone(append: PendingAppend) -> bool:
-    """Whether an append is one record on a stream that exists (expected above 0)."""
-    return append.expected > 0 and len(append.rows) == 1
-
-
 def begin_transaction(connection: sqlite3.Connection, begin: str) -> None:
     """Run `begin`; an interrupt (KeyboardInterrupt, a signal handler raising) that
     arrives as it returns, after SQLite granted the lock, rolls it back, or the
@@ -341,7 +336,8 @@ class SqliteStore(FaultInjection, JournalStore):
         return (floor if deleted or head is None else max(head, floor)), floor, deleted
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
-        lose_reply = self._next_fault(stream)
+        # Asked only of a store that ever had a fault injected: every append comes here.
+        lose_reply = bool(getattr(self, "_faults", None)) and self._next_fault(stream)
         txn = _commit_id()
         try:
             return self._write(stream, expected, records, txn, lose_reply=lose_reply)
@@ -394,8 +390,9 @@ class SqliteStore(FaultInjection, JournalStore):
         with self._commit_lock:
             connection = self._connection
             landed: list[PendingAppend] | None
-            if len(batch) == 1 and _alone(batch[0]):
-                landed = self._insert_alone(connection, batch[0])
+            # One append of one record to a stream that exists (expected above 0).
+            if len(batch) == 1 and (only := batch[0]).expected > 0 and len(only.rows) == 1:
+                landed = self._insert_alone(connection, only)
             else:
                 landed = self._transact(connection, batch, isolated=False)
                 if landed is None:
