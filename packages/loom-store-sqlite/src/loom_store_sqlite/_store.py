@@ -339,21 +339,6 @@ class SqliteStore(FaultInjection, JournalStore):
         # Asked only of a store that ever had a fault injected: every append comes here.
         lose_reply = bool(getattr(self, "_faults", None)) and self._next_fault(stream)
         txn = _commit_id()
-        try:
-            return self._write(stream, expected, records, txn, lose_reply=lose_reply)
-        except (AmbiguousWriteError, StoreUnavailableError) as exc:
-            return self._confirm(stream, expected, len(records), txn, exc)
-
-    def _write(
-        self,
-        stream: str,
-        expected: int,
-        records: tuple[NewRecord, ...],
-        txn: str,
-        *,
-        lose_reply: bool,
-    ) -> int:
-        new_head = expected + len(records)
         # The commit id marks the batch's first record.
         first = records[0]
         rows: list[tuple[str, int, str, bytes, float, str | None]] = [
@@ -364,15 +349,17 @@ class SqliteStore(FaultInjection, JournalStore):
                 (stream, expected + offset, r.kind, r.payload, float(r.timestamp), None)
                 for offset, r in enumerate(records[1:], start=2)
             ]
-        pending = PendingAppend(stream, expected, rows)
         try:
-            self._group.submit(pending)
-        except BaseException:
-            self._forget_head(stream)
-            raise
-        if lose_reply:
-            raise AmbiguousWriteError
-        return new_head
+            try:
+                self._group.submit(PendingAppend(stream, expected, rows))
+            except BaseException:
+                self._forget_head(stream)
+                raise
+            if lose_reply:
+                raise AmbiguousWriteError
+        except (AmbiguousWriteError, StoreUnavailableError) as exc:
+            return self._confirm(stream, expected, len(records), txn, exc)
+        return expected + len(records)
 
     def _commit_group(self, batch: list[PendingAppend]) -> None:
         """One transaction for a group of appends (see `GroupCommit`): each append's
