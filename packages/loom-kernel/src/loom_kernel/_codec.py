@@ -294,7 +294,7 @@ def encode_step_completed(
     index_is, name_is, result_is, attempts_is, end = _STEP_PIECES
     pieces = (index_is, str(index), name_is, name_json, result_is, result_json, attempts_is)
     payload = "".join((*pieces, str(attempts), end))
-    return NewRecord(kind=STEP_KIND, payload=payload.encode("utf-8"), timestamp=timestamp)
+    return NewRecord(STEP_KIND, payload.encode("utf-8"), timestamp)
 
 
 def decode_event(record: Record, stream: str | None = None) -> Event:
