@@ -578,6 +578,30 @@ def test_a_worker_without_the_code_leaves_a_waiting_message_alone_and_writes_not
         assert engine.handle("x").result(timeout=10) == ["one", "two"]
 
 
+def test_a_second_nudge_stamped_like_the_first_still_has_the_worker_look() -> None:
+    """Two nudges from a clock that did not move (a coarse clock, one stepped back, or
+    two engines at one instant) are two index records: a worker that saw the first
+    looks again at the second, instead of waiting for its next sweep (half a lease)."""
+    from loom_kernel import Worker
+
+    store, clock = MemoryStore(), FakeClock()  # the sender's clock never moves
+    sender = _engine(store, clock)
+    sender.start("inbox.two", None, key="x")
+    with Worker(Engine(store, FLOWS, listeners=[], lease=600.0), idle_poll=0.02) as worker:
+        sender.send("x", "one", drive=False)  # a nudge stamped at the sender's now
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (
+            sender.get("x").status is Status.SUSPENDED
+            and len(sender.state("x").resume_keys) == 1
+            and worker.stats.in_flight == 0
+        ):
+            time.sleep(0.01)
+        assert len(sender.state("x").resume_keys) == 1, "the first message was not delivered"
+        time.sleep(0.3)  # about fifteen polls: the worker has seen the first nudge's hint
+        sender.send("x", "two", drive=False)  # a second nudge, stamped the same
+        assert sender.handle("x").result(timeout=5) == ["one", "two"]
+
+
 # -- races between engines (an adversarial review) -------------------------------------
 
 

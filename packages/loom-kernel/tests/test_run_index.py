@@ -632,6 +632,49 @@ def test_a_checkpoint_replaces_what_the_partition_held_before_it() -> None:
     assert closed == {}, "what was closed before it was moved out by it"
 
 
+def test_each_hint_record_is_a_hint_of_its_own_and_a_compaction_keeps_them() -> None:
+    """Hints are told apart by the record that wrote them, not by their clock: a nudge
+    stamped like the hint before it is news, while a compaction, which rewrites the
+    open hints into a checkpoint, leaves them the hints a worker already saw."""
+    store, clock = MemoryStore(), FakeClock()  # a clock that never moves
+    index = RunIndex(store, clock)
+    ids = [f"r{n}" for n in range(20_000) if partition_of(f"r{n}") == "0"][:40]
+    assert len(ids) == 40
+    index.opened(ids[0], "work", None)
+    index.nudged(ids[0], "work")
+    _, [first] = index.open_in("0")
+    index.nudged(ids[0], "work")
+    _, [second] = index.open_in("0")
+    assert (first.by, first.at) == (second.by, second.at)
+    assert first != second, "a second nudge at the same instant is not news"
+    for closing in ids[1:]:
+        index.opened(closing, "work", None)
+        index.closed(closing, Status.COMPLETED, "work")
+    stream = "runs/open/0"
+    before = store.head(stream)
+    _, hints = index.open_in("0")  # a read with this many closed runs compacts
+    assert store.read(stream, store.head(stream) - 1)[0].kind == "loom.run.checkpoint"
+    assert store.head(stream) > before
+    assert hints == [second]
+    _, [after] = index.open_in("0")
+    assert after == second, "a compaction made an open run news again"
+
+
+def test_a_checkpoint_hint_without_a_position_reads_as_position_zero() -> None:
+    from loom_kernel._run_index import _fold_readable
+
+    stream = "runs/open/0"
+    store = MemoryStore()
+    old = {"id": "r", "flow": "work", "by": None, "at": 5.0}  # as Loom wrote it before
+    bad = {**old, "id": "s", "position": -1}
+    for hint, damaged in ((old, False), (bad, True)):
+        record = NewRecord("loom.run.checkpoint", json.dumps({"open": [hint]}).encode(), 0.0)
+        store.append(stream, store.head(stream), [record])
+        opened, _closed, was_damaged = _fold_readable(stream, store.read(stream))
+        assert was_damaged is damaged
+        assert opened["r"].position == 0
+
+
 def test_a_full_listing_closes_a_finished_run_a_readable_partition_still_holds_open() -> None:
     """A damaged partition has recover list every journal; a run whose close was lost
     in another, readable, partition is closed there too."""

@@ -94,6 +94,10 @@ class OpenHint:
         by: the worker that wrote the hint (before the run's first record).
         at: when, by that worker's clock.
         queue: the queue the run was enqueued on, if any (only its workers drive it).
+        position: the position of the index record that wrote the hint (0 when not
+            known: a checkpoint an older Loom wrote). Two hints of a run are equal
+            only when they are one record, so a worker that saw one finds a nudge
+            news even when its clock gave both the same `at`.
     """
 
     execution_id: str
@@ -101,6 +105,7 @@ class OpenHint:
     by: str | None
     at: float
     queue: str | None = None
+    position: int = 0
 
 
 @attrs.frozen
@@ -343,7 +348,13 @@ class RunIndex:
 
 
 def _hint_data(hint: OpenHint) -> dict[str, Any]:
-    data = {"id": hint.execution_id, "flow": hint.flow, "by": hint.by, "at": hint.at}
+    data = {
+        "id": hint.execution_id,
+        "flow": hint.flow,
+        "by": hint.by,
+        "at": hint.at,
+        "position": hint.position,
+    }
     if hint.queue is not None:
         data["queue"] = hint.queue
     return data
@@ -421,6 +432,7 @@ def _fold_record(
                     item["by"],
                     float(item["at"]),
                     _queue_of(item),
+                    _position_of(item),
                 )
                 opened[hint.execution_id] = hint
         elif record.kind == _OPEN:
@@ -428,7 +440,12 @@ def _fold_record(
             if data.get("nudge") is True and execution_id not in opened:
                 return  # the run closed (or was dropped) before the nudge: it stays so
             opened[execution_id] = OpenHint(
-                execution_id, str(data["flow"]), data["by"], record.timestamp, _queue_of(data)
+                execution_id,
+                str(data["flow"]),
+                data["by"],
+                record.timestamp,
+                _queue_of(data),
+                record.position,
             )
             closed.pop(execution_id, None)
         elif record.kind == _CLOSED:
@@ -440,6 +457,13 @@ def _fold_record(
             raise ValueError(f"unknown kind {record.kind!r}")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise _damaged(record, exc, stream) from None
+
+
+def _position_of(data: dict[str, Any]) -> int:
+    position = data.get("position", 0)  # 0: a checkpoint an older Loom wrote
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise TypeError(f"a hint's position is an int >= 0, not {position!r}")
+    return position
 
 
 def _damaged(record: Record, exc: Exception, stream: str | None = None) -> SchemaError:
