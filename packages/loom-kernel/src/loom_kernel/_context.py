@@ -353,23 +353,6 @@ class _Replay:
             )
         return index, frame
 
-    def _begin_step(self, name: object, returns: type[Any] | None) -> tuple[int, Any]:
-        """Replay a recorded step or claim a new one: (index, replayed value or _MISSING).
-
-        The common replay (a recorded, successful, untyped step of the same name) is
-        answered inline in `step` before this is called; this is the checked path.
-        """
-        index, frame = self._claim_step(name)
-        if frame is not None:
-            return index, self._replayed(frame, returns)
-        self._before_new_step()
-        return index, _MISSING
-
-    def _before_new_step(self) -> None:
-        """A new step was claimed: a sync context checks the owner at once (an async
-        one does when the step's coroutine starts, off the loop)."""
-        self._check_owner()
-
     def _retry_delay(
         self, policy: RetryPolicy, index: int, name: str, exc: Exception, attempt: int
     ) -> float:
@@ -719,12 +702,12 @@ class Context(_Replay):
             InvalidArgumentError: the name is not a str, or the result is not JSON.
         """
         # The replay hot path, inline (measured: a call less per replayed step is a
-        # fifth of a 10,000-step resume's re-run); anything unusual takes _begin_step.
+        # fifth of a 10,000-step resume's re-run); anything unusual is claimed below.
         frame = self._state.steps.get(self._step_index)
         if frame is not None and frame.name == name and frame.error is None and returns is None:
             self._step_index += 1
             return frame.result
-        # `_begin_step`, inline: a sync context checks the owner at once.
+        # A sync context checks the owner of a new step at once.
         index, frame = self._claim_step(name)
         if frame is not None:
             return self._replayed(frame, returns)
@@ -927,8 +910,18 @@ class AsyncContext(_Replay):
         with self._lock:
             return super().patched(change)
 
-    def _before_new_step(self) -> None:
-        """The owner is checked when the new step's coroutine starts (`_new_step`)."""
+    def _begin_step(self, name: object, returns: type[Any] | None) -> tuple[int, Any]:
+        """Replay a recorded step or claim a new one: (index, replayed value or _MISSING).
+
+        The common replay (a recorded, successful, untyped step of the same name) is
+        answered inline in `step` before this is called; this is the checked path. The
+        owner of a new step is checked when its coroutine starts (`_new_step`), off the
+        loop.
+        """
+        index, frame = self._claim_step(name)
+        if frame is not None:
+            return index, self._replayed(frame, returns)
+        return index, _MISSING
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)`, a call that reads or writes the journal: on the servant's thread

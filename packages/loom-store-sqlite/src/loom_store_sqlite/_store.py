@@ -336,8 +336,7 @@ class SqliteStore(FaultInjection, JournalStore):
         return (floor if deleted or head is None else max(head, floor)), floor, deleted
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
-        # Asked only of a store that ever had a fault injected: every append comes here.
-        lose_reply = bool(getattr(self, "_faults", None)) and self._next_fault(stream)
+        lose_reply = self._next_fault(stream)
         txn = _commit_id()
         # The commit id marks the batch's first record.
         first = records[0]
