@@ -805,6 +805,24 @@ def test_a_value_that_cannot_be_published_stops_the_drive_before_it_is_journaled
     assert not any(name.startswith("loom.event:") for name in names), "nothing journaled"
 
 
+def test_an_inbox_that_cannot_be_read_stops_the_drive_at_the_receive() -> None:
+    """A receive that cannot look at the inbox neither parks (a message already there
+    would wait for a wake nobody sends) nor passes: the drive stops on the store's
+    error, and the run stays running for the next drive."""
+    from loom_kernel import StoreUnavailableError
+
+    engine = _engine(MemoryStore())
+
+    def down(*_args: Any) -> None:
+        raise StoreUnavailableError("the inbox went away")
+
+    engine._inbox.next_for = down  # type: ignore[method-assign,assignment]
+    with pytest.raises(StoreUnavailableError, match="the inbox went away"):
+        engine.start("inbox.two", None, key="down")
+    assert engine.get("down").status is Status.RUNNING, "stopped, not parked"
+    assert [type(entry.event).__name__ for entry in engine.history("down")] == ["ExecutionStarted"]
+
+
 # -- damaged inboxes and published values ----------------------------------------------
 
 _DAMAGED_MESSAGES = [
