@@ -480,6 +480,36 @@ def test_an_add_from_a_clock_ahead_does_not_empty_the_rate_window() -> None:
     assert pick(book.read("q", 0), cap=None, per_key=None, rate=queue.rate, now=clock.now, free=4)
 
 
+def test_one_pick_admits_a_key_up_to_its_limit() -> None:
+    """Runs of one key picked together count one each: with two a key allowed, a pick
+    admits the first two of three waiting with that key, and a run of another key."""
+    queue = Queue("q", per_key=2)
+    store, clock = MemoryStore(), FakeClock()
+    book = QueueBook(store, clock, [queue])
+    for run, key in (("a", "k"), ("b", "k"), ("c", "k"), ("d", "other")):
+        book.add(queue.place(run, 0, key), run, "f", "")
+    fold = book.read("q", 0)
+    chosen = pick(fold, cap=None, per_key=2, rate=None, now=clock.now, free=4)
+    assert chosen == ["a", "b", "d"]
+    book.take("q", 0, fold, chosen, "w")
+    assert pick(book.read("q", 0), cap=None, per_key=2, rate=None, now=clock.now, free=4) == []
+
+
+#: blake2b (4 bytes, big-endian) of the key, or else the run's id, modulo the partitions.
+_PARTITIONS_OF_IDS = [11, 6, 0, 9, 9, 4, 4, 13]
+_PARTITIONS_OF_KEYS = [13, 8, 6, 15, 9, 0, 1, 10]
+
+
+def test_a_runs_queue_partition_is_a_stable_function_of_its_key_or_id() -> None:
+    """Every process, of every Loom version, must put a key in the same partition, or
+    the per-key limit (exact within a partition) would not hold across them."""
+    queue = Queue("q", partitions=16)
+    assert [queue.place(f"run-{n}", 0, None).partition for n in range(8)] == _PARTITIONS_OF_IDS
+    assert [queue.place("any", 0, f"customer-{n}").partition for n in range(8)] == (
+        _PARTITIONS_OF_KEYS
+    )
+
+
 def test_runs_cancelled_while_waiting_use_up_no_rate() -> None:
     store = MemoryStore()
     engine = _engine(store, Queue("q", rate=Rate(2, per=3600.0)))
