@@ -510,6 +510,25 @@ def test_a_runs_queue_partition_is_a_stable_function_of_its_key_or_id() -> None:
     )
 
 
+def test_a_slot_that_cannot_admit_its_next_run_says_so_and_leaves_it_to_the_polls(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q"))
+    with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
+
+        def damaged(_after: Queue) -> list[Any]:
+            raise SchemaError("a damaged queue partition")
+
+        worker._admit_next = damaged  # type: ignore[method-assign]
+        with caplog.at_level(logging.DEBUG, logger="loom"):
+            first = engine.enqueue("busy", {"tag": "a"}, key="a", queue="q")
+            assert first.result(timeout=10) == "a"
+            second = engine.enqueue("busy", {"tag": "b"}, key="b", queue="q")
+            assert second.result(timeout=10) == "b", "admitted by a poll"
+    assert "admitting after a: a damaged queue partition" in caplog.text
+
+
 def test_runs_cancelled_while_waiting_use_up_no_rate() -> None:
     store = MemoryStore()
     engine = _engine(store, Queue("q", rate=Rate(2, per=3600.0)))

@@ -492,3 +492,22 @@ def test_a_bucket_whose_seal_meets_a_new_hint_trims_what_the_poll_handled() -> N
         records = store.read(bucket, trimmed.floor)
     left = [json.loads(record.payload)["id"] for record in records]
     assert left == ["newcomer"], "what the poll handled is trimmed; the new hint stays"
+
+
+def test_a_floor_that_cannot_be_read_as_a_hint_is_added_is_logged_and_the_hint_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Its origin unknown, a hint goes to its minute's bucket and to OVERDUE as well
+    (a poll may list above that minute), and the floor's failure is said."""
+
+    class FloorAway(MemoryStore):
+        def _head(self, stream: str) -> int:
+            if stream == FLOOR_STREAM:
+                raise StoreUnavailableError("the floor cannot be read")
+            return super()._head(stream)
+
+    store, clock = FloorAway(), FakeClock(BASE)
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        TimerIndex(store, clock).add("r", 0, BASE + 30)
+    assert "timer floor: StoreUnavailableError: the floor cannot be read" in caplog.text
+    assert store.head(OVERDUE) == 1, "kept where any poll finds it"

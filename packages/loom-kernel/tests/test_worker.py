@@ -28,6 +28,7 @@ from loom_kernel import (
     flow,
 )
 from loom_kernel._leases import driving_here
+from loom_kernel._run_index import partition_of
 from loom_kernel.events import ExecutionClaimed, ExecutionStarted
 
 effects: Counter[str] = Counter()
@@ -653,6 +654,42 @@ def test_a_let_go_enqueue_is_taken_back_by_its_own_worker_once_a_slot_frees(
         e for e in (x.event for x in engine.history("queued")) if isinstance(e, ExecutionClaimed)
     ]
     assert [(claim.by, claim.previous) for claim in claims] == [(engine.worker_id,) * 2]
+
+
+def test_a_beat_that_fails_as_enqueues_are_let_go_is_counted_and_the_nudges_still_written(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import sys
+
+    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.1)
+    store = MemoryStore()
+    engine = _engine(store, lease=600.0)
+    heartbeat = engine._heartbeat
+    beat = heartbeat.beat
+
+    def failing_as_it_lets_go() -> None:
+        if sys._getframe(1).f_code.co_name == "_let_go_handed":
+            raise StoreUnavailableError("the beats cannot be written")
+        beat()
+
+    monkeypatch.setattr(heartbeat, "beat", failing_as_it_lets_go)
+    with Worker(engine, concurrency=1, idle_poll=60.0) as worker:
+        busy = engine.enqueue("slow", "b", key="busy")  # takes the only slot
+        queued = engine.enqueue("three", "q", key="q")
+        with caplog.at_level(logging.WARNING, logger="loom"):
+            deadline = time.monotonic() + 10
+            while worker._handed and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert not worker._handed, "let go after the wait"
+        assert "a beat letting runs go: StoreUnavailableError" in caplog.text
+        assert worker.stats.failures == 1
+        nudges = [
+            r for r in store.read(f"runs/open/{partition_of('q')}") if b'"nudge"' in r.payload
+        ]
+        assert nudges, "the nudge written all the same"
+        gate.set()
+        assert queued.result(timeout=10) == ["q:0", "q:1", "q:2"]
+        busy.result(timeout=10)
 
 
 def test_enqueues_past_the_workers_own_queue_start_unowned_for_any_worker() -> None:
