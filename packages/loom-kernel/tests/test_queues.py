@@ -902,6 +902,29 @@ def test_a_dead_takers_admission_is_given_back_however_far_behind_the_reapers_cl
         assert run.result(timeout=10) == "r"
 
 
+def test_an_admitted_run_that_cannot_be_read_holds_no_place_and_is_said(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = MemoryStore()
+    queue = Queue("q", concurrency=1)
+    engine = _engine(store, queue, lease=0.4)
+    run = engine.enqueue("busy", {"tag": "r", "s": 0.0}, queue="q")
+    book = QueueBook(store, lambda: time.time() - 60, [queue])  # taken a minute ago
+    book.take("q", 0, book.read("q", 0), [run.id], "elsewhere")
+
+    def unreadable(execution_id: str, _by: str | None) -> bool | None:
+        raise SchemaError(f"the journal of {execution_id} is damaged")
+
+    engine._queued_stale = unreadable  # type: ignore[method-assign,assignment]
+    worker = Worker(engine)
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert worker._reap(queue, 0, engine._queues.read("q", 0)) is True
+    assert f"{run.id}: admitted, and cannot be read" in caplog.text
+    fold = engine._queues.read("q", 0)
+    assert run.id not in fold.active, "its place given back"
+    assert run.id not in {item.execution_id for item in fold.line()}, "and not queued again"
+
+
 def test_a_checkpoint_from_before_wakes_kept_their_place_still_folds() -> None:
     """A checkpoint written by an older Loom notes a wake while driven as `true`: once
     done, that run waits again at its old place."""
