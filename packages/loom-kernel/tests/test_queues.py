@@ -517,7 +517,7 @@ def test_a_slot_that_cannot_admit_its_next_run_says_so_and_leaves_it_to_the_poll
     engine = _engine(store, Queue("q"))
     with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
 
-        def damaged(_after: Queue) -> list[Any]:
+        def damaged(after: Queue) -> list[Any]:
             raise SchemaError("a damaged queue partition")
 
         worker._admit_next = damaged  # type: ignore[method-assign]
