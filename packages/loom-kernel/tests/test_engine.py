@@ -26,6 +26,7 @@ from loom_kernel import (
     flow,
 )
 from loom_kernel._codec import encode_event
+from loom_kernel._driving import drive_here
 from loom_kernel.events import ExecutionClaimed
 from loom_kernel.spi import (
     ConflictError,
@@ -245,9 +246,9 @@ def test_replay_is_idempotent(make_engine: EngineFactory, store: JournalStore) -
     before = _journal(store, ex.id)
     for _ in range(3):
         state = engine.state(ex.id)
-        make_engine([parked])._drive(state)  # a re-run with nothing new
+        drive_here(make_engine([parked])._drive(state))  # a re-run with nothing new
         state.status = Status.RUNNING
-        make_engine([parked])._drive(state)
+        drive_here(make_engine([parked])._drive(state))
     assert make_engine([parked]).recover() == []
     assert _journal(store, ex.id) == before
 

@@ -226,13 +226,13 @@ def test_a_timer_woken_by_another_engine_meanwhile_is_not_counted_as_woken_here(
     here, there = _engine(store, clock), _engine(store, clock)
     run = here.start("nap", 30)
     clock.advance(60)
-    resume = here._resume
+    resuming = here._resuming
 
     def beaten_to_it(*args: Any, **kwargs: Any) -> Any:
         assert there.fire_due_timers() == [run.id]  # between the look and the resume
-        return resume(*args, **kwargs)
+        return resuming(*args, **kwargs)
 
-    monkeypatch.setattr(here, "_resume", beaten_to_it)
+    monkeypatch.setattr(here, "_resuming", beaten_to_it)
     assert here.fire_due_timers() == [], "woken once, by the other engine"
     assert here.get(run.id).result == "rested"
     assert TimerIndex(store, clock).buckets() == []

@@ -9,7 +9,7 @@ import re
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -27,12 +27,26 @@ from loom_kernel import (
     Worker,
     flow,
 )
+from loom_kernel._driving import Drive
 from loom_kernel._leases import driving_here
 from loom_kernel._run_index import partition_of
 from loom_kernel.events import ExecutionClaimed, ExecutionStarted
 
 effects: Counter[str] = Counter()
 effects_lock = threading.Lock()
+
+
+def _drive_of(call: Callable[[], Any]) -> Callable[[], Drive[Any]]:
+    """A worker task's drive that makes `call` and asks for no pass of async code."""
+
+    def drive() -> Drive[Any]:
+        return call()
+        yield  # a generator, as a drive is
+
+    return drive
+
+
+_idle = _drive_of(lambda: None)  # a task that does nothing
 
 
 def _effect(name: str) -> str:
@@ -958,9 +972,9 @@ def test_a_run_queued_for_a_slot_is_queued_once() -> None:
             submitted.append(args)
 
     pool: Any = Pool()
-    assert worker._submit(pool, _Task("a", lambda: None), queue=True)
-    assert worker._submit(pool, _Task("b", lambda: None), queue=True)  # waits for the slot
-    assert not worker._submit(pool, _Task("b", lambda: None), queue=True), "queued already"
+    assert worker._submit(pool, _Task("a", _idle), queue=True)
+    assert worker._submit(pool, _Task("b", _idle), queue=True)  # waits for the slot
+    assert not worker._submit(pool, _Task("b", _idle), queue=True), "queued already"
     assert len(worker._backlog) == 1
     assert len(submitted) == 1
 
@@ -976,7 +990,7 @@ def test_a_visit_that_raises_a_bug_is_logged_and_counted(caplog: Any) -> None:
         raise ZeroDivisionError("a bug")
 
     with caplog.at_level(logging.ERROR, logger="loom"):
-        worker._work(_Task("buggy", broken_visit))
+        worker._work(_Task("buggy", _drive_of(broken_visit)))
     assert worker.stats.failures == 1
     assert any("working on buggy failed" in record.getMessage() for record in caplog.records)
 
@@ -996,7 +1010,7 @@ def test_a_visit_that_meets_a_store_fault_is_logged_counted_and_its_slot_freed(
     worker._in_flight.add("faulty")
     worker.stats.in_flight = 1
     with caplog.at_level(logging.WARNING, logger="loom"):
-        worker._work(_Task("faulty", faulty_visit))
+        worker._work(_Task("faulty", _drive_of(faulty_visit)))
     assert worker.stats.failures == 1
     assert (worker.stats.in_flight, worker._in_flight) == (0, set()), "its slot is free"
     assert any(
@@ -1172,7 +1186,7 @@ def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:
         time.sleep(0.05)
         assert worker._reserve("reserved", queue=False)  # an enqueue about to start
         assert worker._pool is not None
-        assert worker._submit(worker._pool, _Task("found", ran.set), queue=True)
+        assert worker._submit(worker._pool, _Task("found", _drive_of(ran.set)), queue=True)
         assert not ran.is_set(), "queued: the only slot is reserved"
         worker._unreserve("reserved")  # the key existed: nothing started
         assert ran.wait(5), "the freed slot took the queued work"
@@ -1274,9 +1288,9 @@ def test_a_task_a_freed_slot_takes_from_the_backlog_is_in_flight_while_it_runs()
     worker = Worker(_engine(MemoryStore()), concurrency=1)
     seen: list[set[str]] = []
     worker._in_flight.add("first")
-    worker._backlog.append(_Task("queued", lambda: seen.append(set(worker._in_flight))))
+    worker._backlog.append(_Task("queued", _drive_of(lambda: seen.append(set(worker._in_flight)))))
     worker._queued.add("queued")
-    worker._work(_Task("first", lambda: None))
+    worker._work(_Task("first", _idle))
     assert seen == [{"queued"}], "in flight while it runs: no second drive of it starts"
     assert (worker._in_flight, worker._queued, worker.stats.in_flight) == (set(), set(), 0)
 
@@ -1361,7 +1375,7 @@ def test_a_task_a_freed_slot_cannot_start_as_the_pool_shuts_down_is_let_go_not_c
 
     worker._pool = ShutDown()  # type: ignore[assignment]
     worker._in_flight.add("reserved")  # a slot taken for an enqueue that is given back
-    worker._backlog.append(_Task("next", lambda: None, lambda: let_go.append("next")))
+    worker._backlog.append(_Task("next", _idle, lambda: let_go.append("next")))
     worker._queued.add("next")
     worker._unreserve("reserved")
     assert let_go == ["next"], "let go for another worker"
@@ -1410,7 +1424,7 @@ def test_a_handed_run_let_go_whose_nudge_fails_is_counted_and_said(
     engine = _engine(MemoryStore())
     worker = Worker(engine)
     let_go: list[str] = []
-    worker._backlog.append(_Task("x", lambda: None, lambda: let_go.append("x"), "three", 0.0))
+    worker._backlog.append(_Task("x", _idle, lambda: let_go.append("x"), "three", 0.0))
 
     def down(_execution_id: str, _flow: str) -> None:
         raise StoreUnavailableError("down")
@@ -1491,14 +1505,14 @@ def test_a_run_handed_over_as_its_slot_frees_is_not_left_marked_as_waiting() -> 
     worker._in_flight.add("busy")
     assert worker._reserve("handed", queue=True), "a place in its queue"
     assert worker._queued == {"handed"}
-    worker._work(_Task("busy", lambda: None))  # the slot frees before the hand-over
+    worker._work(_Task("busy", _idle))  # the slot frees before the hand-over
     driven: list[str] = []
 
     def drive() -> str:
         driven.append("handed")
         return "handed"
 
-    assert worker._hand("handed", drive, lambda: None, "three")
+    assert worker._hand("handed", _drive_of(drive), lambda: None, "three")
     assert driven == ["handed"]
     assert (worker._in_flight, worker._queued, worker._handed) == (set(), set(), set())
     assert not worker._busy_with("handed")
@@ -1532,16 +1546,16 @@ def test_a_task_for_a_run_waiting_here_for_a_slot_is_refused_not_kept_twice() ->
     from loom_kernel._worker import _Task
 
     worker = Worker(_engine(MemoryStore()), concurrency=1)
-    waiting = _Task("r", lambda: None)
+    waiting = _Task("r", _idle)
     worker._backlog.append(waiting)
     worker._queued.add("r")
     with ThreadPoolExecutor(1) as pool:
-        assert worker._submit(pool, _Task("r", lambda: None), queue=True) is False
+        assert worker._submit(pool, _Task("r", _idle), queue=True) is False
         assert list(worker._backlog) == [waiting]
         # Every slot busy: a visit (not to be queued) is refused, and not queued.
         worker._in_flight.add("busy")
         ran: list[str] = []
-        assert worker._submit(pool, _Task("v", lambda: ran.append("v"))) is False
+        assert worker._submit(pool, _Task("v", _drive_of(lambda: ran.append("v")))) is False
     assert (list(worker._backlog), ran, worker._queued) == ([waiting], [], {"r"})
 
 

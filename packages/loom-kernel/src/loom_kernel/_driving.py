@@ -1,12 +1,21 @@
-"""Running a flow's code once, from the top, against its folded journal."""
+"""Running a flow's code once, from the top, against its folded journal.
+
+A drive is a generator (`Drive`): it runs the sync parts of a drive (the lock, the
+claim, the journal's reads and writes, a sync flow's whole code) where it is resumed,
+and yields a `FlowPass` for each pass of an async flow's code, which its driver runs
+and sends back the outcome of. `drive_here` drives one on this thread (each pass on
+the loop the caller runs under, or its own); a worker drives one across its pool and
+its event loop, so that an async flow holds no thread while its code awaits (see
+`Worker`).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 from loom_kernel._codec import to_json
 from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, Unwind
@@ -18,12 +27,54 @@ from loom_kernel._state import ExecutionState
 
 T = TypeVar("T")
 
-__all__ = ["FLOW_LOOP", "awaitable_sleep", "on_loop", "replay_check", "run_flow"]
+__all__ = [
+    "FLOW_LOOP",
+    "Drive",
+    "FlowPass",
+    "awaitable_sleep",
+    "drive_here",
+    "on_loop",
+    "replay_check",
+    "run_flow",
+]
+
+
+class FlowPass:
+    """What a drive asks its driver for: one pass of an async flow's code (`coroutine`,
+    the flow's own, run as `context.run(coroutine)`); the driver sends back its result
+    or throws in its error."""
+
+    __slots__ = ("context", "coroutine")
+
+    def __init__(self, context: AsyncContext, coroutine: Coroutine[Any, Any, Any]) -> None:
+        self.context = context
+        self.coroutine = coroutine
+
+
+#: A drive (see the module's docstring), returning T.
+Drive: TypeAlias = Generator[FlowPass, Any, T]
+
+
+def drive_here(drive: Drive[T]) -> T:
+    """Drive to its end on this thread, each pass of async code as `_run_coroutine`
+    runs it; its result."""
+    try:
+        asked = next(drive)
+        while True:
+            try:
+                value = _run_coroutine(asked.context, asked.coroutine)
+            except BaseException as exc:
+                asked = drive.throw(exc)
+            else:
+                asked = drive.send(value)
+    except StopIteration as stop:
+        result: T = stop.value
+        return result
 
 
 def run_flow(
     definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
-) -> ExecutionCompleted | ExecutionFailed | None:
+) -> Drive[ExecutionCompleted | ExecutionFailed | None]:
     """Re-run the flow from the top until it parks or ends.
 
     Steps and gates journal themselves as the code reaches them; what is left is how
@@ -39,7 +90,7 @@ def run_flow(
             the journal (including returning or failing before it reached every
             recorded call); the journal is left as it was.
     """
-    ending, context = _execute(definition, runtime, state, control)
+    ending, context = yield from _execute(definition, runtime, state, control)
     if ending is not None:
         _refuse_unconsumed(state.id, ending, context)
     return ending
@@ -57,7 +108,7 @@ def replay_check(definition: Flow, runtime: Runtime, state: ExecutionState) -> N
             (returns, fails, parks) before it reaches everything recorded.
     """
     control = DriveControl(replay_only=True)
-    ending, context = _execute(definition, runtime, state.copy(), control)
+    ending, context = drive_here(_execute(definition, runtime, state.copy(), control))
     _refuse_unconsumed(state.id, ending, context)
 
 
@@ -82,12 +133,12 @@ def _refuse_unconsumed(
 
 def _execute(
     definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
-) -> tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]:
+) -> Drive[tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]]:
     """Run the code from the top, again while a pass asks to (`Context.replay_again`):
     each such pass journaled the steps it left running, so the next one gets further."""
     while True:
         before = state.position
-        ending, context = _execute_once(definition, runtime, state, control)
+        ending, context = yield from _execute_once(definition, runtime, state, control)
         if not context.replay_again:
             return ending, context
         if state.position == before:  # the next pass would end the same way, forever
@@ -100,7 +151,7 @@ def _execute(
 
 def _execute_once(
     definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
-) -> tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]:
+) -> Drive[tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]]:
     context: Context | AsyncContext = (
         AsyncContext(runtime, state, control)
         if definition.is_async
@@ -108,7 +159,7 @@ def _execute_once(
     )
     try:
         if isinstance(context, AsyncContext):
-            result = _run_coroutine(context, definition.fn(context, state.input))
+            result = yield FlowPass(context, definition.fn(context, state.input))
         else:
             result = definition.fn(context, state.input)
     except Unwind as unwind:

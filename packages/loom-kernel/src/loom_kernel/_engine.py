@@ -20,7 +20,14 @@ import attrs
 from loom_kernel._cache import StateCache
 from loom_kernel._codec import decode_events, encode_event, to_json
 from loom_kernel._context import DriveControl, Runtime
-from loom_kernel._driving import awaitable_sleep, on_loop, replay_check, run_flow
+from loom_kernel._driving import (
+    Drive,
+    awaitable_sleep,
+    drive_here,
+    on_loop,
+    replay_check,
+    run_flow,
+)
 from loom_kernel._each import raise_first, try_each
 from loom_kernel._errors import (
     CodeVersionError,
@@ -397,7 +404,7 @@ class Engine:
             self._heartbeat.in_doubt,
         )
 
-    def _drive(self, state: ExecutionState, control: DriveControl | None = None) -> None:
+    def _drive(self, state: ExecutionState, control: DriveControl | None = None) -> Drive[None]:
         """Re-run the flow from the top until it parks or ends, and journal how it ended.
 
         Raises:
@@ -408,7 +415,7 @@ class Engine:
         if state.status is not Status.RUNNING:
             return
         control = control or DriveControl()
-        ending = run_flow(self._pinned_flow(state), self._runtime(), state, control)
+        ending = yield from run_flow(self._pinned_flow(state), self._runtime(), state, control)
         if ending is not None:
             self._append(state, [ending], control)
         elif control.pending:  # parked without new work: the resume still happened
@@ -418,6 +425,12 @@ class Engine:
             control.pending.clear()
 
     def _drive_owned(self, state: ExecutionState, control: DriveControl | None = None) -> Execution:
+        """`_driving_owned` on this thread."""
+        return drive_here(self._driving_owned(state, control))
+
+    def _driving_owned(
+        self, state: ExecutionState, control: DriveControl | None = None
+    ) -> Drive[Execution]:
         """Drive a state this caller owns (holding the run's lock), then cache it.
 
         A racing writer (another engine, or a cancel) is the one now in charge: the
@@ -432,7 +445,7 @@ class Engine:
             self._drives[state.id] = control
         try:
             with self._heartbeat.holding(state.id):
-                self._drive(state, control)
+                yield from self._drive(state, control)
         except ConflictError:
             if control.pending:
                 raise  # the resume itself lost the race: the caller's payload went nowhere
@@ -590,7 +603,7 @@ class Engine:
         logger.info("loom: %s: putting it back on queue %r", execution_id, place.name)
         self._queue_up(place, execution_id, flow, code)
 
-    def _drive_queued(self, execution_id: str) -> QueuedDrive:
+    def _drive_queued(self, execution_id: str) -> Drive[QueuedDrive]:
         """Drive a run a worker of this engine admitted from its queue: claim it, then
         drive it until it parks or ends.
 
@@ -616,7 +629,7 @@ class Engine:
             if not claimed:  # a live owner holds it (one that let it go, not gone yet)
                 self._cache.give_back(state)
                 return QueuedDrive.NOT_NOW
-            execution = self._drive_owned(state)
+            execution = yield from self._driving_owned(state)
         self._settled(execution)
         if execution.status is Status.RUNNING and execution.owner == self.worker_id:
             return QueuedDrive.LEFT_RUNNING  # let go at a stop, or stopped by a fault
@@ -711,14 +724,14 @@ class Engine:
                 worker._wake.set()
         return RunHandle(self, execution_id)
 
-    def _drive_handed(self, state: ExecutionState, handoff: contextlib.ExitStack) -> str:
+    def _drive_handed(self, state: ExecutionState, handoff: contextlib.ExitStack) -> Drive[str]:
         """Drive a run `enqueue` started as this engine's own and handed to a worker's
         free slot, as `start` would have inline: no claim, no poll."""
         execution_id = state.id
         try:
             with self._locks.hold(execution_id), self._heartbeat.holding(execution_id):
                 handoff.close()
-                execution = self._drive_owned(state)
+                execution = yield from self._driving_owned(state)
         finally:
             handoff.close()
         self._settled(execution)
@@ -819,6 +832,19 @@ class Engine:
         on: str | None = None,
         settle: bool = True,
     ) -> Execution:
+        resuming = self._resuming(execution_id, data, key, timer=timer, on=on, settle=settle)
+        return drive_here(resuming)
+
+    def _resuming(
+        self,
+        execution_id: str,
+        data: Any,
+        key: str | None,
+        *,
+        timer: bool,
+        on: str | None = None,
+        settle: bool = True,
+    ) -> Drive[Execution]:
         with self._run_lock(execution_id):
             state = self._checkout(execution_id)
             try:
@@ -845,7 +871,7 @@ class Engine:
             # parked at its gate for fixed code to take the same payload.
             control = DriveControl([encode_event(resumed, self.clock())])
             state.apply(resumed)
-            execution = self._drive_owned(state, control)
+            execution = yield from self._driving_owned(state, control)
         return self._settled(execution) if settle else execution
 
     @contextlib.contextmanager
@@ -997,18 +1023,24 @@ class Engine:
     def _deliver(
         self, execution_id: str, *, nudge: bool = True, wait: float | None = None
     ) -> Execution | _Busy | None:
+        """`_delivering` on this thread."""
+        return drive_here(self._delivering(execution_id, nudge=nudge, wait=wait))
+
+    def _delivering(
+        self, execution_id: str, *, nudge: bool = True, wait: float | None = None
+    ) -> Drive[Execution | _Busy | None]:
         """Hand the first waiting message to the gate a run is parked at, if that gate
         takes it, and drive the run on; None when there was nothing to deliver here
         (see `_deliver_held`); `_BUSY` when the run's lock was not free within `wait`
         seconds (None: as long as it takes)."""
         try:
             with self._locks.hold(execution_id, wait=wait):
-                execution = self._deliver_held(execution_id, nudge=nudge)
+                execution = yield from self._deliver_held(execution_id, nudge=nudge)
         except LockBusyError:
             return _BUSY
         return None if execution is None else self._settled(execution)
 
-    def _deliver_held(self, execution_id: str, *, nudge: bool = True) -> Execution | None:
+    def _deliver_held(self, execution_id: str, *, nudge: bool = True) -> Drive[Execution | None]:
         """`_deliver` without calling the listeners. None when the run waits for no
         message that is there, when another writer moved it first (it reads the inbox
         itself from there), or when this engine lacks its flow's code: the run index
@@ -1038,7 +1070,7 @@ class Engine:
             control = DriveControl([encode_event(resumed, self.clock())])
             state.apply(resumed)
             try:
-                return self._drive_owned(state, control)
+                return (yield from self._driving_owned(state, control))
             except ConflictError:
                 return None  # a sender, a timer or the run itself moved first
 
@@ -1353,14 +1385,14 @@ class Engine:
         Returns:
             The run's id if it was driven.
         """
-        outcome = self._recover_hint(hint)
+        outcome = drive_here(self._recover_hint(hint))
         return outcome if isinstance(outcome, str) else None
 
-    def _recover_hint(self, hint: OpenHint) -> str | _NotStarted | None:
+    def _recover_hint(self, hint: OpenHint) -> Drive[str | _NotStarted | None]:
         """As `recover_open`, telling a run whose start has not landed yet (its writer
         may still be writing it) with NOT_STARTED."""
         execution_id = hint.execution_id
-        outcome = self._recover_one(execution_id)
+        outcome = yield from self._recovering_one(execution_id)
         if not isinstance(outcome, _Missing):
             return outcome
         if self._hint_abandoned(hint):
@@ -1398,7 +1430,7 @@ class Engine:
 
         def visit(execution_id: str) -> str | None:
             try:
-                outcome = self._recover_one(execution_id, file_ended)
+                outcome = drive_here(self._recovering_one(execution_id, file_ended))
             finally:  # indexed as open even when its visit failed: it is not ended
                 with contextlib.suppress(LoomError):
                     flow_name = self._view(execution_id, lambda state: state.flow)
@@ -1418,9 +1450,9 @@ class Engine:
         raise_first(failures)
         return [execution_id for execution_id in driven if execution_id is not None]
 
-    def _recover_one(
+    def _recovering_one(
         self, execution_id: str, delivered: Callable[[Execution], None] | None = None
-    ) -> str | _Missing | None:
+    ) -> Drive[str | _Missing | None]:
         """Drive one run if it is left running; its id if it was driven, None if not,
         _MISSING if there is no such run."""
         driven = None
@@ -1439,7 +1471,7 @@ class Engine:
                 and state.flow in self._newest
                 and self._take_over(state)
             ):
-                execution = self._drive_owned(state)
+                execution = yield from self._driving_owned(state)
                 driven = execution_id
             else:
                 execution = Execution.of(state)
@@ -1452,7 +1484,7 @@ class Engine:
         if (
             execution.status is Status.SUSPENDED
             and _waits_for_messages(execution.waiting_on)
-            and self._deliver(execution_id, nudge=False) is not None
+            and (yield from self._delivering(execution_id, nudge=False)) is not None
         ):
             driven = execution_id
         return driven
@@ -1517,11 +1549,13 @@ class Engine:
             The ids of the executions it woke.
         """
         now = self.clock()
-        woken, failures = self.timers.fire_due(now, lambda entry: self._fire(entry, now))
+        woken, failures = self.timers.fire_due(
+            now, lambda entry: drive_here(self._fire(entry, now))
+        )
         raise_first(failures)
         return woken
 
-    def _fire(self, entry: TimerEntry, now: float) -> bool | None:
+    def _fire(self, entry: TimerEntry, now: float) -> Drive[bool | None]:
         """Wake one timer: True if woken, False if the hint is obsolete, None if not yet known.
 
         Decided and done under the run's lock, so two pollers of one engine never both
@@ -1534,11 +1568,11 @@ class Engine:
                 return due
             # A message already in the inbox beats the deadline: it was sent before the
             # timer fired, whatever the clocks said.
-            execution = self._deliver_held(entry.execution_id)
+            execution = yield from self._deliver_held(entry.execution_id)
             if execution is None:
                 key = timer_resume_key(entry.gate)
                 try:
-                    execution = self._resume(
+                    execution = yield from self._resuming(
                         entry.execution_id, None, key, timer=True, settle=False
                     )
                 except _AlreadyDeliveredError:
@@ -1702,7 +1736,7 @@ class QueuedDrive(enum.Enum):
 
 
 class _Missing:
-    """What `_recover_one` returns for a run that does not exist."""
+    """What `_recovering_one` returns for a run that does not exist."""
 
 
 _MISSING: Final = _Missing()

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
+from loom_kernel._driving import Drive, drive_here
 from loom_kernel._engine import NOT_STARTED, QueuedDrive
 from loom_kernel._errors import (
     ConflictError,
@@ -80,7 +81,7 @@ class _Task:
     it if it is not driven, and, for a handed run, its flow, to hint it afresh)."""
 
     execution_id: str
-    run: Callable[[], None]
+    run: Callable[[], Drive[object]]
     let_go: Callable[[], None] | None = None
     flow: str = ""
     since: float = 0.0
@@ -381,7 +382,9 @@ class Worker:
         )
         return _Task(execution_id, drive, let_go, since=time.monotonic())
 
-    def _drive_queued(self, queue: Queue, partition: int, execution_id: str, take: int) -> None:
+    def _drive_queued(
+        self, queue: Queue, partition: int, execution_id: str, take: int
+    ) -> Drive[None]:
         """Drive a run this worker admitted, then say it is done: waiting again if it
         is still running (let go at a stop, or its claim met a live owner or a passing
         fault). A drive that raised (a divergence, a store fault mid-drive) is done
@@ -389,7 +392,7 @@ class Worker:
         lease after its last record, so a failing run is retried at that pace."""
         outcome = None
         try:
-            outcome = self.engine._drive_queued(execution_id)
+            outcome = yield from self.engine._drive_queued(execution_id)
             if outcome is QueuedDrive.LEFT_RUNNING:
                 self._beat()  # says it no longer drives the run: the next taker claims it
             if outcome in (QueuedDrive.DRIVEN, QueuedDrive.LEFT_RUNNING):
@@ -539,8 +542,8 @@ class Worker:
             logger.warning("loom: firing timers: %s: %s", type(exc).__name__, exc)
         return handed
 
-    def _fire(self, entry: TimerEntry, now: float) -> None:
-        if self.engine._fire(entry, now):
+    def _fire(self, entry: TimerEntry, now: float) -> Drive[None]:
+        if (yield from self.engine._fire(entry, now)):
             self.stats.timers += 1
 
     def _visit_open(self, pool: ThreadPoolExecutor, *, sweep: bool) -> int:
@@ -712,16 +715,20 @@ class Worker:
         self._wake.set()
 
     def _hand(
-        self, execution_id: str, drive: Callable[[], str], let_go: Callable[[], None], flow: str
+        self,
+        execution_id: str,
+        drive: Callable[[], Drive[str]],
+        let_go: Callable[[], None],
+        flow: str,
     ) -> bool:
         """Drive in the reserved slot (or queue for the next free one) a run `enqueue`
         started as this engine's own; False (the reservation given back) when the
         worker is stopping. A queued run not driven within `_HANDED_WAIT` seconds, or
         left at a stop, is let go (`let_go`) for any worker to take."""
 
-        def run() -> None:
+        def run() -> Drive[None]:
             try:
-                drive()
+                yield from drive()
                 self.stats.driven += 1
             finally:
                 self.stats.visited += 1
@@ -757,7 +764,7 @@ class Worker:
             task: _Task | None = first
             while task is not None:
                 try:
-                    task.run()
+                    drive_here(task.run())
                 except LoomError as exc:
                     self.stats.failures += 1
                     logger.warning("loom: %s: %s: %s", task.execution_id, type(exc).__name__, exc)
@@ -779,9 +786,9 @@ class Worker:
             RELEASE.reset(token)
         self._wake.set()  # a slot is free
 
-    def _visit(self, hint: OpenHint) -> None:
+    def _visit(self, hint: OpenHint) -> Drive[None]:
         try:
-            outcome = self.engine._recover_hint(hint)
+            outcome = yield from self.engine._recover_hint(hint)
             if outcome is NOT_STARTED:
                 self._look_again(hint.execution_id)
                 return
