@@ -858,3 +858,96 @@ def test_a_call_handed_over_as_the_drive_ends_is_refused_not_left_unanswered() -
         assert isinstance(error, LoopStoppedError)
     finally:
         loop.close()
+
+
+def _drive_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("loom-drive")]
+
+
+def _threads_serving_a_flow() -> list[str]:
+    """The threads blocked making the calls of one flow until its code is done."""
+    serving = []
+    for ident, frame in sys._current_frames().items():
+        walked: Any = frame
+        while walked is not None:
+            if walked.f_code is _servant.Servant.serve.__code__:
+                serving.append(str(ident))
+                break
+            walked = walked.f_back
+    return serving
+
+
+def _awaiting_flow(
+    name: str, arrived: threading.Semaphore, go: threading.Event, ran: list[tuple[str, int]]
+) -> Any:
+    def noted(step: str, number: int, value: int) -> int:
+        ran.append((step, number))
+        return value
+
+    @flow(name=name)
+    async def awaiting(ctx: AsyncContext, number: int) -> Any:
+        first = await ctx.step("before", lambda: noted("before", number, number))
+        arrived.release()
+        while not go.is_set():  # awaits on the loop, holding no thread of its own
+            await asyncio.sleep(0.005)
+        return await ctx.step("after", lambda: noted("after", number, first + 1))
+
+    return awaiting
+
+
+def test_a_workers_async_runs_hold_no_thread_while_their_code_awaits() -> None:
+    """A slot of a worker is a thread for a sync flow and a task of its loop for an
+    async one: twenty runs awaiting at once hold none of its pool's threads (each held
+    one, serving its flow, before), and their steps still run once each."""
+    arrived, go = threading.Semaphore(0), threading.Event()
+    ran: list[tuple[str, int]] = []
+    awaiting = _awaiting_flow("loop.awaiting", arrived, go, ran)
+    engine = Engine(MemoryStore(), [awaiting], listeners=[])
+    runs = 20
+    with Worker(engine, concurrency=runs, idle_poll=0.02) as worker:
+        handles = []
+        try:
+            for number in range(runs):  # one at a time: each start finds the pool idle
+                handles.append(engine.enqueue("loop.awaiting", number, key=f"a{number}"))
+                assert arrived.acquire(timeout=10)
+            assert worker.stats.in_flight == runs, "every run holds its slot"
+            assert _threads_serving_a_flow() == []
+            assert len(_drive_threads()) <= 3, [t.name for t in _drive_threads()]
+        finally:
+            go.set()  # a failure above still lets the worker stop
+        assert [handle.result(timeout=20) for handle in handles] == [n + 1 for n in range(runs)]
+    assert sorted(ran) == sorted(
+        [("before", n) for n in range(runs)] + [("after", n) for n in range(runs)]
+    )
+
+
+def test_a_workers_stop_releases_its_awaiting_async_runs_for_another_to_finish() -> None:
+    """Runs awaiting on a stopping worker's loop go on for its grace, are released at
+    their next step (the stop returns once they are), and another worker finishes them,
+    each step once."""
+    arrived, go = threading.Semaphore(0), threading.Event()
+    ran: list[tuple[str, int]] = []
+    awaiting = _awaiting_flow("loop.released", arrived, go, ran)
+    store = MemoryStore()
+    first = Engine(store, [awaiting], listeners=[], worker_id="first")
+    runs = 5
+    worker = Worker(first, concurrency=runs, idle_poll=0.02, grace=0.1).start()
+    handles = [first.enqueue("loop.released", n, key=f"r{n}") for n in range(runs)]
+    for _ in range(runs):
+        assert arrived.acquire(timeout=10)
+    stopping = threading.Thread(target=worker.stop)
+    stopping.start()
+    stopping.join(0.5)
+    assert stopping.is_alive(), "a run's code still awaits: the stop waits for it"
+    go.set()
+    stopping.join(20)
+    assert not stopping.is_alive()
+    assert [first.get(h.id).status for h in handles] == [Status.RUNNING] * runs
+    assert ("after", 0) not in ran, "released before its next step"
+    second = Engine(store, [awaiting], listeners=[], worker_id="second")
+    with Worker(second, concurrency=runs, idle_poll=0.02):
+        results = [second.handle(h.id).result(timeout=20) for h in handles]
+    assert results == [n + 1 for n in range(runs)]
+    assert sorted(ran) == sorted(
+        [("before", n) for n in range(runs)] + [("after", n) for n in range(runs)]
+    ), "each step once, across the two workers"

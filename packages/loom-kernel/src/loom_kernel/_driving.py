@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 from collections.abc import Awaitable, Callable, Coroutine, Generator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeAlias, TypeVar
 
 from loom_kernel._codec import to_json
@@ -22,7 +22,7 @@ from loom_kernel._context import AsyncContext, Context, DriveControl, Runtime, U
 from loom_kernel._errors import LoomError, NonDeterminismError
 from loom_kernel._events import ExecutionCompleted, ExecutionFailed, error_info
 from loom_kernel._flows import Flow
-from loom_kernel._servant import FLOW_LOOP, LoopStoppedError, Servant
+from loom_kernel._servant import FLOW_LOOP, LoopStoppedError, Outcome, Servant
 from loom_kernel._state import ExecutionState
 
 T = TypeVar("T")
@@ -33,6 +33,7 @@ __all__ = [
     "FlowPass",
     "awaitable_sleep",
     "drive_here",
+    "drive_on_loop",
     "on_loop",
     "replay_check",
     "run_flow",
@@ -55,11 +56,13 @@ class FlowPass:
 Drive: TypeAlias = Generator[FlowPass, Any, T]
 
 
-def drive_here(drive: Drive[T]) -> T:
+def drive_here(drive: Drive[T], asked: FlowPass | None = None) -> T:
     """Drive to its end on this thread, each pass of async code as `_run_coroutine`
-    runs it; its result."""
+    runs it; its result. `asked`: the pass it asked for already, if it was begun
+    elsewhere."""
     try:
-        asked = next(drive)
+        if asked is None:
+            asked = next(drive)
         while True:
             try:
                 value = _run_coroutine(asked.context, asked.coroutine)
@@ -70,6 +73,81 @@ def drive_here(drive: Drive[T]) -> T:
     except StopIteration as stop:
         result: T = stop.value
         return result
+
+
+async def drive_on_loop(
+    drive: Drive[Any], asked: FlowPass, context: contextvars.Context, executor: Executor
+) -> Outcome:
+    """Drive to its end a drive begun elsewhere (it asked for `asked`), holding no
+    thread while its flow's code runs: each pass of that code is a task of the running
+    loop whose blocking calls are made on `executor`, as the drive's sync parts are,
+    all in `context` (the drive's own, from its first part: the locks it takes reset
+    context variables).
+
+    Returns:
+        How the drive ended: (its result, None) or (None, its error), never raised
+        here (a KeyboardInterrupt or SystemExit raised on the loop would stop it for
+        every run).
+    """
+    loop = asyncio.get_running_loop()
+    closing = False  # the loop cancelled this: it is closing, no pass starts now
+    while True:
+        if closing:
+            asked.coroutine.close()
+            resume: Callable[[Any], Any] = drive.throw
+            value: Any = Unwind(LoomError("the event loop running the flow is closing"))
+        else:
+            (resume, value), closing = await _pass_on_loop(drive, asked, context, executor)
+
+        def part(
+            resume: Callable[[Any], Any] = resume, value: Any = value
+        ) -> tuple[Outcome | None, Any]:
+            """On the executor: the drive's next sync part; how it ended, or the next
+            pass it asks for."""
+            try:
+                return None, context.run(resume, value)
+            except StopIteration as stop:
+                return (stop.value, None), None
+            except BaseException as exc:
+                return (None, exc), None
+
+        future = loop.run_in_executor(executor, part)
+        while True:
+            try:
+                ended, asked = await asyncio.shield(future)
+                break
+            except asyncio.CancelledError:  # the part goes on: the drive waits for it
+                closing = True
+        if ended is not None:
+            return ended
+
+
+async def _pass_on_loop(
+    drive: Drive[Any], asked: FlowPass, context: contextvars.Context, executor: Executor
+) -> tuple[tuple[Callable[[Any], Any], Any], bool]:
+    """One pass of the flow's code as a task of this loop, its calls made on `executor`;
+    how to resume the drive with how it ended, and whether the loop cancelled this
+    meanwhile (it is closing)."""
+    servant = Servant(asyncio.get_running_loop(), executor)
+    asked.context.served_by(servant)
+    run = asked.context.run(asked.coroutine)
+    task = asyncio.get_running_loop().create_task(run, context=context.copy())
+    closing = False
+    while not task.done():
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:  # the loop closing cancels the flow's task too
+            closing = True
+    servant.close()
+    if servant.fatal is not None:
+        return (drive.throw, servant.fatal), closing
+    if task.cancelled():
+        stopped = LoomError("the flow's task was cancelled: its event loop is closing")
+        return (drive.throw, Unwind(stopped)), closing
+    error = task.exception()
+    if error is not None:
+        return (drive.throw, error), closing
+    return (drive.send, task.result()), closing
 
 
 def run_flow(

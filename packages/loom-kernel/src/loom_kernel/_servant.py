@@ -1,10 +1,13 @@
-"""The thread of a drive whose async flow runs on another thread's event loop.
+"""Who makes the blocking calls of an async flow whose code runs on an event loop.
 
-Such a drive (the async API's, or a worker's) waits while its flow's code runs on the
-loop. Instead of idling, its thread makes the flow's blocking calls: the journal
-writes and reads of each ctx call, and sync step functions. The loop never waits on a
-disk sync, so the writes of many runs sharing one loop reach the store side by side
-(and share the SQLite store's group commits) instead of one after another.
+A drive made on a thread for another thread's loop (the async API's) waits while its
+flow's code runs there. Instead of idling, its thread makes the flow's blocking calls:
+the journal writes and reads of each ctx call, and sync step functions (`serve`). A
+worker's drive holds no thread while its flow's code runs: its calls are made on the
+worker's pool, one after another (`Servant(loop, executor)`). Either way the loop
+never waits on a disk sync, so the writes of many runs sharing one loop reach the
+store side by side (and share the SQLite store's group commits) instead of one after
+another.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from loom_kernel._threads import call_threads, let_go
@@ -82,20 +85,30 @@ def unwrap(outcome: Outcome) -> Any:
 
 
 class Servant:
-    """Calls the flow's code (on `loop`) hands to the drive's thread, and that thread's
-    service of them until the flow's coroutine is done."""
+    """Calls the flow's code (on `loop`) hands over, and their service: by the drive's
+    thread until the flow's coroutine is done (`serve`), or, given an `executor`, on
+    it, one call after another, as they come, until `close`."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, executor: Executor | None = None) -> None:
         self._loop = loop
+        self._executor = executor
         self._calls: queue.SimpleQueue[_Call | None] = queue.SimpleQueue()
         self._fatal: BaseException | None = None
-        self._thread: int | None = None  # the drive's thread, once it serves
+        self._thread: int | None = None  # the thread making the calls, while it does
         self._closed = False  # the drive is over: calls handed over now are refused
         self._held: dict[asyncio.Task[Any], _Held] = {}  # cancels held back, by task
         self._in_call: set[asyncio.Task[Any]] = set()  # tasks awaiting a call
+        self._draining = False  # with an executor: a turn of `_drain` is on it or due
+        self._turns = threading.Lock()
+
+    @property
+    def fatal(self) -> BaseException | None:
+        """A KeyboardInterrupt or SystemExit a call raised (its caller got a cancel):
+        the drive raises it once the flow's code has unwound."""
+        return self._fatal
 
     def serving_here(self) -> bool:
-        """Whether this is the drive's thread, making one of the calls."""
+        """Whether this is the thread making the calls, making one of them."""
         return self._thread == threading.get_ident()
 
     async def call(
@@ -114,6 +127,8 @@ class Servant:
             return _refused()
         future: asyncio.Future[Outcome] = self._loop.create_future()
         self._calls.put((context, fn, args, future))
+        if self._executor is not None:
+            self._take_turn()
         if self._closed and not future.done():  # the drive ended as it was handed over
             future.set_result(_refused())
         task = asyncio.current_task()
@@ -205,6 +220,42 @@ class Servant:
         if done.cancelled():
             raise LoopStoppedError("the flow's task was cancelled: its event loop is closing")
         return done.result()
+
+    def _take_turn(self) -> None:
+        """With an executor: have it make the calls queued, unless a turn is due."""
+        assert self._executor is not None
+        with self._turns:
+            if self._draining:
+                return
+            self._draining = True
+        try:
+            self._executor.submit(self._drain)
+        except RuntimeError:  # shut down: nothing will make the calls
+            with self._turns:
+                self._draining = False
+            self._close()
+
+    def _drain(self) -> None:
+        """A turn on the executor: make the calls queued, one after another, until
+        none is left."""
+        self._thread = threading.get_ident()
+        while True:
+            try:
+                call = self._calls.get_nowait()
+            except queue.Empty:
+                with self._turns:
+                    if self._calls.empty():  # else one came as this turn was ending
+                        self._thread = None
+                        self._draining = False
+                        return
+                continue
+            if call is not None:
+                self._run(*call)
+
+    def close(self) -> None:
+        """With an executor, once the flow's coroutine is done: refuse every call
+        handed over from now on (a task it left running), and those still queued."""
+        self._close()
 
     def _close(self) -> None:
         """Refuse every call handed over from now on, and those still queued."""

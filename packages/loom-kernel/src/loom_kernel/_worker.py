@@ -13,6 +13,9 @@ journal writes and sync step functions (so the loop never waits on a disk).
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import contextvars
 import logging
 import os
 import signal
@@ -29,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Final, TextIO
 import attrs
 
 from loom_kernel._context import RELEASE
-from loom_kernel._driving import Drive, drive_here
+from loom_kernel._driving import Drive, FlowPass, drive_here, drive_on_loop
 from loom_kernel._engine import NOT_STARTED, QueuedDrive
 from loom_kernel._errors import (
     ConflictError,
@@ -42,7 +45,7 @@ from loom_kernel._leases import driving_here, exited_here
 from loom_kernel._numbers import finite_number
 from loom_kernel._queues import Queue, QueueFold, pick
 from loom_kernel._run_index import OpenHint, partition_of
-from loom_kernel._servant import FLOW_LOOP, LoopThread
+from loom_kernel._servant import FLOW_LOOP, LoopStoppedError, LoopThread, Outcome
 from loom_kernel._state import Status
 from loom_kernel._timers import TimerEntry
 
@@ -175,6 +178,9 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None  # while it runs
         self._flows: LoopThread | None = None  # where async flows run, while it runs
+        self._on_loop = 0  # drives handed to the loop (see `_to_loop`) not ended yet
+        self._loop_idle = threading.Event()  # set while that is none
+        self._loop_idle.set()
         self._threads_left = False  # threads its async flows started outlived its stop
         self._signals = 0
         self._turn = 0  # which queue, and partition of each, a poll serves first
@@ -245,6 +251,9 @@ class Worker:
             self.engine._local_workers.remove(self)
             with self._lock:
                 self._pool = None
+            # The drives on the loop end (released at their next step) before the pool
+            # that makes their calls shuts down, and before the loop closes.
+            self._loop_idle.wait()
             pool.shutdown(wait=True)
             self._flows.close()
             try:
@@ -756,35 +765,122 @@ class Worker:
         return False
 
     def _work(self, first: _Task) -> None:
-        """Run a task, then the queued ones, one after another, until none is left;
-        every drive made here is released when the worker's grace is over."""
-        token = RELEASE.set(self._released)
-        loop = FLOW_LOOP.set(None if self._flows is None else self._flows.loop)
-        try:
-            task: _Task | None = first
-            while task is not None:
-                try:
-                    drive_here(task.run())
-                except LoomError as exc:
-                    self.stats.failures += 1
-                    logger.warning("loom: %s: %s: %s", task.execution_id, type(exc).__name__, exc)
-                except BaseException:  # SystemExit from a step: on this thread, not the process's
-                    self.stats.failures += 1
-                    logger.exception("loom: working on %s failed", task.execution_id)
-                with self._lock:
-                    self._in_flight.discard(task.execution_id)
-                    self._look_again_if_asked(task.execution_id)
-                    task = None
-                    if self._backlog and not self._stopping.is_set():
-                        task = self._backlog.popleft()
-                        self._queued.discard(task.execution_id)
-                        self._handed.discard(task.execution_id)
-                        self._in_flight.add(task.execution_id)
-                    self.stats.in_flight = len(self._in_flight)
-        finally:
-            FLOW_LOOP.reset(loop)
-            RELEASE.reset(token)
+        """Run a task, then the queued ones, one after another, until none is left or
+        one hands the rest of its drive to the loop (an async flow: the loop's end of
+        it frees the slot and takes the next); every drive made here is released when
+        the worker's grace is over."""
+        task: _Task | None = first
+        while task is not None:
+            if self._begin(task):
+                return
+            task = self._next_for_slot(task)
         self._wake.set()  # a slot is free
+
+    def _begin(self, task: _Task) -> bool:
+        """Drive a task on this thread, up to the first pass of async flow code it
+        asks for (all of a sync flow's drive); True when the rest went to the loop."""
+        context = contextvars.copy_context()  # the drive's own, wherever it goes on
+        context.run(self._enter_drive)
+        try:
+            drive = context.run(task.run)
+            asked = context.run(next, drive, None)
+            if asked is None:
+                return False
+            if self._to_loop(task, drive, asked, context):
+                return True
+            context.run(drive_here, drive, asked)
+        except BaseException as exc:  # SystemExit from a step: on this thread, not the process's
+            self._failed(task, exc)
+        return False
+
+    def _enter_drive(self) -> None:
+        RELEASE.set(self._released)
+        FLOW_LOOP.set(None if self._flows is None else self._flows.loop)
+
+    def _failed(self, task: _Task, exc: BaseException) -> None:
+        self.stats.failures += 1
+        if isinstance(exc, LoomError):
+            logger.warning("loom: %s: %s: %s", task.execution_id, type(exc).__name__, exc)
+        else:
+            logger.error("loom: working on %s failed", task.execution_id, exc_info=exc)
+
+    def _to_loop(
+        self, task: _Task, drive: Drive[object], asked: FlowPass, context: contextvars.Context
+    ) -> bool:
+        """Hand the rest of a drive, whose async flow's code is to run, to the worker's
+        loop (see `drive_on_loop`): its slot holds no thread while that code awaits.
+        False when the worker's loop or pool is gone (it is stopping)."""
+        with self._lock:
+            pool, flows = self._pool, self._flows
+            if pool is None or flows is None:
+                return False
+            self._on_loop += 1
+            self._loop_idle.clear()
+        rest = drive_on_loop(drive, asked, context, pool)
+        try:
+            future = asyncio.run_coroutine_threadsafe(rest, flows.loop)
+        except RuntimeError:  # its loop closed
+            rest.close()
+            self._off_loop()
+            return False
+        future.add_done_callback(partial(self._ended_on_loop, task, pool, drive, context))
+        return True
+
+    def _ended_on_loop(
+        self,
+        task: _Task,
+        pool: ThreadPoolExecutor,
+        drive: Drive[object],
+        context: contextvars.Context,
+        future: concurrent.futures.Future[Outcome],
+    ) -> None:
+        """On the loop, as a drive handed to it ends: say how, then free its slot for
+        the next task, which the pool runs."""
+        try:
+            if future.cancelled():  # by the loop closing before it began: it never did
+                context.run(drive.close)  # what it holds (the run's lock) is let go
+                error: BaseException | None = LoopStoppedError("the worker's loop closed")
+            else:
+                error = future.exception() or future.result()[1]
+            if error is not None:
+                self._failed(task, error)
+            following = self._next_for_slot(task)
+            if following is not None:
+                try:
+                    pool.submit(self._work, following)
+                except RuntimeError:  # shut down meanwhile: dropped, as at a stop
+                    self._drop(following)
+        finally:
+            self._off_loop()
+            self._wake.set()
+
+    def _off_loop(self) -> None:
+        with self._lock:
+            self._on_loop -= 1
+            if self._on_loop == 0:
+                self._loop_idle.set()
+
+    def _drop(self, task: _Task) -> None:
+        """A task taken for a slot that no pool will run (the worker is stopping)."""
+        with self._lock:
+            self._in_flight.discard(task.execution_id)
+            self.stats.in_flight = len(self._in_flight)
+        if task.let_go is not None:
+            task.let_go()
+
+    def _next_for_slot(self, done: _Task) -> _Task | None:
+        """Once a slot's task is over: the queued task it takes next, if any."""
+        with self._lock:
+            self._in_flight.discard(done.execution_id)
+            self._look_again_if_asked(done.execution_id)
+            task = None
+            if self._backlog and not self._stopping.is_set():
+                task = self._backlog.popleft()
+                self._queued.discard(task.execution_id)
+                self._handed.discard(task.execution_id)
+                self._in_flight.add(task.execution_id)
+            self.stats.in_flight = len(self._in_flight)
+        return task
 
     def _visit(self, hint: OpenHint) -> Drive[None]:
         try:
