@@ -1053,3 +1053,66 @@ def test_a_poll_whose_every_take_meets_another_writer_admits_nothing_and_goes_on
         assert worker._serve_partition(pool, queue, 0, sweep=False) == 0
     assert len(tries) > 1, "folded again and retried before giving up"
     assert engine.queue("q").active == []
+
+
+def test_a_queue_partition_deleted_by_hand_reads_as_empty_not_as_its_last_fold() -> None:
+    store = MemoryStore()
+    engine = _engine(store, Queue("q"))
+    handle = engine.enqueue("busy", {"tag": "gone"}, queue="q")
+    assert engine.queue("q").waiting == [handle.id]  # folded, and kept by the book
+    store.delete("queues/q/0")
+    assert engine.queue("q").waiting == [], "the deleted partition holds nothing"
+
+
+class _AlwaysTrimmed(MemoryStore):
+    """A store where every read of a queue partition meets a trim (another taker
+    compacting it each time), counting the reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def read(self, stream: str, after: int = 0, limit: int | None = None) -> Any:
+        if stream.startswith("queues/"):
+            self.reads += 1
+            raise TrimmedError(stream, after, after + 1)
+        return super().read(stream, after, limit)
+
+
+def test_a_partition_compacted_under_every_read_gives_up_after_eight_reads() -> None:
+    store = _AlwaysTrimmed()
+    book = QueueBook(store, time.time, [Queue("q")])
+    with pytest.raises(StoreUnavailableError, match="kept compacting it"):
+        book.refresh("q", 0)
+    assert store.reads == 8, "a bounded number of reads, then a clear error"
+
+
+def test_a_slot_that_frees_as_the_worker_stops_admits_nothing_more_from_its_queue() -> None:
+    """A queued run that ends during a stop's grace does not admit the next run for
+    its slot: a stopping worker takes no work; the run waits for another worker."""
+    store = MemoryStore()
+    queue = Queue("q", concurrency=1)
+    release = threading.Event()
+
+    @flow(name="held", version="1")
+    def held(ctx: Context, tag: str) -> Any:
+        return ctx.step("one", lambda: release.wait(10) and tag)
+
+    first = Engine(store, [held], listeners=[], queues=[queue])
+    handles = [first.enqueue("held", tag, queue="q") for tag in "ab"]
+    worker = Worker(first, concurrency=1, grace=10.0, idle_poll=0.02).start()
+    _wait(lambda: first.queue("q").active == [handles[0].id])
+    stopper = threading.Thread(target=worker.stop)
+    stopper.start()
+    _wait(worker._stopping.is_set)
+    release.set()
+    stopper.join(20)
+    assert not stopper.is_alive()
+    assert handles[0].result(timeout=1) == "a", "ended within the grace"
+    assert handles[1].get().status is Status.RUNNING
+    assert first.queue("q").waiting == [handles[1].id], "not admitted by the stopping worker"
+    takes = [r for r in store.read("queues/q/0") if r.kind == "loom.queue.take"]
+    assert len(takes) == 1, "one take, of the first run: none after the stop began"
+    second = Engine(store, [held], listeners=[], queues=[queue])
+    with Worker(second, idle_poll=0.02):
+        assert handles[1].result(timeout=10) == "b"

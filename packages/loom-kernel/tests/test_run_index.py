@@ -745,3 +745,15 @@ def test_an_ended_partition_deleted_by_hand_lists_no_run_and_fails_nothing() -> 
     for partition in index.partitions():
         store.delete(_ended_stream(Status.COMPLETED, partition))
     assert list(index.ended(Status.COMPLETED)) == []
+
+
+def test_the_first_start_on_an_empty_store_marks_it_indexed() -> None:
+    """The first hint on a store with no run yet marks the store built, so every run
+    from then on is indexed, and a later engine's recover reads the index instead of
+    listing every journal."""
+    store = MemoryStore()
+    _engine(store).start("other", "x")
+    assert store.head("runs/built") == 1
+    later = _engine(store)
+    assert later.runs.built()
+    assert later.recover() == []

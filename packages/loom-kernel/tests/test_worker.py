@@ -1541,6 +1541,35 @@ def test_an_enqueue_of_a_key_that_exists_gives_back_the_slot_it_reserved() -> No
         assert later.result(timeout=10) == ["c:0", "c:1", "c:2"]
 
 
+def test_an_enqueue_of_a_key_that_exists_with_every_slot_busy_gives_back_its_place() -> None:
+    """With every slot busy, `enqueue` takes a place in the worker's queue; for a run
+    whose key exists already (nothing to hand over) the place goes back: kept, the
+    worker would count the run as waiting here and never look at it again."""
+    engine = _engine(MemoryStore())
+    with Worker(engine, concurrency=1, idle_poll=0.05) as worker:
+        try:
+            first = engine.enqueue("three", "a", key="k")
+            assert first.result(timeout=10) == ["a:0", "a:1", "a:2"]
+            busy = engine.enqueue("slow", "busy", key="busy")  # takes the only slot
+            assert at_gate.wait(10)
+            again = engine.enqueue("three", "b", key="k")
+            assert again.id == first.id
+            assert (worker._queued, worker._handed) == (set(), set()), "the place went back"
+            assert not worker._busy_with(first.id)
+        finally:
+            gate.set()
+        busy.result(timeout=10)
+
+
+def test_the_live_status_line_is_cut_at_200_characters() -> None:
+    import io
+
+    worker = Worker(_engine(MemoryStore(), worker_id="w" * 190), concurrency=3)
+    out = io.StringIO()
+    worker._show(out)
+    assert out.getvalue() == "\r" + ("loom worker " + "w" * 190)[:200]
+
+
 def test_a_task_for_a_run_waiting_here_for_a_slot_is_refused_not_kept_twice() -> None:
     """A second task for a run already waiting in this worker's backlog (a poll's
     admission of a run a hand-over queued) is refused, so its caller gives its

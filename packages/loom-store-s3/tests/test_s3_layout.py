@@ -144,3 +144,17 @@ def test_a_key_in_a_stream_directory_is_an_entry_only_when_it_is_loom_s(
     digits = batch[len(directory) + 1 :]
     for foreign in ("X" + digits, "Rx" + digits[1:], "R" + digits[:-1] + "x", "R" + digits + "0"):
         assert Layout.parse_entry(directory, directory + foreign) is None, foreign
+
+
+def test_a_streams_shard_is_a_fixed_function_of_its_name() -> None:
+    """The shard is part of every key: a bucket written by one version of the store
+    is read by the next only if each stream's shard stays what it was."""
+    assert [Layout("", 16).shard(s) for s in ["ex/a", "ex/b", "runs/open/00", "timers/x", "q"]] == [
+        10,
+        4,
+        8,
+        13,
+        5,
+    ]
+    assert Layout("", 256).shard("ex/a") == 42
+    assert Layout("p/", 1).shard("ex/a") == 0

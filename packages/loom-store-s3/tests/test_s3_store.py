@@ -175,6 +175,22 @@ def test_a_damaged_batch_is_a_clear_error(moto_server: S3Server) -> None:
         store.read("s")
 
 
+def test_a_last_batch_that_says_it_starts_elsewhere_is_named_in_the_error(
+    moto_server: S3Server,
+) -> None:
+    store = moto_server.store()
+    store.append("s", 0, _records(2))
+    store.append("s", 2, _records(1))
+    first, last = sorted(key for key in _keys(moto_server, store) if "!R" in key)
+    client = moto_server.client()
+    body = client.get_object(Bucket=store.bucket, Key=first)["Body"].read()
+    client.put_object(Bucket=store.bucket, Key=last, Body=body)  # says it starts at 0
+    cold = moto_server.reopen(store)
+    with pytest.raises(StoreUnavailableError) as raised:
+        cold.head("s")
+    assert f"damaged batch object {last!r}: it says it starts at 0" in str(raised.value)
+
+
 def test_one_put_per_append_on_a_known_head_and_one_list_for_a_cold_head(
     s3_server: S3Server,
 ) -> None:

@@ -576,3 +576,29 @@ def check_ambiguous_failures_resolve_exactly_once(harness: StoreHarness) -> None
             "lost reply of a stream's first batch"
         )
         _same(store.read("fresh"), records(3, "f"), 1)
+
+
+@_check
+def check_ambiguous_failures_after_a_trim_resolve_exactly_once(harness: StoreHarness) -> None:
+    """A lost reply is resolved against what the stream holds past its floor: the
+    records a trim dropped must not shift which write the store finds landed."""
+    with _store(harness) as store:
+        if not isinstance(store, SupportsFaultInjection):
+            raise NotApplicable("the store has no fault-injection seam (inject_fault)")
+        store.append("s", 0, records(2, "a"))
+        store.append("s", 2, records(2, "b"))
+        store.trim("s", 4)  # positions 1 to 3 dropped
+        store.inject_fault(Fault.LOST_REPLY)
+        try:
+            head = store.append("s", 4, records(1, "lost"))
+        except StoreUnavailableError:
+            head = store.head("s")  # allowed: it could not confirm; the caller re-reads
+        assert head == 5, f"a landed write whose reply was lost, after a trim, counts once ({head})"
+        _same(store.read("s", 4), records(1, "lost"), 5)
+        store.inject_fault(Fault.LOST_REPLY)
+        _raises(
+            ConflictError,
+            lambda: store.append("s", 4, records(1, "stale")),
+            "stale append after a trim, reply lost",
+        )
+        assert store.head("s") == 5
