@@ -6,9 +6,11 @@ A worker polls two indexes kept on the journal: the timer buckets, and the run i
 visited again on a sweep, every half lease, so a run whose owner stopped is taken over
 within about one and a half leases. A visit is `Engine.recover_open`: the run is
 claimed at the journal's exact head (one worker wins) and driven until it parks or
-ends. Runs are driven on a pool of `concurrency` threads; the code of async flows runs
-as tasks of the worker's one event loop, each drive's thread making its flow's
-journal writes and sync step functions (so the loop never waits on a disk).
+ends. At most `concurrency` runs are driven at once. A sync flow's drive holds a
+thread of the worker's pool; an async flow's begins there and goes on on the worker's
+one event loop (`drive_on_loop`): its code runs as a task, its journal writes and sync
+step functions are made on the pool one after another (so the loop never waits on a
+disk), and it holds no thread while its code awaits.
 """
 
 from __future__ import annotations
