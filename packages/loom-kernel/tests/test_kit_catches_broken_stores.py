@@ -126,6 +126,19 @@ class OptimisticLostReplyStore(MemoryStore):
         return expected + count
 
 
+class FloorBlindLostReplyStore(MemoryStore):
+    """Resolves a lost reply by the record `expected` counts from the stream's first
+    record ever, not from its floor: once trimmed, it judges another record."""
+
+    def _confirm(self, stream: str, expected: int, count: int, commit: str) -> int:
+        with self._state.lock:
+            entry = self._state.streams.get(stream)
+            commits = [] if entry is None else entry.commits
+            if 0 <= expected < len(commits) and commits[expected] == commit:
+                return expected + count
+        raise ConflictError(stream, expected, self.head(stream))
+
+
 class LimitIgnoringReadStore(MemoryStore):
     """Returns everything after `after`, whatever the limit."""
 
@@ -198,6 +211,7 @@ BROKEN_STORES: tuple[type[MemoryStore], ...] = (
     ForgetfulDeleteStore,
     BlindRetryStore,
     OptimisticLostReplyStore,
+    FloorBlindLostReplyStore,
     LimitIgnoringReadStore,
     PerInstanceHeadStore,
     TrimDropsHeadStore,
@@ -274,6 +288,7 @@ def test_checks_that_cannot_apply_are_reported_as_not_applicable_never_as_passed
     assert report == {}
     assert set(report.not_applicable) == {
         "ambiguous_failures_resolve_exactly_once",
+        "ambiguous_failures_after_a_trim_resolve_exactly_once",
         "reopen_keeps_everything",
         "a_second_instance_sees_and_refuses_the_same",
     }
@@ -292,6 +307,7 @@ CAUGHT_BY = {
     ForgetfulDeleteStore: "delete_retires_the_name",
     BlindRetryStore: "ambiguous_failures_resolve_exactly_once",
     OptimisticLostReplyStore: "ambiguous_failures_resolve_exactly_once",
+    FloorBlindLostReplyStore: "ambiguous_failures_after_a_trim_resolve_exactly_once",
     LimitIgnoringReadStore: "read_windows_and_pages",
     PerInstanceHeadStore: "a_second_instance_sees_and_refuses_the_same",
     TrimDropsHeadStore: "trim_at_the_head_keeps_the_head_record",
@@ -319,7 +335,8 @@ def test_kit_fails_a_broken_store(broken: type[MemoryStore]) -> None:
     [
         cls
         for cls in BROKEN_STORES
-        if cls.__name__ not in {"BlindRetryStore", "OptimisticLostReplyStore"}
+        if cls.__name__
+        not in {"BlindRetryStore", "OptimisticLostReplyStore", "FloorBlindLostReplyStore"}
     ],
     ids=lambda cls: cls.__name__,
 )
