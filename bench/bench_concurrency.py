@@ -31,6 +31,12 @@ of I/O, against the same through `asyncio.to_thread(engine.start)`: wall time ÷
 wait (each drive has a thread of Loom's own; the default executor's few threads run
 a few drives at a time).
 
+Then a worker's async runs (`--worker-async`): N async runs enqueued at once to a
+`Worker` of N slots, each awaiting WORKER_WAIT seconds of I/O: wall time ÷ that
+wait, and the most threads of the worker's pool alive at once ÷ N (a slot is a task of
+the worker's loop for an async flow: a thread is held only while a journal write or a
+sync step is made, not while the code awaits).
+
 Then the fan-out: a parent that awaits N children (`await_children`), each a step
 that takes CHILD_SECONDS, driven by a `Worker` of N + 1 slots on the parent's engine
 (children take its slots side by side) and inline with no worker (one after
@@ -59,6 +65,7 @@ from loom_orchestration import await_children
 STEPS = 10
 ROUNDS = 5
 CHILD_SECONDS = 0.2
+WORKER_WAIT = 2.0  # long enough for every run to be awaiting at once
 PAYLOAD = b'{"v":"1.16.0","d":{"index":1,"name":"step","result":{"n":1,"ok":true}}}'
 
 
@@ -219,6 +226,32 @@ def _async_starts(directory: Path, count: int) -> str:
     return f"| {count} | {own / CHILD_SECONDS:.2f}x | {shared / CHILD_SECONDS:.2f}x |"
 
 
+@flow(name="bench.awaits_long", version="1")
+async def awaits_long(ctx: AsyncContext, _input: Any) -> str:
+    await ctx.step("before", _step_result, 0)
+    await asyncio.sleep(WORKER_WAIT)
+    return str(await ctx.step("after", _step_result, 1))
+
+
+def _worker_async(directory: Path, count: int) -> str:
+    """`count` async runs enqueued at once to a worker of `count` slots, each a step,
+    WORKER_WAIT seconds awaited, a step: wall time ÷ that wait, and the pool's
+    threads at the most ÷ `count`."""
+    store = open_store(f"sqlite://{directory / f'worker-async-{count}.db'}")
+    engine = Engine(store, [awaits_long], listeners=[])
+    most = 0
+    with Worker(engine, concurrency=count, idle_poll=0.05):
+        began = time.perf_counter()
+        handles = [engine.enqueue("bench.awaits_long") for _ in range(count)]
+        while not all(handle.get().status.finished for handle in handles):
+            pool = sum(t.name.startswith("loom-drive") for t in threading.enumerate())
+            most = max(most, pool)
+            time.sleep(0.01)
+        wall = time.perf_counter() - began
+    store.close()
+    return f"| {count} | {wall / WORKER_WAIT:.2f}x | {most / count:.2f} |"
+
+
 def _level(
     directory: Path, synchronous: str, threads: int, seconds: float, *, on_a_loop: bool = False
 ) -> str:
@@ -278,6 +311,7 @@ def main() -> None:
     parser.add_argument("--async-levels", type=int, nargs="*", default=[1, 16])
     parser.add_argument("--fan-out", type=int, nargs="*", default=[1, 4, 16])
     parser.add_argument("--async-starts", type=int, nargs="*", default=[1, 10, 100])
+    parser.add_argument("--worker-async", type=int, nargs="*", default=[10, 100, 500])
     parser.add_argument(
         "--synchronous", nargs="+", choices=["full", "normal"], default=["full", "normal"]
     )
@@ -319,6 +353,15 @@ def main() -> None:
             print("| --- | --- | --- |")
             for count in args.async_starts:
                 print(_async_starts(Path(scratch), count), flush=True)
+        if args.worker_async:
+            print(
+                f"\n## A worker's async runs at once, each awaiting {WORKER_WAIT} s of I/O "
+                "between two steps, a slot each"
+            )
+            print("| runs | wall time ÷ that wait | pool threads at the most ÷ runs |")
+            print("| --- | --- | --- |")
+            for count in args.worker_async:
+                print(_worker_async(Path(scratch), count), flush=True)
         if args.fan_out:
             print(f"\n## Fan-out: wall time ÷ one child's ({CHILD_SECONDS} s), synchronous=full")
             print("| children | a worker of N + 1 slots | inline, no worker |")
