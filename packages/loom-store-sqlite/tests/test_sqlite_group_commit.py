@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom_kernel.spi import ConflictError, NewRecord, StoreUnavailableError
 from loom_store_sqlite import SqliteOptions, SqliteStore
-from loom_store_sqlite._group import PendingAppend
+from loom_store_sqlite._group import PendingAppend, Wake
 
 
 def _record(tag: str) -> list[NewRecord]:
@@ -347,11 +347,11 @@ def test_an_append_interrupted_while_queued_leaves_the_store_working(
     _wait_leading(store)
     pending = PendingAppend("b", 0, [])
 
-    class Interrupted(threading.Event):
-        def wait(self, timeout: float | None = None) -> bool:
+    class Interrupted(Wake):
+        def wait(self, timeout: float) -> bool:
             raise KeyboardInterrupt  # Ctrl-C while it waits behind the leader
 
-    monkeypatch.setattr("loom_store_sqlite._group.Event", Interrupted)
+    monkeypatch.setattr("loom_store_sqlite._group.Wake", Interrupted)
     with pytest.raises(KeyboardInterrupt):
         store._group.submit(pending)
     monkeypatch.undo()

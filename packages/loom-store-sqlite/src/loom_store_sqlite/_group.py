@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from threading import Event
+from contextlib import suppress
 from typing import Any, Final
 
 import attrs
 from loom_kernel.spi import StoreUnavailableError
 
-__all__ = ["GroupCommit", "PendingAppend"]
+__all__ = ["GroupCommit", "PendingAppend", "Wake"]
 
 #: Seconds a queued append waits before it looks whether its turn came with its wake
 #: lost (an interrupt in the thread that was to wake it).
@@ -44,8 +44,8 @@ class PendingAppend:
     rows: list[Any]
     error: BaseException | None = None
     # Made only for an append that queues behind a commit (the common, lone append
-    # never waits, and an Event costs a Condition and two locks).
-    _done: Event | None = attrs.field(default=None, init=False)
+    # never waits).
+    _done: Wake | None = attrs.field(default=None, init=False)
     _lead: bool = attrs.field(default=False, init=False)  # it holds the lead
     _decided: bool = attrs.field(default=False, init=False)  # a group's verdict is in
     _taken: Sequence[PendingAppend] = attrs.field(default=(), init=False)  # its group's others
@@ -80,7 +80,7 @@ class GroupCommit:
             with self._lock:
                 follow = self._leading
                 if follow:
-                    append._done = Event()
+                    append._done = Wake()
                     self._queue.append(append)
                 else:
                     append._lead = True  # first: an interrupt between them leads nobody
@@ -171,3 +171,25 @@ class GroupCommit:
 def _wake(append: PendingAppend) -> None:
     assert append._done is not None  # it queued, so it waits
     append._done.set()
+
+
+class Wake:
+    """A one-shot wake-up: `threading.Event`'s `wait` and `set` on one lock held until
+    set. An Event is a Condition, a lock and a waiter lock, driven by Python code on
+    each wait and set; under many threads every Python line on the path of a commit
+    waits for the GIL."""
+
+    __slots__ = ("_lock",)
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def wait(self, timeout: float) -> bool:
+        """Whether it was set, waiting up to `timeout` seconds."""
+        return self._lock.acquire(timeout=timeout)
+
+    def set(self) -> None:
+        """Wake the waiter (once; again is nothing)."""
+        with suppress(RuntimeError):  # set before, and not waited for since
+            self._lock.release()
