@@ -9,6 +9,7 @@ committed since. These tests hold every head() to the database's truth.
 from __future__ import annotations
 
 import sqlite3
+import struct
 import subprocess
 import sys
 import threading
@@ -27,6 +28,8 @@ from loom_kernel.spi import (
     StreamDeletedError,
 )
 from loom_store_sqlite import SqliteStore, open_sqlite_store
+from loom_store_sqlite._heads import StampedHeads
+from loom_store_sqlite._walindex import WalIndex
 
 STREAMS = ("ex/a", "ex/b")
 
@@ -143,21 +146,123 @@ def test_another_process_writing_is_seen(tmp_path: Path) -> None:
         store.append("ex/a", 1, _record())
 
 
-def test_after_its_own_append_a_head_reads_no_records(tmp_path: Path) -> None:
+def test_after_its_own_append_a_head_makes_no_statement(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
     store.append("ex/a", 0, _record())
-    assert store.head("ex/a") == 1  # as the engine does before a step
+    store.append("ex/a", 1, _record())
     statements: list[str] = []
     store._connection.set_trace_callback(statements.append)
-    store.append("ex/a", 1, _record())
-    statements.clear()
-    assert store.head("ex/a") == 2
-    assert statements == ["PRAGMA data_version"]
+    assert store.head("ex/a") == 2  # as the engine does before a step
+    assert statements == [], "the WAL-index header shows nobody else committed"
     other = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
     other.append("ex/b", 0, _record())  # any commit by another connection
-    statements.clear()
     assert store.head("ex/a") == 2
-    assert len(statements) == 2  # the version moved: the head is read again
+    assert len(statements) == 2, "the header moved: the head is read again"
+
+
+def test_a_head_another_thread_of_the_store_wrote_makes_no_statement(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/t.db")
+    store.append("ex/a", 0, _record())
+    _in_thread(store.append, "ex/a", 1, _record())
+    statements: list[str] = []
+    store._connection.set_trace_callback(statements.append)
+    assert store.head("ex/a") == 2
+    assert statements == [], "the heads the store's commits wrote are shared by its threads"
+
+
+def test_without_a_wal_index_every_head_is_read(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/n.db")
+    store._wal = None  # as where the -shm file cannot be mapped
+    store.append("ex/a", 0, _record())
+    other = open_sqlite_store(f"sqlite://{tmp_path}/n.db")
+    other.append("ex/a", 1, _record())
+    assert store.head("ex/a") == 2
+    assert WalIndex.open(str(tmp_path / "missing.db")) is None
+    assert open_sqlite_store("sqlite:///:memory:")._wal is None
+
+
+def _foreign_append(path: Path, stream: str, position: int) -> None:
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
+            "VALUES (?, ?, 'k', x'7b7d', 1.0, NULL)",
+            (stream, position),
+        )
+
+
+@pytest.mark.parametrize("records", [1, 2], ids=["lone statement", "transaction"])
+def test_a_commit_by_another_writer_just_before_the_stores_own_is_not_taken_for_it(
+    tmp_path: Path, records: int
+) -> None:
+    path = tmp_path / "r.db"
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("ex/f", 0, _record())
+    store.append("ex/g", 0, _record())
+    assert store.head("ex/f") == 1  # known, and stamped
+    commit = store._commit_group
+
+    def after_another_writer(batch: Any) -> None:
+        # Between the store's look at the header and its own commit: the header then
+        # moves by two commits, and the store must not trust what it knew.
+        _foreign_append(path, "ex/f", 2)
+        commit(batch)
+
+    store._commit_group = after_another_writer  # type: ignore[method-assign]
+    store._group._commit = after_another_writer
+    assert store.append("ex/g", 1, _record() * records) == 1 + records
+    assert store.head("ex/f") == 2, "the other writer's record"
+    assert store.head("ex/g") == 1 + records
+
+
+def test_a_commit_of_the_store_that_landed_nothing_keeps_no_stamp_past_another_writer(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "c.db"
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("ex/f", 0, _record())
+    store.append("ex/h", 0, _record())
+    assert store.head("ex/h") == 1
+    commit = store._group._commit
+
+    def after_another_writer(batch: Any) -> None:
+        _foreign_append(path, "ex/h", 2)  # one commit, and the store's lands nothing
+        commit(batch)
+
+    store._group._commit = after_another_writer
+    with pytest.raises(ConflictError):
+        store.append("ex/f", 5, _record())
+    assert store.head("ex/h") == 2, "the one commit was the other writer's"
+
+
+def test_stamped_heads_trust_only_one_commit_made_by_the_store() -> None:
+    def header(change: int) -> bytes:
+        return struct.pack("=IIIB", 3007000, 0, change, 1).ljust(48, b"\0")
+
+    heads = StampedHeads()
+    heads.committed(header(1), header(2), {"a": 1})
+    assert heads.lookup("a", header(2)) == 1
+    assert heads.lookup("a", header(3)) is None, "someone committed since"
+    heads.committed(header(2), header(3), {"b": 1})
+    assert heads.lookup("a", header(3)) == 1, "nothing else came between"
+    heads.committed(header(4), header(5), {"c": 1})
+    assert heads.lookup("a", header(5)) is None, "header 4 is not the stamp: dropped"
+    assert heads.lookup("c", header(5)) == 1
+    heads.committed(header(5), header(7), {"d": 1})
+    assert heads.lookup("c", header(7)) is None, "two commits: one was somebody else's"
+    assert heads.lookup("d", header(7)) is None
+    heads.committed(header(7), header(8), {"e": 1})
+    heads.committed(header(8), header(9), {})
+    assert heads.lookup("e", header(9)) is None, "landed nothing: the commit was another's"
+    heads.committed(header(9), header(10), {"f": 1})
+    heads.committed(header(10), header(10), {})
+    assert heads.lookup("f", header(10)) == 1, "nothing landed, nothing moved"
+    heads.committed(None, header(11), {"g": 1})
+    assert heads.lookup("g", header(11)) is None, "a header read mid-write is no stamp"
+    old = struct.pack("=IIIB", 3007000, 0, 12, 0).ljust(48, b"\0")
+    heads.committed(old, header(13), {"h": 1})
+    assert heads.lookup("h", header(13)) is None, "a header not initialised"
+    heads.committed(header(0xFFFFFFFF), header(0), {"i": 1})
+    assert heads.lookup("i", header(0)) == 1, "the counter wraps"
 
 
 def test_an_append_that_failed_on_the_way_is_forgotten(tmp_path: Path) -> None:

@@ -1,14 +1,20 @@
-"""Stream heads one connection has seen, trusted while no other connection writes."""
+"""Stream heads a store has seen: one connection's, trusted while no other connection
+writes, and the store's own, trusted while nobody else commits."""
 
 from __future__ import annotations
 
 from typing import Final
+
+from loom_store_sqlite._walindex import follows
 
 #: Asks SQLite whether another connection (in any process) has committed since the
 #: last time this connection asked: the value changes exactly then.
 DATA_VERSION: Final = "PRAGMA data_version"
 
 _LIMIT: Final = 4096
+#: The most heads a store shares between its threads (a worker drives runs by the
+#: thousand, each with its own stream; the run index's partitions are a few more).
+_SHARED_LIMIT: Final = 16384
 
 
 class KnownHeads:
@@ -45,3 +51,57 @@ class KnownHeads:
     def forget(self, stream: str) -> None:
         """After a write to `stream` whose outcome this connection does not know."""
         self._heads.pop(stream, None)
+
+
+class StampedHeads:
+    """The heads of streams this store's commits wrote, shared by all its threads, valid
+    while the database's WAL-index header (`WalIndex.stamp`) is the one they were
+    stamped with: any commit by anyone else changes the header, and so does every
+    other change to the database this store makes (a trim, a delete).
+
+    A group's leader records its commit once it has landed, one group at a time, the
+    heads before the stamp; any thread looks up, with a header it read first. A head
+    recorded after that header was read is a commit's that landed since, so it is
+    still the head as it is looked up; one recorded before is trusted only while that
+    header is the stamp.
+    """
+
+    __slots__ = ("_heads", "_stamp")
+
+    def __init__(self) -> None:
+        self._stamp: bytes | None = None
+        self._heads: dict[str, int] = {}
+
+    def lookup(self, stream: str, now: bytes | None) -> int | None:
+        """The head of `stream`, if known and the header `now` is still the stamp."""
+        stamp = self._stamp
+        head = self._heads.get(stream)
+        if head is None or stamp is None or now != stamp:
+            return None
+        return head
+
+    def committed(self, before: bytes | None, after: bytes | None, heads: dict[str, int]) -> None:
+        """Record a commit of this store: the header just before it (read with no other
+        commit of this store under way) and just after, and the heads it wrote (none
+        if nothing landed).
+
+        Trusted only when exactly one commit happened between the two headers and this
+        store made one: then it was that one. What was known before stays known if the
+        header before is the stamp (nothing else committed in between).
+        """
+        if heads and before is not None and after is not None and follows(before, after):
+            if before != self._stamp or len(self._heads) + len(heads) > _SHARED_LIMIT:
+                self.clear()
+            self._heads.update(heads)
+            self._stamp = after
+        elif before != after or before is None:
+            self.clear()
+
+    def forget(self, stream: str) -> None:
+        """After a write to `stream` whose outcome is not known."""
+        self._heads.pop(stream, None)
+
+    def clear(self) -> None:
+        """Forget everything: the database changed in a way not recorded here."""
+        self._stamp = None
+        self._heads.clear()

@@ -32,8 +32,9 @@ from loom_kernel.spi import (
 
 from loom_store_sqlite._failures import store_error
 from loom_store_sqlite._group import GroupCommit, PendingAppend
-from loom_store_sqlite._heads import DATA_VERSION, KnownHeads
+from loom_store_sqlite._heads import DATA_VERSION, KnownHeads, StampedHeads
 from loom_store_sqlite._schema import ensure_schema
+from loom_store_sqlite._walindex import WalIndex
 
 __all__ = ["SqliteOptions", "SqliteStore", "open_sqlite_store", "sqlite_store_factory"]
 
@@ -218,6 +219,8 @@ class SqliteStore(FaultInjection, JournalStore):
         self._connections_lock = threading.RLock()  # a thread's end closes its own
         self._closed = False
         self._group = GroupCommit(self._commit_group)
+        self._wal: WalIndex | None = None
+        self._stamped = StampedHeads()
         self._keeper = self._connect()  # holds a shared in-memory database open
         try:
             ensure_schema(self._keeper, path)
@@ -227,6 +230,9 @@ class SqliteStore(FaultInjection, JournalStore):
         except BaseException:
             self.close()
             raise
+        if not self._memory:
+            # The keeper holds the database open, so SQLite keeps this file as it is.
+            self._wal = WalIndex.open(self._target)
 
     # -- connections -------------------------------------------------------------
 
@@ -319,6 +325,9 @@ class SqliteStore(FaultInjection, JournalStore):
     def close(self) -> None:
         """Close every connection this store opened."""
         self._closed = True
+        self._stamped.clear()
+        if self._wal is not None:
+            self._wal.close()
         with self._connections_lock:
             connections, self._connections = self._connections, []
         for connection in connections:
@@ -375,14 +384,21 @@ class SqliteStore(FaultInjection, JournalStore):
         """
         with self._commit_lock:
             connection = self._connection
-            landed: list[PendingAppend] | None
-            # One append of one record to a stream that exists (expected above 0).
-            if len(batch) == 1 and (only := batch[0]).expected > 0 and len(only.rows) == 1:
-                landed = self._insert_alone(connection, only)
-            else:
-                landed = self._transact(connection, batch, isolated=False)
-                if landed is None:
-                    landed = self._transact(connection, batch, isolated=True)
+            wal = self._wal
+            before = None if wal is None else wal.stamp()
+            landed: list[PendingAppend] | None = []
+            try:
+                # One append of one record to a stream that exists (expected above 0).
+                if len(batch) == 1 and (only := batch[0]).expected > 0 and len(only.rows) == 1:
+                    landed = self._insert_alone(connection, only)
+                else:
+                    landed = self._transact(connection, batch, isolated=False)
+                    if landed is None:
+                        landed = self._transact(connection, batch, isolated=True)
+            finally:
+                if wal is not None:
+                    heads = {a.stream: a.expected + len(a.rows) for a in landed or ()}
+                    self._stamped.committed(before, wal.stamp(), heads)
         known: KnownHeads | None  # `_known_heads()`, inline: every append comes here
         if landed and not self._memory and (known := getattr(self._local, "heads", None)):
             for append in landed:
@@ -582,6 +598,7 @@ class SqliteStore(FaultInjection, JournalStore):
         return append.error is None
 
     def _forget_head(self, stream: str) -> None:
+        self._stamped.forget(stream)
         known = self._known_heads()
         if known is not None:
             known.forget(stream)
@@ -633,14 +650,20 @@ class SqliteStore(FaultInjection, JournalStore):
         return list(map(_as_record, rows))
 
     def _head(self, stream: str) -> int:
-        """The head; while no other connection has committed since this one last read
-        or wrote it, without reading the stream (the engine asks before every step)."""
+        """The head, without reading the stream (the engine asks before every step)
+        while nobody else has committed since this store's own last commit wrote it,
+        or else while no other connection has committed since this one last read or
+        wrote it."""
         try:
             if self._serial is not None:
                 with self._serial:
                     row = self._stream_row(self._connection, stream)
             else:
                 connection = self._connection
+                if self._wal is not None:
+                    head = self._stamped.lookup(stream, self._wal.stamp())
+                    if head is not None:
+                        return head
                 known: KnownHeads = self._local.heads
                 head = known.lookup(connection.execute(DATA_VERSION).fetchone()[0], stream)
                 if head is not None:

@@ -1,0 +1,122 @@
+"""The WAL-index header, read through a map of the `-shm` file: a stamp that shows
+whether anybody committed, and a map that takes none of SQLite's locks away."""
+
+from __future__ import annotations
+
+import mmap
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from loom_kernel.spi import NewRecord
+from loom_store_sqlite import _walindex, open_sqlite_store
+from loom_store_sqlite._walindex import WalIndex
+
+#: Tries, from another process, the write lock on the byte SQLite's connections hold
+#: shared while they use the `-shm` file (its "DMS" lock, byte 128). Got, a new
+#: connection would take the file for unused and truncate it under their map.
+_PROBE = """
+import fcntl, os, struct, sys
+descriptor = os.open(sys.argv[1], os.O_RDWR)
+try:
+    fcntl.fcntl(descriptor, fcntl.F_SETLK, struct.pack("hhqqi", fcntl.F_WRLCK, 0, 128, 1, 0))
+except OSError:
+    print("held")
+else:
+    print("free")
+"""
+
+
+def _record() -> list[NewRecord]:
+    return [NewRecord("k", b"{}", 1.0)]
+
+
+def _lock_on_shm(database: Path) -> str:
+    probe = [sys.executable, "-c", _PROBE, f"{database}-shm"]
+    return subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_mapping_the_header_leaves_sqlites_locks_on_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "l.db"
+    store = open_sqlite_store(f"sqlite://{path}")
+    assert store._wal is not None
+    store.append("ex/a", 0, _record())
+    assert _lock_on_shm(path) == "held"
+    other = open_sqlite_store(f"sqlite://{path}")  # the same file mapped again, then let go
+    other.append("ex/b", 0, _record())
+    other.close()
+    assert _lock_on_shm(path) == "held", "closing a store let go of the other's locks"
+    assert store.head("ex/b") == 1
+    store.close()
+
+
+def test_a_file_is_mapped_once_per_process(tmp_path: Path) -> None:
+    path = tmp_path / "o.db"
+    one = open_sqlite_store(f"sqlite://{path}")
+    two = open_sqlite_store(f"sqlite://{path}")
+    assert one._wal is not None
+    assert two._wal is not None
+    assert one._wal._map is two._wal._map
+    one.close()
+    two.close()
+
+
+def test_a_closed_view_reads_nothing_and_closes_twice(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/c.db")
+    index = store._wal
+    assert index is not None
+    assert index.stamp() is not None
+    store.close()
+    store.close()
+    assert index.stamp() is None
+
+
+def test_the_header_read_mid_write_is_no_stamp(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/w.db")
+    store.append("ex/a", 0, _record())
+    index = store._wal
+    assert index is not None
+    stamp = index.stamp()
+    assert stamp is not None
+    copies = bytearray(stamp * 2)
+    copies[8] ^= 1  # the first copy rewritten, the second not yet
+    view = mmap.mmap(-1, len(copies))
+    view.write(bytes(copies))
+    assert WalIndex(view).stamp() is None
+    view.seek(0)
+    view.write(stamp * 2)
+    assert WalIndex(view).stamp() == stamp
+    store.close()
+
+
+def test_no_view_where_there_is_no_file_to_map(tmp_path: Path) -> None:
+    assert WalIndex.open(str(tmp_path / "missing.db")) is None
+    assert open_sqlite_store("sqlite:///:memory:")._wal is None
+    (tmp_path / "short.db-shm").write_bytes(b"\0" * 10)
+    assert WalIndex.open(str(tmp_path / "short.db")) is None, "shorter than a header"
+    (tmp_path / "zero.db-shm").write_bytes(b"\0" * 4096)
+    assert WalIndex.open(str(tmp_path / "zero.db")) is None, "not a WAL index"
+
+
+def test_the_maps_of_unlinked_files_are_let_go(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/u.db")
+    store.close()  # the last connection: SQLite unlinks the -shm file
+    assert not (tmp_path / "u.db-shm").exists()
+    kept = dict(_walindex._files)
+    assert kept, "mapped while it was linked"
+    with _walindex._files_lock:
+        _walindex._let_go_of_unlinked()
+    assert len(_walindex._files) < len(kept)
+    assert all(key in kept for key in _walindex._files)
+
+
+def test_past_the_most_files_a_store_reads_its_heads_from_sqlite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_walindex, "_MOST_FILES", 0)
+    keep = open_sqlite_store(f"sqlite://{tmp_path}/k.db")
+    assert keep._wal is None
+    keep.append("ex/a", 0, _record())
+    assert keep.head("ex/a") == 1
+    keep.close()
