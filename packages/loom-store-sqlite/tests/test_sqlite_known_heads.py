@@ -28,8 +28,8 @@ from loom_kernel.spi import (
     StreamDeletedError,
 )
 from loom_store_sqlite import SqliteStore, open_sqlite_store
+from loom_store_sqlite._group import PendingAppend
 from loom_store_sqlite._heads import StampedHeads
-from loom_store_sqlite._walindex import WalIndex
 
 STREAMS = ("ex/a", "ex/b")
 
@@ -146,39 +146,63 @@ def test_another_process_writing_is_seen(tmp_path: Path) -> None:
         store.append("ex/a", 1, _record())
 
 
-def test_after_its_own_append_a_head_makes_no_statement(tmp_path: Path) -> None:
+def _witnessed(store: SqliteStore) -> SqliteStore:
+    """Make the store's next group witnessed, as when another thread led the last."""
+    store._last_leader = -1
+    return store
+
+
+def _alone(store: SqliteStore) -> SqliteStore:
+    """Make the store's next lone group unwitnessed, as when this thread has been the
+    only one appending for a while."""
+    store._last_leader = threading.get_ident()
+    store._crowded_until = 0.0
+    return store
+
+
+def test_after_its_own_append_a_head_reads_no_records(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
     store.append("ex/a", 0, _record())
-    store.append("ex/a", 1, _record())
+    _alone(store).append("ex/a", 1, _record())
+    assert store.head("ex/a") == 2  # as the engine does before a step
     statements: list[str] = []
     store._connection.set_trace_callback(statements.append)
-    assert store.head("ex/a") == 2  # as the engine does before a step
-    assert statements == [], "the WAL-index header shows nobody else committed"
+    store.append("ex/a", 2, _record())
+    assert len(statements) == 1, "one thread appending: no witness reads"
+    statements.clear()
+    assert store.head("ex/a") == 3
+    assert statements == ["PRAGMA data_version"]
     other = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
     other.append("ex/b", 0, _record())  # any commit by another connection
-    assert store.head("ex/a") == 2
-    assert len(statements) == 2, "the header moved: the head is read again"
+    statements.clear()
+    assert store.head("ex/a") == 3
+    assert len(statements) == 2  # the version moved: the head is read again
 
 
 def test_a_head_another_thread_of_the_store_wrote_makes_no_statement(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/t.db")
     store.append("ex/a", 0, _record())
-    _in_thread(store.append, "ex/a", 1, _record())
+    _in_thread(_witnessed(store).append, "ex/a", 1, _record())  # another leader
     statements: list[str] = []
     store._connection.set_trace_callback(statements.append)
     assert store.head("ex/a") == 2
     assert statements == [], "the heads the store's commits wrote are shared by its threads"
+    _in_thread(_witnessed(store).append, "ex/b", 0, _record())
+    assert store.head("ex/a") == 2
+    assert statements == [], "what was known stays known across the store's own commits"
+    _alone(store).append("ex/a", 2, _record())  # this thread alone for a while: unwitnessed
+    statements.clear()
+    assert store.head("ex/b") == 1
+    assert statements, "an unwitnessed commit of its own: what was shared is dropped"
 
 
 def test_without_a_wal_index_every_head_is_read(tmp_path: Path) -> None:
-    store = open_sqlite_store(f"sqlite://{tmp_path}/n.db")
+    store = _witnessed(open_sqlite_store(f"sqlite://{tmp_path}/n.db"))
     store._wal = None  # as where the -shm file cannot be mapped
     store.append("ex/a", 0, _record())
     other = open_sqlite_store(f"sqlite://{tmp_path}/n.db")
     other.append("ex/a", 1, _record())
     assert store.head("ex/a") == 2
-    assert WalIndex.open(str(tmp_path / "missing.db")) is None
-    assert open_sqlite_store("sqlite:///:memory:")._wal is None
 
 
 def _foreign_append(path: Path, stream: str, position: int) -> None:
@@ -191,50 +215,98 @@ def _foreign_append(path: Path, stream: str, position: int) -> None:
 
 
 @pytest.mark.parametrize("records", [1, 2], ids=["lone statement", "transaction"])
-def test_a_commit_by_another_writer_just_before_the_stores_own_is_not_taken_for_it(
+def test_a_commit_by_another_writer_during_the_stores_own_is_not_taken_for_it(
     tmp_path: Path, records: int
 ) -> None:
     path = tmp_path / "r.db"
-    store = open_sqlite_store(f"sqlite://{path}")
+    store = _witnessed(open_sqlite_store(f"sqlite://{path}"))
     store.append("ex/f", 0, _record())
-    store.append("ex/g", 0, _record())
+    _witnessed(store).append("ex/g", 0, _record())
     assert store.head("ex/f") == 1  # known, and stamped
-    commit = store._commit_group
+    transact, alone = store._transact, store._insert_alone
 
-    def after_another_writer(batch: Any) -> None:
-        # Between the store's look at the header and its own commit: the header then
-        # moves by two commits, and the store must not trust what it knew.
+    def transact_after_another(connection: Any, batch: Any, *, isolated: bool) -> Any:
+        _foreign_append(path, "ex/f", 2)  # between the witness reads: the header moves twice
+        return transact(connection, batch, isolated=isolated)
+
+    def alone_after_another(connection: Any, append: Any) -> Any:
         _foreign_append(path, "ex/f", 2)
-        commit(batch)
+        return alone(connection, append)
 
-    store._commit_group = after_another_writer  # type: ignore[method-assign]
-    store._group._commit = after_another_writer
-    assert store.append("ex/g", 1, _record() * records) == 1 + records
+    store._transact = transact_after_another  # type: ignore[method-assign]
+    store._insert_alone = alone_after_another  # type: ignore[method-assign]
+    assert _witnessed(store).append("ex/g", 1, _record() * records) == 1 + records
     assert store.head("ex/f") == 2, "the other writer's record"
     assert store.head("ex/g") == 1 + records
 
 
-def test_a_commit_of_the_store_that_landed_nothing_keeps_no_stamp_past_another_writer(
+def test_a_commit_by_another_writer_before_the_stores_own_drops_what_was_known(
     tmp_path: Path,
 ) -> None:
-    path = tmp_path / "c.db"
-    store = open_sqlite_store(f"sqlite://{path}")
+    path = tmp_path / "b.db"
+    store = _witnessed(open_sqlite_store(f"sqlite://{path}"))
     store.append("ex/f", 0, _record())
-    store.append("ex/h", 0, _record())
-    assert store.head("ex/h") == 1
-    commit = store._group._commit
-
-    def after_another_writer(batch: Any) -> None:
-        _foreign_append(path, "ex/h", 2)  # one commit, and the store's lands nothing
-        commit(batch)
-
-    store._group._commit = after_another_writer
-    with pytest.raises(ConflictError):
-        store.append("ex/f", 5, _record())
-    assert store.head("ex/h") == 2, "the one commit was the other writer's"
+    _witnessed(store).append("ex/g", 0, _record())
+    assert store.head("ex/f") == 1
+    _foreign_append(path, "ex/f", 2)  # then the store's own, witnessed, commit
+    assert _witnessed(store).append("ex/g", 1, _record()) == 2
+    assert store.head("ex/f") == 2, "the header before it was not the stamp"
+    statements: list[str] = []
+    store._connection.set_trace_callback(statements.append)
+    assert store.head("ex/g") == 2
+    assert statements == [], "the witnessed commit's own head is shared"
 
 
-def test_stamped_heads_trust_only_one_commit_made_by_the_store() -> None:
+def test_a_commit_whose_outcome_is_not_certain_drops_what_was_known(tmp_path: Path) -> None:
+    store = _witnessed(open_sqlite_store(f"sqlite://{tmp_path}/u.db"))
+    store.append("ex/a", 0, _record())
+    _witnessed(store).append("ex/b", 0, _record())
+    assert store.head("ex/a") == 1
+    real = store._connection
+    store._local.connection = _CommitLandsThenFails(real)
+    with pytest.raises(LoomError):
+        _witnessed(store).append("ex/a", 1, _record() * 2)  # landed, then said it failed
+    store._local.connection = real
+    assert store.head("ex/a") == 3, "the commit landed: the head is read again"
+
+
+def test_a_group_whose_outcome_is_not_certain_leaves_nothing_for_other_threads(
+    tmp_path: Path,
+) -> None:
+    # Its appends' callers forget their streams once woken; until then another
+    # thread must not find the old heads stamped with the new header.
+    store = _witnessed(open_sqlite_store(f"sqlite://{tmp_path}/g.db"))
+    store.append("ex/a", 0, _record())
+    _witnessed(store).append("ex/b", 0, _record())
+    assert store._stamped.lookup("ex/a", store._wal.stamp() if store._wal else None) == 1
+    rows = [("ex/a", 2, "k", b"{}", 1.0, "t1")]
+    uncertain = PendingAppend("ex/a", 1, rows)
+    real = store._connection
+    store._local.connection = _CommitLandsThenFails(real)
+    other = PendingAppend("ex/b", 1, [("ex/b", 2, "k", b"{}", 1.0, "t2")])
+    _witnessed(store)._commit_group([uncertain, other])
+    store._local.connection = real
+    assert isinstance(uncertain.error, StoreUnavailableError)
+    assert store._stamped.lookup("ex/a", store._wal.stamp() if store._wal else None) is None
+
+
+def test_a_group_of_several_appends_is_witnessed_whoever_led_the_last(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/s.db")
+    store.append("ex/a", 0, _record())
+    for stream in ("ex/b", "ex/c"):  # the same leader twice, each a group of two
+        _alone(store)._commit_group(
+            [
+                PendingAppend(stream, 0, [(stream, 1, "k", b"{}", 1.0, "t")]),
+                PendingAppend(stream + "2", 0, [(stream + "2", 1, "k", b"{}", 1.0, "u")]),
+            ]
+        )
+    statements: list[str] = []
+    store._connection.set_trace_callback(statements.append)
+    assert store.head("ex/c2") == 1
+    assert statements == []
+
+
+def test_stamped_heads_keep_what_they_knew_only_from_the_stamp_on() -> None:
     def header(change: int) -> bytes:
         return struct.pack("=IIIB", 3007000, 0, change, 1).ljust(48, b"\0")
 
@@ -247,22 +319,16 @@ def test_stamped_heads_trust_only_one_commit_made_by_the_store() -> None:
     heads.committed(header(4), header(5), {"c": 1})
     assert heads.lookup("a", header(5)) is None, "header 4 is not the stamp: dropped"
     assert heads.lookup("c", header(5)) == 1
-    heads.committed(header(5), header(7), {"d": 1})
-    assert heads.lookup("c", header(7)) is None, "two commits: one was somebody else's"
-    assert heads.lookup("d", header(7)) is None
-    heads.committed(header(7), header(8), {"e": 1})
-    heads.committed(header(8), header(9), {})
-    assert heads.lookup("e", header(9)) is None, "landed nothing: the commit was another's"
-    heads.committed(header(9), header(10), {"f": 1})
-    heads.committed(header(10), header(10), {})
-    assert heads.lookup("f", header(10)) == 1, "nothing landed, nothing moved"
-    heads.committed(None, header(11), {"g": 1})
-    assert heads.lookup("g", header(11)) is None, "a header read mid-write is no stamp"
-    old = struct.pack("=IIIB", 3007000, 0, 12, 0).ljust(48, b"\0")
-    heads.committed(old, header(13), {"h": 1})
-    assert heads.lookup("h", header(13)) is None, "a header not initialised"
-    heads.committed(header(0xFFFFFFFF), header(0), {"i": 1})
-    assert heads.lookup("i", header(0)) == 1, "the counter wraps"
+    heads.committed(header(5), header(5), {})
+    assert heads.lookup("c", header(5)) == 1, "nothing landed, nothing moved"
+    heads.committed(None, header(6), {"d": 1})
+    assert heads.lookup("d", header(6)) is None, "a header read mid-write is no stamp"
+    assert heads.lookup("c", header(6)) is None
+    heads.committed(header(6), None, {"e": 1})
+    assert heads.lookup("e", header(6)) is None
+    heads.committed(header(7), header(8), {"f": 1})
+    heads.forget("f")
+    assert heads.lookup("f", header(8)) is None
 
 
 def test_an_append_that_failed_on_the_way_is_forgotten(tmp_path: Path) -> None:

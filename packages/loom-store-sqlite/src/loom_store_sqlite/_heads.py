@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Final
 
-from loom_store_sqlite._walindex import follows
-
 #: Asks SQLite whether another connection (in any process) has committed since the
 #: last time this connection asked: the value changes exactly then.
 DATA_VERSION: Final = "PRAGMA data_version"
@@ -56,8 +54,15 @@ class KnownHeads:
 class StampedHeads:
     """The heads of streams this store's commits wrote, shared by all its threads, valid
     while the database's WAL-index header (`WalIndex.stamp`) is the one they were
-    stamped with: any commit by anyone else changes the header, and so does every
-    other change to the database this store makes (a trim, a delete).
+    stamped with: any commit by anyone changes the header, and so does every other
+    change to the database this store makes (a trim, a delete).
+
+    A commit is recorded only when witnessed: its connection's `PRAGMA data_version`
+    read just before it and just after it (which changes exactly when another
+    connection commits) did not change, so the one commit between the headers read
+    in between was this store's. The header alone cannot tell: its transaction counter
+    starts again from zero when SQLite recovers the index after a writer died in the
+    middle of rewriting it.
 
     A group's leader records its commit once it has landed, one group at a time, the
     heads before the stamp; any thread looks up, with a header it read first. A head
@@ -81,21 +86,16 @@ class StampedHeads:
         return head
 
     def committed(self, before: bytes | None, after: bytes | None, heads: dict[str, int]) -> None:
-        """Record a commit of this store: the header just before it (read with no other
-        commit of this store under way) and just after, and the heads it wrote (none
-        if nothing landed).
-
-        Trusted only when exactly one commit happened between the two headers and this
-        store made one: then it was that one. What was known before stays known if the
-        header before is the stamp (nothing else committed in between).
-        """
-        if heads and before is not None and after is not None and follows(before, after):
-            if before != self._stamp or len(self._heads) + len(heads) > _SHARED_LIMIT:
-                self.clear()
-            self._heads.update(heads)
-            self._stamp = after
-        elif before != after or before is None:
+        """Record a witnessed commit of this store (see the class): the headers read just
+        before and just after it, between the two witness reads, and the heads it
+        wrote. What was known before stays known if the header before is the stamp."""
+        if before is None or after is None:  # read while a commit rewrote it
             self.clear()
+            return
+        if before != self._stamp or len(self._heads) + len(heads) > _SHARED_LIMIT:
+            self.clear()
+        self._heads.update(heads)
+        self._stamp = after
 
     def forget(self, stream: str) -> None:
         """After a write to `stream` whose outcome is not known."""

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from functools import partial
 from math import isfinite
+from time import monotonic
 from typing import Any, Final, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -39,6 +40,9 @@ from loom_store_sqlite._walindex import WalIndex
 __all__ = ["SqliteOptions", "SqliteStore", "open_sqlite_store", "sqlite_store_factory"]
 
 _SYNCHRONOUS: Final = ("off", "normal", "full", "extra")
+#: Seconds after a group of several appends, or one led by another thread than the
+#: last, during which groups are witnessed (`SqliteStore._witness`).
+_CROWDED: Final = 0.05
 
 
 @attrs.frozen
@@ -221,6 +225,8 @@ class SqliteStore(FaultInjection, JournalStore):
         self._group = GroupCommit(self._commit_group)
         self._wal: WalIndex | None = None
         self._stamped = StampedHeads()
+        self._last_leader = 0  # the thread that led the last group (`_witness`)
+        self._crowded_until = 0.0
         self._keeper = self._connect()  # holds a shared in-memory database open
         try:
             ensure_schema(self._keeper, path)
@@ -384,9 +390,8 @@ class SqliteStore(FaultInjection, JournalStore):
         """
         with self._commit_lock:
             connection = self._connection
-            wal = self._wal
-            before = None if wal is None else wal.stamp()
-            landed: list[PendingAppend] | None = []
+            witness = self._witness(connection, batch)
+            landed: list[PendingAppend] | None = None
             try:
                 # One append of one record to a stream that exists (expected above 0).
                 if len(batch) == 1 and (only := batch[0]).expected > 0 and len(only.rows) == 1:
@@ -396,13 +401,69 @@ class SqliteStore(FaultInjection, JournalStore):
                     if landed is None:
                         landed = self._transact(connection, batch, isolated=True)
             finally:
-                if wal is not None:
-                    heads = {a.stream: a.expected + len(a.rows) for a in landed or ()}
-                    self._stamped.committed(before, wal.stamp(), heads)
+                self._record_commit(connection, witness, batch, landed)
         known: KnownHeads | None  # `_known_heads()`, inline: every append comes here
         if landed and not self._memory and (known := getattr(self._local, "heads", None)):
             for append in landed:
                 known.learn(append.stream, append.expected + len(append.rows))
+
+    def _witness(
+        self, connection: sqlite3.Connection, batch: list[PendingAppend]
+    ) -> tuple[int, bytes | None] | None:
+        """Before a group commits: its connection's data version, then the WAL-index
+        header (see `StampedHeads`), where worth it; else None.
+
+        Worth it where more than one thread appends: then the engine's look at a run's
+        head before each step finds it here without a call into SQLite. So a group is
+        witnessed while, within the last `_CROWDED` seconds, a group held several
+        appends or was led by another thread than the one before; one thread
+        appending alone (the embedded case) makes no witness reads, and the heads
+        its connection committed are its connection's own.
+        """
+        leader = threading.get_ident()
+        now = monotonic()
+        if len(batch) > 1 or leader != self._last_leader:
+            self._crowded_until = now + _CROWDED
+        self._last_leader = leader
+        if self._wal is None or now >= self._crowded_until:
+            return None
+        if connection.in_transaction:  # left open by an interrupt: nothing in it landed
+            _roll_back(connection)
+        try:
+            version: int = connection.execute(DATA_VERSION).fetchone()[0]
+        except sqlite3.Error:
+            return None
+        return version, self._wal.stamp()
+
+    def _record_commit(
+        self,
+        connection: sqlite3.Connection,
+        witness: tuple[int, bytes | None] | None,
+        batch: list[PendingAppend],
+        landed: list[PendingAppend] | None,
+    ) -> None:
+        """After a group's commit (or its failure, or an interrupt): the heads it wrote,
+        shared by the store's threads if nobody else committed meanwhile and every
+        append's outcome is certain; else the shared heads are dropped."""
+        if self._wal is None:
+            return
+        certain = landed is not None and all(
+            append.error is None or isinstance(append.error, ConflictError | StreamDeletedError)
+            for append in batch
+        )
+        if witness is None or not certain:
+            self._stamped.clear()
+            return
+        after = self._wal.stamp()
+        try:
+            moved = connection.execute(DATA_VERSION).fetchone()[0] != witness[0]
+        except sqlite3.Error:
+            moved = True
+        if moved:  # another connection committed between the two reads
+            self._stamped.clear()
+            return
+        heads = {append.stream: append.expected + len(append.rows) for append in landed or ()}
+        self._stamped.committed(witness[1], after, heads)
 
     def _transact(
         self, connection: sqlite3.Connection, batch: list[PendingAppend], *, isolated: bool

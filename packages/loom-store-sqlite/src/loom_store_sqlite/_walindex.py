@@ -8,7 +8,10 @@ Reading those bytes through a read-only memory map costs no system call and neve
 lets go of the GIL, where any statement does (under many threads, each such call
 waits behind the other threads' Python: measured, a second statement per step halved
 the steps of 16 threads). The header's bytes are a stamp: while they stay the same,
-nobody has committed.
+nobody has committed. (They never come back once changed: a commit adds frames, whose
+checksums the header carries, and a new WAL gets new random salts.) The header says
+nothing about who committed: see `StampedHeads` for how a store tells its own
+commits apart.
 
 SQLite holds POSIX locks on the `-shm` file, and POSIX drops every lock a process
 holds on a file when the process closes any descriptor of that file: SQLite's own
@@ -28,11 +31,11 @@ import struct
 import threading
 from typing import Final
 
-__all__ = ["WalIndex", "follows"]
+__all__ = ["WalIndex"]
 
 _HEADER: Final = 48
-#: iVersion, unused, iChange, isInit: the first fields of a header.
-_FIELDS: Final = struct.Struct("=IIIB")
+#: iVersion, the header's first field.
+_VERSION_FIELD: Final = struct.Struct("=I")
 _VERSION: Final = 3007000  # the only WAL-index version SQLite has written
 #: The most `-shm` files one process keeps mapped; past it, a store opened on yet
 #: another file reads its heads from SQLite.
@@ -42,22 +45,6 @@ _MOST_FILES: Final = 256
 #: than the header when opened), never closed while the file is linked.
 _files: dict[tuple[int, int], tuple[int, mmap.mmap | None]] = {}
 _files_lock: Final = threading.Lock()
-
-
-def follows(before: bytes, after: bytes) -> bool:
-    """Whether `after` is the header one commit after `before`: both well formed, and
-    `iChange` moved by exactly one."""
-    version: int
-    change: int
-    version_after: int
-    change_after: int
-    version, _, change, initialised = _FIELDS.unpack_from(before)
-    version_after, _, change_after, initialised_after = _FIELDS.unpack_from(after)
-    return bool(
-        version == version_after == _VERSION
-        and initialised == initialised_after == 1
-        and change_after == (change + 1) & 0xFFFFFFFF
-    )
 
 
 def _map_of(path: str) -> mmap.mmap | None:
@@ -107,14 +94,17 @@ class WalIndex:
     """A read-only view of one database's WAL-index header, for one store.
 
     Read only while the store is open: its connections keep SQLite's shared lock on
-    the file, so no other process truncates it under the map.
+    the file, so no other process truncates it under the map. (A read that began just
+    as the store closed would need, before its next bytecode, every connection of
+    this process to the file closed, and another process's connection to have died
+    holding it, and a third to open it. It takes no lock: an interrupt could leave
+    one held.)
     """
 
-    __slots__ = ("_map", "_open")
+    __slots__ = ("_map",)
 
     def __init__(self, view: mmap.mmap) -> None:
         self._map: mmap.mmap | None = view
-        self._open = threading.Lock()  # held by a read, and by `close`
 
     @classmethod
     def open(cls, database: str) -> WalIndex | None:
@@ -126,7 +116,7 @@ class WalIndex:
             return None
         index = cls(view)
         stamp = index.stamp()
-        if stamp is None or _FIELDS.unpack_from(stamp)[0] != _VERSION:
+        if stamp is None or _VERSION_FIELD.unpack_from(stamp)[0] != _VERSION:
             index.close()
             return None
         return index
@@ -134,21 +124,17 @@ class WalIndex:
     def stamp(self) -> bytes | None:
         """The header now, or None while a commit is rewriting it (its two copies
         differ), or once closed."""
-        if not self._open.acquire(blocking=False):
-            return None  # closing, or another thread reading: not known here
+        view = self._map
+        if view is None:
+            return None
         try:
-            view = self._map
-            if view is None:
-                return None
             first = view[:_HEADER]
             second = view[_HEADER : 2 * _HEADER]
-        finally:
-            self._open.release()
+        except ValueError:  # let go of: the file was unlinked under the store
+            return None
         return first if first == second else None
 
     def close(self) -> None:
-        """Read no more (called before the store closes its connections, and waiting
-        for a read under way); the map itself is the process's, kept while the file is
-        linked."""
-        with self._open:
-            self._map = None
+        """Read no more (called before the store closes its connections); the map
+        itself is the process's, kept while the file is linked."""
+        self._map = None
