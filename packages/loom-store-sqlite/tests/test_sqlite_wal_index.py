@@ -99,16 +99,51 @@ def test_no_view_where_there_is_no_file_to_map(tmp_path: Path) -> None:
     assert WalIndex.open(str(tmp_path / "zero.db")) is None, "not a WAL index"
 
 
-def test_the_maps_of_unlinked_files_are_let_go(tmp_path: Path) -> None:
+def _mapped_files() -> set[tuple[int, int]]:
+    with _walindex._files_lock:
+        return set(_walindex._files)
+
+
+def test_a_closed_database_leaves_no_descriptor_open(tmp_path: Path) -> None:
+    before = _mapped_files()
     store = open_sqlite_store(f"sqlite://{tmp_path}/u.db")
+    store.append("ex/a", 0, _record())
+    assert _mapped_files() - before, "mapped while it is open"
     store.close()  # the last connection: SQLite unlinks the -shm file
     assert not (tmp_path / "u.db-shm").exists()
-    kept = dict(_walindex._files)
-    assert kept, "mapped while it was linked"
-    with _walindex._files_lock:
-        _walindex._let_go_of_unlinked()
-    assert len(_walindex._files) < len(kept)
-    assert all(key in kept for key in _walindex._files)
+    assert not _mapped_files() - before, "let go of as the store closed"
+
+
+def test_a_database_another_store_holds_open_stays_mapped(tmp_path: Path) -> None:
+    one = open_sqlite_store(f"sqlite://{tmp_path}/h.db")
+    two = open_sqlite_store(f"sqlite://{tmp_path}/h.db")
+    mapped = _mapped_files()
+    two.close()
+    assert _mapped_files() == mapped, "still linked: SQLite's locks on it must stay"
+    assert one._wal is not None
+    assert one._wal.stamp() is not None
+    one.close()
+
+
+@pytest.mark.parametrize("end", ["store.close()", "del store; gc.collect()"])
+def test_many_databases_opened_and_ended_under_a_low_descriptor_limit(
+    tmp_path: Path, end: str
+) -> None:
+    script = f"""
+import gc, resource
+resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+from loom_kernel.spi import NewRecord
+from loom_store_sqlite import open_sqlite_store
+for number in range(300):
+    store = open_sqlite_store("sqlite://{tmp_path}/many-" + str(number) + ".db")
+    store.append("ex/a", 0, [NewRecord("k", b"{{}}", 1.0)])
+    {end}
+print("done")
+"""
+    run = subprocess.run(
+        [sys.executable, "-c", script], check=False, capture_output=True, text=True
+    )
+    assert run.stdout.strip() == "done", run.stderr[-2000:]
 
 
 def test_past_the_most_files_a_store_reads_its_heads_from_sqlite(

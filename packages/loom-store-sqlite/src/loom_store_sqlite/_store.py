@@ -35,7 +35,7 @@ from loom_store_sqlite._failures import store_error
 from loom_store_sqlite._group import GroupCommit, PendingAppend
 from loom_store_sqlite._heads import DATA_VERSION, KnownHeads, StampedHeads
 from loom_store_sqlite._schema import ensure_schema
-from loom_store_sqlite._walindex import WalIndex
+from loom_store_sqlite._walindex import WalIndex, let_go_of_unlinked
 
 __all__ = ["SqliteOptions", "SqliteStore", "open_sqlite_store", "sqlite_store_factory"]
 
@@ -338,6 +338,8 @@ class SqliteStore(FaultInjection, JournalStore):
             connections, self._connections = self._connections, []
         for connection in connections:
             connection.close()
+        if self._wal is not None:
+            let_go_of_unlinked()
 
     # -- the SPI hooks -------------------------------------------------------------
 

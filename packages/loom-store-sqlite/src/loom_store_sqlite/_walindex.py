@@ -31,7 +31,7 @@ import struct
 import threading
 from typing import Final
 
-__all__ = ["WalIndex"]
+__all__ = ["WalIndex", "let_go_of_unlinked"]
 
 _HEADER: Final = 48
 #: iVersion, the header's first field.
@@ -57,10 +57,9 @@ def _map_of(path: str) -> mmap.mmap | None:
         known = _files.get((status.st_dev, status.st_ino))
         if known is not None:
             return known[1]
+        _let_go_of_unlinked()
         if len(_files) >= _MOST_FILES:
-            _let_go_of_unlinked()
-            if len(_files) >= _MOST_FILES:
-                return None
+            return None
         try:
             descriptor = os.open(path, os.O_RDONLY)
         except OSError:
@@ -76,8 +75,16 @@ def _map_of(path: str) -> mmap.mmap | None:
         return view if (opened.st_dev, opened.st_ino) == (status.st_dev, status.st_ino) else None
 
 
+def let_go_of_unlinked() -> None:
+    """Close the maps of files SQLite has unlinked (as the last connection to a database
+    anywhere closes): no connection uses them, so no lock is lost. A store calls it as
+    it closes, so the descriptors of a closed database do not pile up."""
+    with _files_lock:
+        _let_go_of_unlinked()
+
+
 def _let_go_of_unlinked() -> None:
-    """Close the maps of files no longer linked (no connection anywhere uses them)."""
+    """`let_go_of_unlinked`, with the lock held."""
     for key, (descriptor, view) in list(_files.items()):
         try:
             linked = os.fstat(descriptor).st_nlink > 0
