@@ -13,11 +13,14 @@ Run:
 2. The same burst on DBOS (SQLite system database), on a `Queue` with the same
    concurrency and DBOS's queue poll at Loom's busy poll (50 ms), against Loom's queue:
    steps/s, best of REPEAT each (DBOS owns process state, so the two cannot
-   alternate), printed as Loom ÷ DBOS.
+   alternate), printed as Loom ÷ DBOS, at each concurrency of `--levels` (default
+   SLOTS; the issue's levels: `--levels 1 4 16 64`), a burst of at least RUNS runs
+   and of two runs per slot.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import os
@@ -51,8 +54,13 @@ def _timed(burst: Callable[[], object]) -> float:
     return time.perf_counter() - began
 
 
-def _loom_burst(engine: Engine, queue: str | None) -> None:
-    handles = [engine.enqueue("bench.steps", queue=queue) for _ in range(RUNS)]
+def _runs(slots: int) -> int:
+    """The runs of a burst at a concurrency of `slots`."""
+    return max(RUNS, 2 * slots)
+
+
+def _loom_burst(engine: Engine, queue: str | None, runs: int = RUNS) -> None:
+    handles = [engine.enqueue("bench.steps", queue=queue) for _ in range(runs)]
     for handle in handles:
         handle.result(timeout=120)
 
@@ -73,25 +81,28 @@ def queue_against_plain(directory: str) -> tuple[float, float, float]:
     return statistics.median(ratios), min(ratios), max(ratios)
 
 
-def loom_queue_best(directory: str) -> float:
-    """Steps/s of Loom's queue, best of REPEAT bursts."""
-    store = open_store(f"sqlite://{directory}/loom-best.db")
-    engine = Engine(store, [steps], listeners=[], queues=[Queue("bench", concurrency=SLOTS)])
-    with Worker(engine, concurrency=SLOTS):
-        _loom_burst(engine, "bench")
-        best = min(_timed(lambda: _loom_burst(engine, "bench")) for _ in range(REPEAT))
+def loom_queue_best(directory: str, slots: int = SLOTS) -> float:
+    """Steps/s of Loom's queue (a cap of `slots`, a worker of as many), best of REPEAT
+    bursts."""
+    runs = _runs(slots)
+    store = open_store(f"sqlite://{directory}/loom-best-{slots}.db")
+    engine = Engine(store, [steps], listeners=[], queues=[Queue("bench", concurrency=slots)])
+    with Worker(engine, concurrency=slots):
+        _loom_burst(engine, "bench", runs)
+        best = min(_timed(lambda: _loom_burst(engine, "bench", runs)) for _ in range(REPEAT))
     store.close()
-    return RUNS * STEPS / best
+    return runs * STEPS / best
 
 
-def dbos_queue_best(directory: str) -> float | None:
+def dbos_queue_best(directory: str, slots: int = SLOTS) -> float | None:
     """Steps/s of DBOS's queue with the same concurrency, best of REPEAT bursts; None
     when DBOS is not installed (`uv run --with dbos`)."""
     try:
         from dbos import DBOS, DBOSConfig
     except ImportError:
         return None
-    path = os.path.join(directory, "dbos.sqlite")
+    runs = _runs(slots)
+    path = os.path.join(directory, f"dbos-{slots}.sqlite")
     with sqlite3.connect(path) as connection:  # WAL first, as Loom's store runs
         connection.execute("PRAGMA journal_mode=WAL")
 
@@ -109,10 +120,10 @@ def dbos_queue_best(directory: str) -> float | None:
     with contextlib.redirect_stdout(io.StringIO()):
         DBOS(config=config)
         DBOS.launch()
-    queue = DBOS.register_queue("bench", global_concurrency=SLOTS, polling_interval_sec=0.05)
+    queue = DBOS.register_queue("bench", global_concurrency=slots, polling_interval_sec=0.05)
 
     def burst() -> None:
-        handles = [queue.enqueue(workflow) for _ in range(RUNS)]
+        handles = [queue.enqueue(workflow) for _ in range(runs)]
         for handle in handles:
             handle.get_result()
 
@@ -121,10 +132,15 @@ def dbos_queue_best(directory: str) -> float | None:
         best = min(_timed(burst) for _ in range(REPEAT))
     finally:
         DBOS.destroy()
-    return RUNS * STEPS / best
+    return runs * STEPS / best
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--levels", type=int, nargs="+", default=[SLOTS], help="concurrencies to set against DBOS"
+    )
+    levels = parser.parse_args().levels
     with tempfile.TemporaryDirectory() as directory:
         median, low, high = queue_against_plain(directory)
         print(
@@ -132,13 +148,15 @@ def main() -> None:
             f"steps, a worker of {SLOTS} slots, SQLite synchronous=full, {ROUNDS} rounds\n"
             f"queue steps/s ÷ plain steps/s: {median:.2f} (rounds {low:.2f} to {high:.2f})"
         )
-        loom = loom_queue_best(directory)
-        dbos = dbos_queue_best(str(Path(directory)))
-    print(f"\n## Loom's queue against DBOS's, concurrency {SLOTS}, best of {REPEAT}")
-    if dbos is None:
-        print("DBOS is not installed: run with `uv run --with dbos`")
-        return
-    print(f"Loom steps/s ÷ DBOS steps/s: {loom / dbos:.2f}")
+        print(f"\n## Loom's queue against DBOS's, best of {REPEAT} bursts each")
+        print("| concurrency | runs | Loom steps/s ÷ DBOS steps/s |\n| --- | --- | --- |")
+        for slots in levels:
+            loom = loom_queue_best(directory, slots)
+            dbos = dbos_queue_best(str(Path(directory)), slots)
+            if dbos is None:
+                print("DBOS is not installed: run with `uv run --with dbos`")
+                return
+            print(f"| {slots} | {_runs(slots)} | {loom / dbos:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

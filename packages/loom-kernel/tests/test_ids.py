@@ -85,3 +85,28 @@ def test_the_memory_of_ids_seen_valid_is_bounded() -> None:
         assert len(_ids._recently_valid) <= _ids._REMEMBERED
     assert "ex/bounded-1" not in _ids._recently_valid, "the oldest were let go"
     assert validate_stream_id("ex/bounded-1") == "ex/bounded-1", "and are checked again"
+
+
+def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start() -> None:
+    import time
+    import uuid
+
+    from loom_kernel import Engine, flow, open_store
+    from loom_kernel._executions import fresh_execution_id
+
+    @flow(name="noop")
+    def noop(ctx: object, value: int) -> int:
+        return value
+
+    engine = Engine(open_store("memory://"), [noop])
+    first = engine.start("noop", 1).id
+    time.sleep(0.002)
+    second = engine.start("noop", 2).id
+    for made in (first, second):
+        parsed = uuid.UUID(made)
+        assert (parsed.version, parsed.variant, parsed.hex) == (7, uuid.RFC_4122, made)
+        millis = parsed.int >> 80
+        assert abs(millis - time.time_ns() // 1_000_000) < 60_000
+    assert first < second, "a later start sorts after: new journals land side by side"
+    many = {fresh_execution_id() for _ in range(20_000)}
+    assert len(many) == 20_000, "74 random bits: no two alike, within a millisecond too"

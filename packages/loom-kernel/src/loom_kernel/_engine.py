@@ -9,7 +9,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from functools import partial
 from types import MappingProxyType
@@ -58,6 +57,7 @@ from loom_kernel._executions import (
     EXECUTION_PREFIX,
     compact,
     execution_ids,
+    fresh_execution_id,
     load,
     new_execution_id,
     stream_of,
@@ -752,7 +752,7 @@ class Engine:
         """The id and the EXECUTION_STARTED of a new run (nothing journaled yet)."""
         definition = self._flow(flow_name)
         data = to_json(input, "the flow input")
-        execution_id = new_execution_id(key) if key is not None else uuid.uuid4().hex
+        execution_id = new_execution_id(key) if key is not None else fresh_execution_id()
         started = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, by)
         return execution_id, started
 
