@@ -116,7 +116,11 @@ def dbos_queue_best(directory: str, slots: int = SLOTS) -> float | None:
             step(index)
         return STEPS
 
-    config: DBOSConfig = {"name": "loom-queue-bench", "system_database_url": f"sqlite:///{path}"}
+    config: DBOSConfig = {
+        "name": "loom-queue-bench",
+        "system_database_url": f"sqlite:///{path}",
+        "log_level": "WARNING",
+    }
     with contextlib.redirect_stdout(io.StringIO()):
         DBOS(config=config)
         DBOS.launch()
