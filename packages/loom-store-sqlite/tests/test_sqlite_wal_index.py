@@ -4,8 +4,13 @@ whether anybody committed, and a map that takes none of SQLite's locks away."""
 from __future__ import annotations
 
 import mmap
+import os
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +38,11 @@ def _record() -> list[NewRecord]:
 
 
 def _lock_on_shm(database: Path) -> str:
-    probe = [sys.executable, "-c", _PROBE, f"{database}-shm"]
+    return _lock_on(f"{database}-shm")
+
+
+def _lock_on(file: str) -> str:
+    probe = [sys.executable, "-c", _PROBE, file]
     return subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
 
 
@@ -155,3 +164,82 @@ def test_past_the_most_files_a_store_reads_its_heads_from_sqlite(
     keep.append("ex/a", 0, _record())
     assert keep.head("ex/a") == 1
     keep.close()
+
+
+def _registered(database: Path) -> tuple[tuple[int, int], int]:
+    """The registry's key and descriptor for a database's `-shm` file."""
+    status = os.stat(f"{database}-shm")
+    key = (status.st_dev, status.st_ino)
+    return key, _walindex._files[key][0]
+
+
+_linux_descriptors = pytest.mark.skipif(
+    not Path("/proc/self/fd").is_dir(), reason="needs /proc/self/fd (Linux)"
+)
+
+
+@_linux_descriptors
+def test_a_shm_file_deleted_while_in_use_keeps_sqlites_locks(tmp_path: Path) -> None:
+    """Deleted by someone else while a connection still uses it: unlinked, yet SQLite's
+    descriptors still refer to it, so letting go of the map would drop their locks
+    (another attached process could then write at once)."""
+    path = tmp_path / "d.db"
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("ex/a", 0, _record())
+    key, descriptor = _registered(path)
+    os.unlink(f"{path}-shm")
+    open_sqlite_store(f"sqlite://{tmp_path}/other.db").close()  # lets go of the unlinked
+    assert key in _walindex._files, "SQLite still uses the file: the map is kept"
+    assert _lock_on(f"/proc/{os.getpid()}/fd/{descriptor}") == "held"
+    store.append("ex/a", 1, _record())
+    store.close()  # SQLite's last descriptor of it closes: now nothing refers to it
+    assert key not in _walindex._files
+
+
+def test_a_descriptor_closed_behind_the_registry_is_never_closed_again(tmp_path: Path) -> None:
+    """A close-all-descriptors elsewhere, and the number reused by an unlinked file: it is
+    not the registry's to close."""
+    path = tmp_path / "f.db"
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("ex/a", 0, _record())
+    key, descriptor = _registered(path)
+    with tempfile.TemporaryFile() as stranger:  # unlinked from the start
+        os.dup2(stranger.fileno(), descriptor)  # the registry's number is the stranger's now
+        _walindex.let_go_of_unlinked()
+        assert key not in _walindex._files, "forgotten"
+        os.fstat(descriptor)  # still open: not closed by the registry
+        os.close(descriptor)
+    assert store.head("ex/a") == 1
+    store.close()
+
+
+def test_a_child_forked_while_the_registry_is_in_use_can_use_it(tmp_path: Path) -> None:
+    if not hasattr(os, "fork"):
+        pytest.skip("needs fork")
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _walindex._files_lock:
+            held.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    threading.Timer(0.2, release.set).start()  # the fork waits for the lock until then
+    child = os.fork()
+    if child == 0:  # pragma: no cover - the child's own run
+        _walindex.let_go_of_unlinked()
+        os._exit(0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(child, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the child inherited the registry's lock held and waited for it")
+    holder.join()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -20,7 +20,10 @@ take the file for unused and truncate it under their map (a bus error). So a
 descriptor opened here, and the map (`mmap` keeps a duplicate of it), is never closed
 while the file can be in use: each file is mapped once per process and kept, and let
 go only once the file is unlinked (SQLite unlinks it as the last connection anywhere
-closes, so no lock on it is left to lose).
+closes) and no other descriptor of this process refers to it (a file deleted by
+someone else while SQLite still uses it keeps SQLite's descriptors, and locks, open:
+closing ours then would drop them). Where the process's descriptors cannot be listed
+(no `/proc/self/fd`), nothing is let go.
 """
 
 from __future__ import annotations
@@ -44,7 +47,17 @@ _MOST_FILES: Final = 256
 #: (device, inode) -> the descriptor and the map of one `-shm` file (None: shorter
 #: than the header when opened), never closed while the file is linked.
 _files: dict[tuple[int, int], tuple[int, mmap.mmap | None]] = {}
+#: Maps whose descriptor something else closed (its number may be another file's now):
+#: kept open, never used, since the file they map may still be in use.
+_abandoned: list[mmap.mmap] = []
 _files_lock: Final = threading.Lock()
+# A child forked while another thread held it would wait for it for ever.
+os.register_at_fork(
+    before=_files_lock.acquire,
+    after_in_parent=_files_lock.release,
+    after_in_child=_files_lock.release,
+)
+_DESCRIPTORS: Final = "/proc/self/fd"
 
 
 def _map_of(path: str) -> mmap.mmap | None:
@@ -77,24 +90,59 @@ def _map_of(path: str) -> mmap.mmap | None:
 
 def let_go_of_unlinked() -> None:
     """Close the maps of files SQLite has unlinked (as the last connection to a database
-    anywhere closes): no connection uses them, so no lock is lost. A store calls it as
-    it closes, so the descriptors of a closed database do not pile up."""
+    anywhere closes) that no other descriptor of this process refers to: no
+    connection of this process uses them, so no lock is lost. A store calls it as it
+    closes, so the descriptors of a closed database do not pile up."""
     with _files_lock:
         _let_go_of_unlinked()
 
 
 def _let_go_of_unlinked() -> None:
     """`let_go_of_unlinked`, with the lock held."""
+    unlinked: dict[tuple[int, int], tuple[int, mmap.mmap | None]] = {}
     for key, (descriptor, view) in list(_files.items()):
         try:
-            linked = os.fstat(descriptor).st_nlink > 0
+            status = os.fstat(descriptor)
         except OSError:
-            linked = True  # cannot tell: keep it
-        if not linked:
+            status = None
+        if status is None or (status.st_dev, status.st_ino) != key:
+            # Closed by someone else, its number maybe another file's now: not ours
+            # to close; the map's own duplicate still holds the file, which may be in use.
             del _files[key]
             if view is not None:
-                view.close()
-            os.close(descriptor)
+                _abandoned.append(view)
+        elif status.st_nlink == 0:
+            unlinked[key] = (descriptor, view)
+    if not unlinked:
+        return
+    held = _descriptors_of(set(unlinked))
+    for key, (descriptor, view) in unlinked.items():
+        # Ours: the descriptor, and the duplicate a map keeps.
+        if held is None or held.get(key, 0) != 1 + (view is not None):
+            continue  # another descriptor of this process refers to it: SQLite's, say
+        del _files[key]
+        if view is not None:
+            view.close()
+        os.close(descriptor)
+
+
+def _descriptors_of(files: set[tuple[int, int]]) -> dict[tuple[int, int], int] | None:
+    """How many of this process's descriptors refer to each of `files`, by (device,
+    inode); None where they cannot be listed."""
+    try:
+        names = os.listdir(_DESCRIPTORS)
+    except OSError:
+        return None
+    counts: dict[tuple[int, int], int] = dict.fromkeys(files, 0)
+    for name in names:
+        try:
+            status = os.stat(f"{_DESCRIPTORS}/{name}")
+        except OSError:  # closed meanwhile, or the listing's own descriptor
+            continue
+        key = (status.st_dev, status.st_ino)
+        if key in counts:
+            counts[key] += 1
+    return counts
 
 
 class WalIndex:
