@@ -226,6 +226,53 @@ def test_close_closes_every_connection_the_store_opened(tmp_path: Path) -> None:
         store.head("s")
 
 
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_a_store_closed_while_its_threads_use_it_refuses_them_and_leaves_none_open(
+    tmp_path: Path, where: str
+) -> None:
+    """Closing a connection under a statement another thread runs on it crashes the
+    interpreter (CPython 3.11's sqlite3): a connection in use is closed by its own
+    call as it ends. Run in a process of its own, so a crash fails the test."""
+    target = ":memory:" if where == "memory" else str(tmp_path / "busy.db")
+    script = f"""
+        import sqlite3, threading
+        from loom_kernel.spi import NewRecord, StoreUnavailableError
+        from loom_store_sqlite import SqliteStore
+        refused = []
+        for round in range(100):
+            store = SqliteStore({target!r})
+            going = [threading.Event() for _ in range(4)]
+            def work(number):
+                made = 0
+                try:
+                    while True:
+                        name = f"r{{round}}-{{number}}-{{made}}"
+                        store.append(name, 0, [NewRecord("k", b"{{}}", 1.0)])
+                        if made % 2:
+                            assert store.read(name)[0].position == 1
+                            store.head(name)
+                            store.streams(prefix=f"r{{round}}-{{number}}-", limit=3)
+                        made += 1
+                        if made == 3:
+                            going[number].set()
+                except StoreUnavailableError as exc:
+                    assert "closed" in str(exc), exc
+                    refused.append(number)
+                    going[number].set()
+            threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+            for thread in threads:
+                thread.start()
+            for event in going:
+                event.wait(10)
+            store.close()
+            for thread in threads:
+                thread.join()
+            assert store._connections == [] and not store._left_to_users, "none left open"
+        print(len(refused))
+        """
+    assert _run_script(script) == str(100 * 4)
+
+
 def test_a_threads_connection_is_not_closed_at_exit_while_the_thread_may_use_it(
     tmp_path: Path,
 ) -> None:

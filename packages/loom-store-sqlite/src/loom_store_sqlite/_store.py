@@ -148,6 +148,16 @@ class _ThreadEnd:
     __slots__ = ("__weakref__",)
 
 
+class _Uses:
+    """How many calls of its thread are using one connection now (`_use`); only that
+    thread changes it, `close()` reads it."""
+
+    __slots__ = ("count",)
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 def _close_thread_connection(
     store: weakref.ref[SqliteStore], connection: sqlite3.Connection, pid: int
 ) -> None:
@@ -221,6 +231,11 @@ class SqliteStore(FaultInjection, JournalStore):
         self._local = threading.local()
         self._connections: list[sqlite3.Connection] = []
         self._connections_lock = threading.RLock()  # a thread's end closes its own
+        # Each thread connection's uses in progress; those `close()` found in use,
+        # which their thread closes as its call ends (closing a connection under a
+        # statement another thread runs on it crashes the interpreter).
+        self._uses: dict[sqlite3.Connection, _Uses] = {}
+        self._left_to_users: set[sqlite3.Connection] = set()
         self._closed = False
         self._group = GroupCommit(self._commit_group)
         self._wal: WalIndex | None = None
@@ -261,22 +276,66 @@ class SqliteStore(FaultInjection, JournalStore):
 
     @property
     def _connection(self) -> sqlite3.Connection:
-        if self._closed:
-            raise StoreUnavailableError(f"sqlite store {self.path!r} is closed")
+        """This thread's connection, opened if need be (not counted in use: for a look
+        from outside, as tests take)."""
+        connection = self._use()
+        self._done(connection)
+        return connection
+
+    def _use(self) -> sqlite3.Connection:
+        """This thread's connection, counted in use until `_done` (the in-memory
+        database's one connection: its users hold `_serial`, which `close()` takes).
+
+        Raises:
+            StoreUnavailableError: the store is closed.
+        """
         if self._memory:
+            if self._closed:
+                raise StoreUnavailableError(f"sqlite store {self.path!r} is closed")
             return self._keeper
         connection: sqlite3.Connection | None = getattr(self._local, "connection", None)
         if connection is None:
-            connection = self._local.connection = self._connect()
-            self._local.heads = KnownHeads()
-            # Dropped with the thread's other locals when it ends: its connection is
-            # closed then, not kept open until the store closes (threads that come and
-            # go, a pool's that end when idle, would each leave one behind).
-            self._local.ends = ends = _ThreadEnd()
-            closer = weakref.finalize(
-                ends, _close_thread_connection, weakref.ref(self), connection, os.getpid()
-            )
-            closer.atexit = False  # at exit, a daemon thread may still be using it
+            if self._closed:
+                raise StoreUnavailableError(f"sqlite store {self.path!r} is closed")
+            connection = self._thread_connection()
+        uses: _Uses = self._local.uses
+        uses.count += 1
+        # Counted before the look at `_closed`, which `close()` sets before it looks at
+        # the counts: either this sees it closed, or `close()` sees this in use.
+        if self._closed:
+            self._done(connection)
+            raise StoreUnavailableError(f"sqlite store {self.path!r} is closed")
+        return connection
+
+    def _done(self, connection: sqlite3.Connection) -> None:
+        """A use of this thread's connection (`_use`) has ended: once the store is
+        closed, the connection's last use closes it, if `close()` left it to it."""
+        if self._memory:
+            return
+        uses: _Uses = self._local.uses
+        uses.count -= 1
+        if self._closed and uses.count == 0:
+            with self._connections_lock:
+                left = connection in self._left_to_users
+                self._left_to_users.discard(connection)
+            if left:
+                connection.close()
+
+    def _thread_connection(self) -> sqlite3.Connection:
+        """Open this thread's connection."""
+        connection = self._local.connection = self._connect()
+        self._local.uses = uses = _Uses()
+        with self._connections_lock:
+            self._uses[connection] = uses
+        self._local.heads = KnownHeads()
+        # Dropped with the thread's other locals when it ends: its connection is closed
+        # then, not kept open until the store closes (threads that come and go, a
+        # pool's that end when idle, would each leave one behind).
+        self._local.ends = ends = _ThreadEnd()
+        closer = weakref.finalize(
+            ends, _close_thread_connection, weakref.ref(self), connection, os.getpid()
+        )
+        closer.atexit = False  # at exit, a daemon thread may still be using it
         return connection
 
     def _forget_connection(self, connection: sqlite3.Connection) -> None:
@@ -284,6 +343,8 @@ class SqliteStore(FaultInjection, JournalStore):
         with self._connections_lock:
             if connection in self._connections:
                 self._connections.remove(connection)
+            self._uses.pop(connection, None)
+            self._left_to_users.discard(connection)
         connection.close()
 
     def _known_heads(self) -> KnownHeads | None:
@@ -309,13 +370,21 @@ class SqliteStore(FaultInjection, JournalStore):
 
     @contextmanager
     def _open_transaction(self, begin: str) -> Iterator[sqlite3.Connection]:
-        connection = self._connection
+        connection = self._use()
+        try:
+            with self._in_transaction(connection, begin):
+                yield connection
+        finally:
+            self._done(connection)
+
+    @contextmanager
+    def _in_transaction(self, connection: sqlite3.Connection, begin: str) -> Iterator[None]:
         try:
             begin_transaction(connection, begin)
         except sqlite3.Error as exc:
             raise store_error(f"sqlite {begin} failed on {self.path!r}", exc) from exc
         try:
-            yield connection
+            yield
         except BaseException:
             _roll_back(connection)
             raise
@@ -329,14 +398,23 @@ class SqliteStore(FaultInjection, JournalStore):
             raise
 
     def close(self) -> None:
-        """Close every connection this store opened."""
-        self._closed = True
+        """Close every connection this store opened: at once where no call of this
+        store uses it; else as that call ends (calls made from now on are refused
+        with StoreUnavailableError)."""
+        self._closed = True  # first: see `_use`
         self._stamped.clear()
         if self._wal is not None:
             self._wal.close()
-        with self._connections_lock:
+        with self._serialised(), self._connections_lock:
             connections, self._connections = self._connections, []
-        for connection in connections:
+            idle = []
+            for connection in connections:
+                uses = self._uses.get(connection)
+                if uses is not None and uses.count > 0:
+                    self._left_to_users.add(connection)
+                else:
+                    idle.append(connection)
+        for connection in idle:
             connection.close()
         if self._wal is not None:
             let_go_of_unlinked()
@@ -391,19 +469,22 @@ class SqliteStore(FaultInjection, JournalStore):
         column updated on every append, cost more than the commit they wrap.)
         """
         with self._commit_lock:
-            connection = self._connection
-            witness = self._witness(connection, batch)
+            connection = self._use()
             landed: list[PendingAppend] | None = None
             try:
-                # One append of one record to a stream that exists (expected above 0).
-                if len(batch) == 1 and (only := batch[0]).expected > 0 and len(only.rows) == 1:
-                    landed = self._insert_alone(connection, only)
-                else:
-                    landed = self._transact(connection, batch, isolated=False)
-                    if landed is None:
-                        landed = self._transact(connection, batch, isolated=True)
+                witness = self._witness(connection, batch)
+                try:
+                    # One append of one record to a stream that exists (expected above 0).
+                    if len(batch) == 1 and (only := batch[0]).expected > 0 and len(only.rows) == 1:
+                        landed = self._insert_alone(connection, only)
+                    else:
+                        landed = self._transact(connection, batch, isolated=False)
+                        if landed is None:
+                            landed = self._transact(connection, batch, isolated=True)
+                finally:
+                    self._record_commit(connection, witness, batch, landed)
             finally:
-                self._record_commit(connection, witness, batch, landed)
+                self._done(connection)
         known: KnownHeads | None  # `_known_heads()`, inline: every append comes here
         if landed and not self._memory and (known := getattr(self._local, "heads", None)):
             for append in landed:
@@ -720,20 +801,23 @@ class SqliteStore(FaultInjection, JournalStore):
         try:
             if self._serial is not None:
                 with self._serial:
-                    row = self._stream_row(self._connection, stream)
+                    row = self._stream_row(self._use(), stream)
             else:
-                connection = self._connection
-                if self._wal is not None:
+                if self._wal is not None:  # read-only, and nothing once closed
                     head = self._stamped.lookup(stream, self._wal.stamp())
                     if head is not None:
                         return head
-                known: KnownHeads = self._local.heads
-                head = known.lookup(connection.execute(DATA_VERSION).fetchone()[0], stream)
-                if head is not None:
-                    return head
-                row = self._stream_row(connection, stream)
-                if row is not None and not row[2]:
-                    known.learn(stream, row[0])
+                connection = self._use()
+                try:
+                    known: KnownHeads = self._local.heads
+                    head = known.lookup(connection.execute(DATA_VERSION).fetchone()[0], stream)
+                    if head is not None:
+                        return head
+                    row = self._stream_row(connection, stream)
+                    if row is not None and not row[2]:
+                        known.learn(stream, row[0])
+                finally:
+                    self._done(connection)
         except sqlite3.Error as exc:
             raise store_error(f"cannot read the head of {stream!r}", exc) from exc
         if row is None:
@@ -758,7 +842,11 @@ class SqliteStore(FaultInjection, JournalStore):
         parameters.append(-1 if limit is None else limit)
         try:
             with self._serialised():
-                rows = self._connection.execute(sql, parameters).fetchall()
+                connection = self._use()
+                try:
+                    rows = connection.execute(sql, parameters).fetchall()
+                finally:
+                    self._done(connection)
         except sqlite3.Error as exc:
             raise store_error("cannot list streams", exc) from exc
         return [str(row[0]) for row in rows]
