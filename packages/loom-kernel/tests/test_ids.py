@@ -87,26 +87,30 @@ def test_the_memory_of_ids_seen_valid_is_bounded() -> None:
     assert validate_stream_id("ex/bounded-1") == "ex/bounded-1", "and are checked again"
 
 
-def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start() -> None:
+def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     import time
     import uuid
 
-    from loom_kernel import Engine, flow, open_store
-    from loom_kernel._executions import fresh_execution_id
+    from loom_kernel import Engine, _executions, flow, open_store
 
     @flow(name="noop")
     def noop(ctx: object, value: int) -> int:
         return value
 
+    now = [1_796_000_000_000_000_000]  # ns
+    monkeypatch.setattr(time, "time_ns", lambda: now[0])
     engine = Engine(open_store("memory://"), [noop])
     first = engine.start("noop", 1).id
-    time.sleep(0.002)
+    now[0] += 1_000_000  # a millisecond later
     second = engine.start("noop", 2).id
-    for made in (first, second):
+    for made, millis in ((first, 1_796_000_000_000), (second, 1_796_000_000_001)):
         parsed = uuid.UUID(made)
         assert (parsed.version, parsed.variant, parsed.hex) == (7, uuid.RFC_4122, made)
-        millis = parsed.int >> 80
-        assert abs(millis - time.time_ns() // 1_000_000) < 60_000
+        assert parsed.int >> 80 == millis, "the start's Unix time in milliseconds comes first"
     assert first < second, "a later start sorts after: new journals land side by side"
-    many = {fresh_execution_id() for _ in range(20_000)}
+    many = {_executions.fresh_execution_id() for _ in range(20_000)}
     assert len(many) == 20_000, "74 random bits: no two alike, within a millisecond too"
+    now[0] = -5_000_000_000  # a clock before 1970 counts as 1970
+    assert uuid.UUID(_executions.fresh_execution_id()).int >> 80 == 0

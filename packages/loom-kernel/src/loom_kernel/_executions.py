@@ -83,9 +83,11 @@ def fresh_execution_id() -> str:
     Ids made later sort after earlier ones (within a millisecond, at random), so the
     journals of new runs land side by side in a store that keeps streams in name
     order (SQLite's clustered records b-tree) instead of at random places all over
-    it. Nothing relies on that order: a clock that jumps back only costs locality.
+    it. Nothing relies on that order: a clock that jumps back only costs locality (a
+    clock before 1970 counts as 1970).
     """
-    value = (time.time_ns() // 1_000_000 & _MILLIS) << 80 | int.from_bytes(os.urandom(10))
+    millis = max(time.time_ns() // 1_000_000, 0) & _MILLIS
+    value = millis << 80 | int.from_bytes(os.urandom(10))
     return f"{value & _UUID7_CLEAR | _UUID7_SET:032x}"
 
 
