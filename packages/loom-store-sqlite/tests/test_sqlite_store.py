@@ -323,6 +323,86 @@ def test_a_forked_child_closes_none_of_its_parents_thread_connections(tmp_path: 
     assert _run_script(script) == "0 1"
 
 
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_a_forked_child_uses_the_store_it_inherited_with_connections_of_its_own(
+    tmp_path: Path, where: str
+) -> None:
+    """multiprocessing's fork: a store opened before the fork, its threads idle, used
+    in the child (which must not use the parent's connections, nor wait on a group
+    or a lock the parent's threads had) and still in the parent."""
+    target = ":memory:" if where == "memory" else str(tmp_path / "forked.db")
+    script = f"""
+        import os, threading
+        from loom_kernel.spi import NewRecord
+        from loom_store_sqlite import SqliteStore
+        record = [NewRecord("k", b"1", 1.0)]
+        store = SqliteStore({target!r})
+        store.append("p", 0, record)
+        appended, release = threading.Event(), threading.Event()
+        def idles() -> None:  # a thread with a connection of its own, not in a call
+            store.append("t", 0, record)
+            appended.set()
+            release.wait(10)
+        thread = threading.Thread(target=idles)
+        thread.start()
+        appended.wait(10)
+        inherited = list(store._connections)
+        pid = os.fork()
+        if pid == 0:
+            store.append("c", 0, record)
+            assert store.read("c")[0].payload == b"1"
+            assert store.head("p") == 1 and store.head("t") == 1
+            assert not set(store._connections) & set(inherited) or {where!r} == "memory"
+            store.close()
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        release.set()
+        thread.join()
+        store.append("p", 1, record)
+        print(os.waitstatus_to_exitcode(status), store.head("c"), store.head("p"))
+        """
+    child_wrote = "0" if where == "memory" else "1"  # a memory database is the child's copy
+    assert _run_script(script) == f"0 {child_wrote} 2"
+
+
+def test_a_child_forked_during_a_call_is_refused_the_store_not_left_waiting(
+    tmp_path: Path,
+) -> None:
+    """SQLite's state of a call in flight comes along with a fork (its locks, its
+    mutexes): a call in the child could wait for ever, so it is refused at once."""
+    script = f"""
+        import os, threading
+        from loom_kernel.spi import NewRecord, StoreMisconfiguredError
+        from loom_store_sqlite import SqliteStore
+        inside, release = threading.Event(), threading.Event()
+        class Slow(SqliteStore):
+            def _commit_group(self, batch):
+                if batch[0].stream == "slow":
+                    inside.set()
+                    release.wait(10)
+                super()._commit_group(batch)
+        store = Slow({str(tmp_path / "mid.db")!r})
+        record = [NewRecord("k", b"1", 1.0)]
+        thread = threading.Thread(target=store.append, args=("slow", 0, record))
+        thread.start()
+        inside.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            try:
+                store.append("c", 0, record)
+            except StoreMisconfiguredError as exc:
+                assert "forked" in str(exc) and "open the store in this process" in str(exc)
+                store.close()
+                os._exit(0)
+            os._exit(1)
+        _, status = os.waitpid(pid, 0)
+        release.set()
+        thread.join()
+        print(os.waitstatus_to_exitcode(status), store.head("slow"), store.head("c"))
+        """
+    assert _run_script(script) == "0 1 0"
+
+
 def test_a_forked_child_never_makes_a_commit_id_its_parent_makes() -> None:
     script = """
         import os
