@@ -68,11 +68,6 @@ class GroupCommit:
         self._queue: list[PendingAppend] = []
         self._leading = False
 
-    @property
-    def leading(self) -> bool:
-        """Whether a group is being committed, or one is about to be."""
-        return self._leading
-
     def submit(self, append: PendingAppend) -> None:
         """Commit `append`, alone or with others; raise its own error, if any.
 

@@ -26,7 +26,6 @@ from loom_kernel.spi import (
     NewRecord,
     Record,
     StoreFactory,
-    StoreMisconfiguredError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
@@ -135,23 +134,6 @@ def _new_commit_prefix() -> None:
 # A forked child must not reuse its parent's ids (both would count on from one value).
 os.register_at_fork(after_in_child=_new_commit_prefix)
 
-#: Forks this process is away from the one it started as (+1 in each forked child): a
-#: store made before the last fork starts afresh in the child (`_afresh_after_fork`).
-_forks: Final = [0]
-#: The inherited connections of stores that started afresh in a forked child: never
-#: closed there (SQLite's connections must not be used, nor closed, across a fork),
-#: nor let go of (their deallocation would close them).
-_inherited: Final[list[object]] = []
-_afresh = [threading.Lock()]
-
-
-def _count_fork() -> None:
-    _forks[0] += 1
-    _afresh[0] = threading.Lock()  # the parent's may have been held by one of its threads
-
-
-os.register_at_fork(after_in_child=_count_fork)
-
 
 def _commit_id() -> str:
     """An id no other append anywhere has: a random prefix made once per process
@@ -240,12 +222,26 @@ class SqliteStore(FaultInjection, JournalStore):
         # "table is locked" instead of waiting). A file gets a connection per thread.
         self._memory = path == ":memory:"
         self._target = path if self._memory else os.path.abspath(path)
+        self._serial = threading.RLock() if self._memory else None
+        # What a group's commit holds: `_serial` where threads share one connection;
+        # else a lock nobody contends (one group commits at a time), which costs less
+        # than `_serialised()`'s generator on the path of every append.
+        self._commit_lock = self._serial or threading.Lock()
         self.path = path
+        self._local = threading.local()
+        self._connections: list[sqlite3.Connection] = []
+        self._connections_lock = threading.RLock()  # a thread's end closes its own
+        # Each thread connection's uses in progress; those `close()` found in use,
+        # which their thread closes as its call ends (closing a connection under a
+        # statement another thread runs on it crashes the interpreter).
+        self._uses: dict[sqlite3.Connection, _Uses] = {}
+        self._left_to_users: set[sqlite3.Connection] = set()
         self._closed = False
+        self._group = GroupCommit(self._commit_group)
         self._wal: WalIndex | None = None
-        #: In a forked child: whether the fork came during a call (None: not judged).
-        self._forked_mid_call: bool | None = None
-        self._start_in_this_process()
+        self._stamped = StampedHeads()
+        self._last_leader = 0  # the thread that led the last group (`_witness`)
+        self._crowded_until = 0.0
         self._keeper = self._connect()  # holds a shared in-memory database open
         try:
             ensure_schema(self._keeper, path)
@@ -260,71 +256,6 @@ class SqliteStore(FaultInjection, JournalStore):
             self._wal = WalIndex.open(self._target)
 
     # -- connections -------------------------------------------------------------
-
-    def _start_in_this_process(self) -> None:
-        """The store's state of this process: its locks, connections and commits."""
-        self._forks = _forks[0]
-        self._serial = threading.RLock() if self._memory else None
-        # What a group's commit holds: `_serial` where threads share one connection;
-        # else a lock nobody contends (one group commits at a time), which costs less
-        # than `_serialised()`'s generator on the path of every append.
-        self._commit_lock = self._serial or threading.Lock()
-        self._local = threading.local()
-        self._connections: list[sqlite3.Connection] = []
-        self._connections_lock = threading.RLock()  # a thread's end closes its own
-        # Each thread connection's uses in progress; those `close()` found in use,
-        # which their thread closes as its call ends (closing a connection under a
-        # statement another thread runs on it crashes the interpreter).
-        self._uses: dict[sqlite3.Connection, _Uses] = {}
-        self._left_to_users: set[sqlite3.Connection] = set()
-        self._group = GroupCommit(self._commit_group)
-        self._stamped = StampedHeads()
-        self._last_leader = 0  # the thread that led the last group (`_witness`)
-        self._crowded_until = 0.0
-
-    def _in_a_call(self) -> bool:
-        """In a forked child, before starting afresh: whether a thread of the parent
-        was in a call to the database as it forked (a connection in use, a group
-        being committed, the in-memory database's lock held)."""
-        if any(uses.count for uses in self._uses.values()) or self._group.leading:
-            return True
-        if not self._commit_lock.acquire(blocking=False):
-            return True
-        self._commit_lock.release()
-        return False
-
-    def _afresh_after_fork(self, *, closing: bool = False) -> None:
-        """In a child forked since the store opened: start afresh, with connections
-        of its own, leaving the parent's untouched. The parent's threads are not
-        here: a lock one of them held, or a group it led, would wait for ever, and a
-        connection it used is not this process's to use (its locks stayed with the
-        parent). An in-memory database keeps its one connection, the data's only
-        home. `closing`: for `close()`, which needs no connection of its own."""
-        with _afresh[0]:
-            if self._forks == _forks[0]:
-                return  # another thread of the child did it first
-            if self._forked_mid_call is None:
-                self._forked_mid_call = self._in_a_call()
-            if self._forked_mid_call:
-                if closing:
-                    self._closed = True  # nothing of the parent's is touched
-                    return
-                raise StoreMisconfiguredError(
-                    f"sqlite store {self.path!r} was opened in the process this one forked "
-                    "from, while another thread of it was in a call to the database: "
-                    "SQLite's own state of that call came along, and a call here could "
-                    "wait for ever or break the database; open the store in this process "
-                    "(or fork while no thread uses it, or start processes with 'spawn')"
-                )
-            _inherited.extend(self._connections)
-            _inherited.append(self._local)  # holds the forking thread's connection
-            self._start_in_this_process()
-            if self._memory:
-                self._connections.append(self._keeper)
-            else:
-                _inherited.append(self._keeper)
-                if not (self._closed or closing):
-                    self._keeper = self._connect()
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -358,8 +289,6 @@ class SqliteStore(FaultInjection, JournalStore):
         Raises:
             StoreUnavailableError: the store is closed.
         """
-        if self._forks != _forks[0]:
-            self._afresh_after_fork()
         if self._memory:
             if self._closed:
                 raise StoreUnavailableError(f"sqlite store {self.path!r} is closed")
@@ -472,8 +401,6 @@ class SqliteStore(FaultInjection, JournalStore):
         """Close every connection this store opened: at once where no call of this
         store uses it; else as that call ends (calls made from now on are refused
         with StoreUnavailableError)."""
-        if self._forks != _forks[0]:  # the parent's connections are not the child's to close
-            self._afresh_after_fork(closing=True)
         self._closed = True  # first: see `_use`
         self._stamped.clear()
         if self._wal is not None:
@@ -504,8 +431,6 @@ class SqliteStore(FaultInjection, JournalStore):
         return (floor if deleted or head is None else max(head, floor)), floor, deleted
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
-        if self._forks != _forks[0]:  # before the group: a parent's thread may lead it
-            self._afresh_after_fork()
         lose_reply = self._next_fault(stream)
         txn = _commit_id()
         # The commit id marks the batch's first record.
