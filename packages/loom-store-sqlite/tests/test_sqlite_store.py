@@ -323,6 +323,100 @@ def test_a_forked_child_closes_none_of_its_parents_thread_connections(tmp_path: 
     assert _run_script(script) == "0 1"
 
 
+@pytest.mark.parametrize("where", ["file", "memory"])
+def test_a_store_does_not_cross_a_fork_its_child_is_refused_at_each_call(
+    tmp_path: Path, where: str
+) -> None:
+    """SQLite's connections must not cross a fork: in the child, an inherited one holds
+    none of the parent's locks (writes could be lost), and a group or a lock a
+    parent's thread held would wait for ever. Each call is refused, closing touches
+    nothing, and the parent goes on."""
+    target = ":memory:" if where == "memory" else str(tmp_path / "forked.db")
+    script = f"""
+        import os, threading
+        from loom_kernel.spi import NewRecord, StoreMisconfiguredError
+        from loom_store_sqlite import SqliteStore
+        record = [NewRecord("k", b"1", 1.0)]
+        inside, release = threading.Event(), threading.Event()
+        class Slow(SqliteStore):
+            def _commit_group(self, batch):
+                if batch[0].stream == "slow":
+                    inside.set()
+                    release.wait(10)
+                super()._commit_group(batch)
+        store = Slow({target!r})
+        store.append("p", 0, record)
+        thread = threading.Thread(target=store.append, args=("slow", 0, record))
+        thread.start()  # a parent's thread leads a group as the process forks
+        inside.wait(10)
+        pid = os.fork()
+        if pid == 0:
+            calls = [
+                lambda: store.append("c", 0, record), lambda: store.read("p"),
+                lambda: store.head("p"), lambda: store.streams(),
+                lambda: store.trim("p", 1), lambda: store.delete("p"),
+            ]
+            refused = 0
+            for call in calls:
+                try:
+                    call()
+                except StoreMisconfiguredError as exc:
+                    refused += "forked from" in str(exc) and "spawn" in str(exc)
+            store.close()
+            store.close()
+            os._exit(0 if refused == len(calls) else 1)
+        _, status = os.waitpid(pid, 0)
+        release.set()
+        thread.join()
+        store.append("p", 1, record)
+        print(os.waitstatus_to_exitcode(status), store.head("slow"), store.head("p"))
+        """
+    assert _run_script(script) == "0 1 2"
+
+
+def test_a_database_open_when_the_process_forked_is_refused_to_the_childs_new_stores(
+    tmp_path: Path,
+) -> None:
+    """The parent's connections came along unclosed, with SQLite's state of the file:
+    a new connection of the child would count itself in the parent's locks and take
+    none (the parent's close could then delete the WAL under the child's commits).
+    Another database opens; so does one the parent had closed before forking."""
+    script = f"""
+        import os
+        from loom_kernel.spi import NewRecord, StoreMisconfiguredError
+        from loom_store_sqlite import SqliteStore
+        record = [NewRecord("k", b"1", 1.0)]
+        open_one = SqliteStore({str(tmp_path / "open.db")!r})
+        closed_one = SqliteStore({str(tmp_path / "closed.db")!r})
+        closed_one.close()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                SqliteStore({str(tmp_path / "open.db")!r})
+            except StoreMisconfiguredError as exc:
+                assert "forked from" in str(exc)
+            else:
+                os._exit(1)
+            other = SqliteStore({str(tmp_path / "other.db")!r})
+            other.append("c", 0, record)
+            again = SqliteStore({str(tmp_path / "closed.db")!r})
+            again.append("c", 0, record)
+            grandchild = os.fork()
+            if grandchild == 0:
+                try:
+                    SqliteStore({str(tmp_path / "other.db")!r})  # open in its parent
+                except StoreMisconfiguredError:
+                    os._exit(0)
+                os._exit(1)
+            _, status = os.waitpid(grandchild, 0)
+            os._exit(os.waitstatus_to_exitcode(status))
+        _, status = os.waitpid(pid, 0)
+        open_one.append("p", 0, record)
+        print(os.waitstatus_to_exitcode(status), open_one.head("p"))
+        """
+    assert _run_script(script) == "0 1"
+
+
 def test_a_forked_child_never_makes_a_commit_id_its_parent_makes() -> None:
     script = """
         import os

@@ -8,6 +8,7 @@ import os
 import sqlite3
 import threading
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from functools import partial
@@ -26,6 +27,7 @@ from loom_kernel.spi import (
     NewRecord,
     Record,
     StoreFactory,
+    StoreMisconfiguredError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
@@ -134,6 +136,38 @@ def _new_commit_prefix() -> None:
 # A forked child must not reuse its parent's ids (both would count on from one value).
 os.register_at_fork(after_in_child=_new_commit_prefix)
 
+#: Forks this process is away from the one it started as: +1 in each forked child.
+_forks: Final = [0]
+#: The databases (real paths) stores of this process have open, and how many stores.
+_open_here: Final[Counter[str]] = Counter()
+#: The databases open in the processes this one was forked from, as they forked: their
+#: connections came along, unclosed, and hold SQLite's per-process state of the file.
+_open_at_fork: Final[set[str]] = set()
+_open_lock = [threading.Lock()]
+#: Stores closed in a forked child: what they hold is the parent's, never closed here.
+_inherited: Final[list[object]] = []
+
+
+def _count_fork() -> None:
+    _forks[0] += 1
+    _open_at_fork.update(name for name, stores in _open_here.items() if stores > 0)
+    _open_here.clear()
+    _open_lock[0] = threading.Lock()  # the parent's may have been held by one of its threads
+
+
+os.register_at_fork(after_in_child=_count_fork)
+
+
+def _forked_error(path: str) -> StoreMisconfiguredError:
+    return StoreMisconfiguredError(
+        f"sqlite database {path!r} was open in the process this one was forked from, and "
+        "SQLite's connections must not cross a fork: the parent's came along, unclosed, "
+        "holding SQLite's state of the file (its locks stayed with the parent), so writes "
+        "here could be lost and calls could wait for ever; open the database only in "
+        "processes that did not inherit it open (multiprocessing's 'spawn' or 'forkserver' "
+        "start method), or fork before opening it"
+    )
+
 
 def _commit_id() -> str:
     """An id no other append anywhere has: a random prefix made once per process
@@ -222,6 +256,11 @@ class SqliteStore(FaultInjection, JournalStore):
         # "table is locked" instead of waiting). A file gets a connection per thread.
         self._memory = path == ":memory:"
         self._target = path if self._memory else os.path.abspath(path)
+        self._forks = _forks[0]
+        self._real = None if self._memory else os.path.realpath(self._target)
+        self._counted = False  # in `_open_here`
+        if self._real in _open_at_fork:
+            raise _forked_error(path)
         self._serial = threading.RLock() if self._memory else None
         # What a group's commit holds: `_serial` where threads share one connection;
         # else a lock nobody contends (one group commits at a time), which costs less
@@ -254,6 +293,10 @@ class SqliteStore(FaultInjection, JournalStore):
         if not self._memory:
             # The keeper holds the database open, so SQLite keeps this file as it is.
             self._wal = WalIndex.open(self._target)
+        if self._real is not None:
+            with _open_lock[0]:
+                _open_here[self._real] += 1
+                self._counted = True
 
     # -- connections -------------------------------------------------------------
 
@@ -323,7 +366,7 @@ class SqliteStore(FaultInjection, JournalStore):
 
     def _thread_connection(self) -> sqlite3.Connection:
         """Open this thread's connection."""
-        connection = self._local.connection = self._connect()
+        connection = self._connect()
         self._local.uses = uses = _Uses()
         with self._connections_lock:
             self._uses[connection] = uses
@@ -336,6 +379,7 @@ class SqliteStore(FaultInjection, JournalStore):
             ends, _close_thread_connection, weakref.ref(self), connection, os.getpid()
         )
         closer.atexit = False  # at exit, a daemon thread may still be using it
+        self._local.connection = connection  # last: an interrupt before leaves no half
         return connection
 
     def _forget_connection(self, connection: sqlite3.Connection) -> None:
@@ -370,12 +414,14 @@ class SqliteStore(FaultInjection, JournalStore):
 
     @contextmanager
     def _open_transaction(self, begin: str) -> Iterator[sqlite3.Connection]:
-        connection = self._use()
+        connection: sqlite3.Connection | None = None
         try:
+            connection = self._use()
             with self._in_transaction(connection, begin):
                 yield connection
         finally:
-            self._done(connection)
+            if connection is not None:
+                self._done(connection)
 
     @contextmanager
     def _in_transaction(self, connection: sqlite3.Connection, begin: str) -> Iterator[None]:
@@ -400,7 +446,17 @@ class SqliteStore(FaultInjection, JournalStore):
     def close(self) -> None:
         """Close every connection this store opened: at once where no call of this
         store uses it; else as that call ends (calls made from now on are refused
-        with StoreUnavailableError)."""
+        with StoreUnavailableError). In a process forked since the store opened, it
+        touches nothing: the connections are the parent's."""
+        if self._forks != _forks[0]:
+            if not self._closed:
+                self._closed = True
+                _inherited.append(self.__dict__.copy())  # never deallocated: never closed
+            return
+        if self._counted and self._real is not None:
+            with _open_lock[0]:
+                _open_here[self._real] -= 1
+                self._counted = False
         self._closed = True  # first: see `_use`
         self._stamped.clear()
         if self._wal is not None:
@@ -431,6 +487,8 @@ class SqliteStore(FaultInjection, JournalStore):
         return (floor if deleted or head is None else max(head, floor)), floor, deleted
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        if self._forks != _forks[0]:
+            raise _forked_error(self.path)
         lose_reply = self._next_fault(stream)
         txn = _commit_id()
         # The commit id marks the batch's first record.
@@ -469,9 +527,10 @@ class SqliteStore(FaultInjection, JournalStore):
         column updated on every append, cost more than the commit they wrap.)
         """
         with self._commit_lock:
-            connection = self._use()
             landed: list[PendingAppend] | None = None
+            connection: sqlite3.Connection | None = None
             try:
+                connection = self._use()
                 witness = self._witness(connection, batch)
                 try:
                     # One append of one record to a stream that exists (expected above 0).
@@ -484,7 +543,8 @@ class SqliteStore(FaultInjection, JournalStore):
                 finally:
                     self._record_commit(connection, witness, batch, landed)
             finally:
-                self._done(connection)
+                if connection is not None:
+                    self._done(connection)
         known: KnownHeads | None  # `_known_heads()`, inline: every append comes here
         if landed and not self._memory and (known := getattr(self._local, "heads", None)):
             for append in landed:
@@ -774,6 +834,8 @@ class SqliteStore(FaultInjection, JournalStore):
         raise ConflictError(stream, expected, head)
 
     def _read(self, stream: str, after: int, limit: int | None) -> list[Record]:
+        if self._forks != _forks[0]:
+            raise _forked_error(self.path)
         try:
             with self._transaction() as connection:
                 row = self._stream_row(connection, stream)
@@ -798,6 +860,8 @@ class SqliteStore(FaultInjection, JournalStore):
         while nobody else has committed since this store's own last commit wrote it,
         or else while no other connection has committed since this one last read or
         wrote it."""
+        if self._forks != _forks[0]:
+            raise _forked_error(self.path)
         try:
             if self._serial is not None:
                 with self._serial:
@@ -807,8 +871,9 @@ class SqliteStore(FaultInjection, JournalStore):
                     head = self._stamped.lookup(stream, self._wal.stamp())
                     if head is not None:
                         return head
-                connection = self._use()
+                connection = None
                 try:
+                    connection = self._use()
                     known: KnownHeads = self._local.heads
                     head = known.lookup(connection.execute(DATA_VERSION).fetchone()[0], stream)
                     if head is not None:
@@ -817,7 +882,8 @@ class SqliteStore(FaultInjection, JournalStore):
                     if row is not None and not row[2]:
                         known.learn(stream, row[0])
                 finally:
-                    self._done(connection)
+                    if connection is not None:
+                        self._done(connection)
         except sqlite3.Error as exc:
             raise store_error(f"cannot read the head of {stream!r}", exc) from exc
         if row is None:
@@ -827,6 +893,8 @@ class SqliteStore(FaultInjection, JournalStore):
         return row[0]
 
     def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
+        if self._forks != _forks[0]:
+            raise _forked_error(self.path)
         # A range on the primary key: [lower, upper) where upper is the first string
         # past every name with the prefix (ids are ASCII, so bumping the last
         # character works), so even the last page of a listing is an index range scan.
@@ -842,16 +910,20 @@ class SqliteStore(FaultInjection, JournalStore):
         parameters.append(-1 if limit is None else limit)
         try:
             with self._serialised():
-                connection = self._use()
+                connection = None
                 try:
+                    connection = self._use()
                     rows = connection.execute(sql, parameters).fetchall()
                 finally:
-                    self._done(connection)
+                    if connection is not None:
+                        self._done(connection)
         except sqlite3.Error as exc:
             raise store_error("cannot list streams", exc) from exc
         return [str(row[0]) for row in rows]
 
     def _trim(self, stream: str, before: int) -> None:
+        if self._forks != _forks[0]:
+            raise _forked_error(self.path)
         self._forget_head(stream)
         try:
             with self._transaction("BEGIN IMMEDIATE") as connection:
@@ -872,6 +944,8 @@ class SqliteStore(FaultInjection, JournalStore):
             raise store_error(f"cannot trim {stream!r}", exc) from exc
 
     def _delete(self, stream: str) -> None:
+        if self._forks != _forks[0]:
+            raise _forked_error(self.path)
         self._forget_head(stream)
         try:
             with self._transaction("BEGIN IMMEDIATE") as connection:
