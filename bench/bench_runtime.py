@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from loom_kernel import Context, Engine, MemoryStore, Worker, flow, open_store
-from loom_kernel._cli import main as loom_main
-from loom_kernel._worker import _IDLE_POLL_COSTLY
+from loom_kernel._hosting._cli import main as loom_main
+from loom_kernel._hosting._worker import _IDLE_POLL_COSTLY
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
 

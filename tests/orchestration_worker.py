@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from loom_kernel import Context, Engine, Execution, Status, flow, open_store
-from loom_kernel._listeners import installed_listeners
+from loom_kernel._engine._listeners import installed_listeners
 from loom_orchestration import await_child
 
 

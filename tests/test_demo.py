@@ -11,7 +11,7 @@ import pytest
 
 @pytest.mark.slow
 def test_demo_runs_on_sqlite_by_default_and_twice(tmp_path: Path) -> None:
-    command = [sys.executable, "-m", "loom_kernel._cli", "demo"]
+    command = [sys.executable, "-m", "loom_kernel", "demo"]
     for _ in range(2):  # a second run on the same file starts a new order
         done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, check=True)
         assert "Loom demo on sqlite://loom-demo.db" in done.stdout

@@ -237,7 +237,7 @@ def _loom_worker(target: _Target, side: Path, log: Path) -> subprocess.Popen[byt
     """`loom worker` on the soak flows, as a user would run it; it logs to `log`."""
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "loom_kernel._cli", "worker", "--store", target.url),
+            *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
             *("--flows", "soak_flows:FLOWS", "--concurrency", str(SOAK_CONCURRENCY)),
             *("--lease", "4", "--idle-poll", "0.2", "--grace", "10"),
         ],
@@ -403,7 +403,7 @@ def test_loom_worker_exits_after_its_grace_though_a_thread_an_async_flow_left_ru
     with mock.patch.dict(os.environ, {"LOOM_SOAK_FLAG": str(flag)}):
         worker = subprocess.Popen(
             [
-                *(sys.executable, "-m", "loom_kernel._cli", "worker", "--store", target.url),
+                *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
                 *("--flows", "soak_flows:FLOWS", "--idle-poll", "0.2", "--grace", "1"),
             ],
             stdout=subprocess.DEVNULL,

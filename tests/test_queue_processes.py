@@ -57,7 +57,7 @@ def _worker(
 ) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
-            *(sys.executable, "-m", "loom_kernel._cli", "worker", "--store", target.url),
+            *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
             *("--flows", "queue_flows:FLOWS", "--queues", "queue_flows:QUEUES"),
             *("--concurrency", "8", "--lease", str(lease), "--idle-poll", "0.1"),
             *("--grace", str(grace)),

@@ -20,10 +20,10 @@ from loom_kernel import (
     MemoryStore,
     ResultTimeoutError,
     Status,
-    _servant,
     flow,
 )
-from loom_kernel._threads import call_threads
+from loom_kernel._replay import _servant
+from loom_kernel._replay._threads import call_threads
 
 T = TypeVar("T")
 loops: list[asyncio.AbstractEventLoop] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Worker, flow
-from loom_kernel._threads import CallThreads, call_threads, in_a_thread, let_go
+from loom_kernel._replay._threads import CallThreads, call_threads, in_a_thread, let_go
 
 
 def _eventually(condition: object, seconds: float = 10.0) -> None:
@@ -302,7 +302,7 @@ def test_a_forked_child_starts_with_no_threads_of_its_parents_and_calls_again() 
     script = textwrap.dedent(
         """
         import asyncio, os, threading
-        from loom_kernel._threads import call_threads, in_a_thread
+        from loom_kernel._replay._threads import call_threads, in_a_thread
 
         release = threading.Event()
         threads = call_threads()
@@ -362,7 +362,7 @@ def test_a_worker_stop_waits_a_bounded_time_for_a_start_async_its_flow_gave_up_o
 
 
 def test_a_loop_closed_under_a_call_leaves_nothing_held_once_the_call_ends() -> None:
-    from loom_kernel import _threads
+    from loom_kernel._replay import _threads
 
     release = threading.Event()
     loop = asyncio.new_event_loop()

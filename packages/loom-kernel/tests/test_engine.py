@@ -21,12 +21,12 @@ from loom_kernel import (
     Status,
     StepFailedError,
     UnknownFlowError,
-    _context,
     code_hash,
     flow,
 )
-from loom_kernel._codec import encode_event
-from loom_kernel._driving import drive_here
+from loom_kernel._core._codec import encode_event
+from loom_kernel._replay import _context
+from loom_kernel._replay._driving import drive_here
 from loom_kernel.events import ExecutionClaimed
 from loom_kernel.spi import (
     ConflictError,

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import AsyncContext, Context, Engine, Execution, MemoryStore, Status, flow
-from loom_kernel._locks import KeyedLocks
+from loom_kernel._engine._locks import KeyedLocks
 from loom_kernel.spi import JournalStore
 
 WAIT = 20.0  # seconds a thread may take before the test calls it stuck

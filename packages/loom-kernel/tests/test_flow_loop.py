@@ -25,9 +25,9 @@ from loom_kernel import (
     Status,
     StepFailedError,
     Worker,
-    _servant,
     flow,
 )
+from loom_kernel._replay import _servant
 from loom_kernel.spi import NewRecord
 
 
@@ -744,7 +744,7 @@ def test_a_flows_loop_stopped_by_an_interrupt_as_it_closes_still_cancels_and_clo
 _NESTED_STARTS = """
 import asyncio, os
 from loom_kernel import AsyncContext, Engine, MemoryStore, flow
-from loom_kernel._servant import FLOW_LOOP, LoopThread
+from loom_kernel._replay._servant import FLOW_LOOP, LoopThread
 
 async def instant():
     return "done"
@@ -812,7 +812,7 @@ def test_a_drive_stopped_with_its_loop_leaves_no_flow_code_to_run_when_it_runs_a
     """The caller's loop stops (not closed) mid-drive: the drive stops, the journal as
     it was, and the flow's coroutine is cancelled, so when the loop runs again later,
     none of that drive's code goes on without it."""
-    from loom_kernel import _servant
+    from loom_kernel._replay import _servant
 
     monkeypatch.setattr(_servant, "LOOP_CHECK", 0.05)
     reached: list[str] = []
@@ -844,7 +844,7 @@ def test_a_call_handed_over_as_the_drive_ends_is_refused_not_left_unanswered() -
     """A call the flow's code hands to the drive's thread just as the drive ends (a
     task it left running) gets `LoopStoppedError`: left unanswered, the task awaiting
     it would never end, and neither would its loop's shutdown."""
-    from loom_kernel._servant import LoopStoppedError, Servant
+    from loom_kernel._replay._servant import LoopStoppedError, Servant
 
     loop = asyncio.new_event_loop()
     try:

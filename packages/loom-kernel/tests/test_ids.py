@@ -7,7 +7,7 @@ import re
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel._ids import ID_ALPHABET
+from loom_kernel._core._ids import ID_ALPHABET
 from loom_kernel.spi import MAX_ID_LENGTH, InvalidIdError, validate_prefix, validate_stream_id
 from loom_kernel.testing import BAD_IDS
 
@@ -78,7 +78,7 @@ def test_a_refused_id_names_the_rule_it_breaks(bad: object, rule: str) -> None:
 
 
 def test_the_memory_of_ids_seen_valid_is_bounded() -> None:
-    from loom_kernel import _ids
+    from loom_kernel._core import _ids
 
     for number in range(_ids._REMEMBERED * 2 + 10):
         assert validate_stream_id(f"ex/bounded-{number}") == f"ex/bounded-{number}"
@@ -93,7 +93,8 @@ def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start(
     import time
     import uuid
 
-    from loom_kernel import Engine, _executions, flow, open_store
+    from loom_kernel import Engine, flow, open_store
+    from loom_kernel._coordination import _executions
 
     @flow(name="noop")
     def noop(ctx: object, value: int) -> int:

@@ -73,14 +73,18 @@ def test_no_import_cycle_inside_the_kernel() -> None:
 def test_the_pure_core_does_not_import_the_runtime() -> None:
     graph = _graph()
     core = [
-        "loom_kernel._events",
-        "loom_kernel._codec",
-        "loom_kernel._state",
-        "loom_kernel._fast_fold",
-        "loom_kernel._canonical",
-        "loom_kernel._reachability",
+        "loom_kernel._core._events",
+        "loom_kernel._core._codec",
+        "loom_kernel._core._state",
+        "loom_kernel._core._fast_fold",
+        "loom_kernel._core._canonical",
+        "loom_kernel._core._reachability",
     ]
-    runtime = {"loom_kernel._engine", "loom_kernel._context", "loom_kernel._driving"}
+    runtime = {
+        "loom_kernel._engine._facade",
+        "loom_kernel._replay._context",
+        "loom_kernel._replay._driving",
+    }
     for module in core:
         seen, todo = set(), [module]
         while todo:

@@ -26,7 +26,7 @@ from loom_kernel import (
     Woken,
     flow,
 )
-from loom_kernel._run_index import partition_of
+from loom_kernel._coordination._run_index import partition_of
 from loom_kernel.events import ExecutionSuspended
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError
 from loom_kernel.testing import FakeClock
@@ -857,7 +857,7 @@ def test_a_damaged_message_is_reported_and_the_run_stays_where_it_was(
 
 @pytest.mark.parametrize("payload", [{"topic": None}, "hello", {"gate": "g"}])
 def test_a_receive_resumed_with_a_damaged_payload_is_a_schema_error(payload: Any) -> None:
-    from loom_kernel._codec import encode_event
+    from loom_kernel._core._codec import encode_event
     from loom_kernel.events import ExecutionResumed
 
     store = MemoryStore()
@@ -914,7 +914,7 @@ def test_get_event_waiting_returns_what_a_run_published_as_it_finished() -> None
 def test_the_inboxes_and_published_values_kept_parsed_are_bounded(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from loom_kernel import _inbox, _published
+    from loom_kernel._coordination import _inbox, _published
 
     monkeypatch.setattr(_inbox, "_KEPT", 3)
     monkeypatch.setattr(_published, "_KEPT", 3)

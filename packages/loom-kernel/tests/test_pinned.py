@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, InvalidIdError, MemoryStore, Status, flow
-from loom_kernel._ids import validate_prefix, validate_stream_id
+from loom_kernel._core._ids import validate_prefix, validate_stream_id
 from loom_kernel.spi import InvalidArgumentError, NewRecord
 from loom_kernel.testing import FakeClock, sandbox
 
@@ -99,8 +99,8 @@ def test_a_bucket_deleted_between_listing_and_reading_is_skipped() -> None:
 
 
 def test_the_state_cache_drops_the_least_recently_used_first() -> None:
-    from loom_kernel._cache import StateCache
-    from loom_kernel._state import ExecutionState
+    from loom_kernel._core._state import ExecutionState
+    from loom_kernel._engine._cache import StateCache
 
     cache = StateCache(2)
     for name in ("a", "b"):
@@ -125,7 +125,7 @@ def test_the_history_of_a_deleted_execution_is_not_found() -> None:
 
 
 def test_decoding_no_records_gives_no_events() -> None:
-    from loom_kernel._codec import decode_events, parse_envelopes
+    from loom_kernel._core._codec import decode_events, parse_envelopes
 
     assert parse_envelopes([]) == []
     assert decode_events([]) == []
@@ -228,7 +228,7 @@ def test_a_snapshot_from_before_migrations_existed_migrates() -> None:
 
 
 def test_the_parsed_version_cache_stays_bounded() -> None:
-    from loom_kernel._codec import _versions, decode_event
+    from loom_kernel._core._codec import _versions, decode_event
     from loom_kernel.spi import Record
 
     for minor in range(200):
@@ -348,7 +348,7 @@ def test_a_second_compaction_drops_the_older_snapshot() -> None:
 
 
 def test_a_record_holding_two_json_values_is_a_schema_error() -> None:
-    from loom_kernel._codec import decode_events
+    from loom_kernel._core._codec import decode_events
     from loom_kernel.spi import Record, SchemaError
 
     two = b'{"v":"1.17.0","d":{"reason":null}},{"v":"1.17.0","d":{"reason":null}}'
@@ -706,7 +706,7 @@ def test_looking_whether_another_process_lives_sends_it_no_signal() -> None:
     import subprocess
     import sys
 
-    from loom_kernel._leases import abandoned_here, default_worker_id
+    from loom_kernel._coordination._leases import abandoned_here, default_worker_id
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -752,7 +752,7 @@ def test_a_version_that_is_neither_a_flow_nor_a_name_is_refused(to: Any) -> None
 
 
 def test_a_second_start_by_key_of_a_run_just_started_writes_no_second_hint() -> None:
-    from loom_kernel._run_index import partition_of
+    from loom_kernel._coordination._run_index import partition_of
 
     box = sandbox(counter)
     box.engine.enqueue("counter", 0, key="once")  # no worker: its start is its only record
@@ -860,7 +860,7 @@ def test_the_kernel_alone_folds_without_msgspec(monkeypatch: pytest.MonkeyPatch)
     import json
     import sys
 
-    from loom_kernel import _fast_fold
+    from loom_kernel._core import _fast_fold
 
     monkeypatch.setitem(sys.modules, "msgspec", None)  # an import of it fails
     spec = importlib.util.spec_from_file_location("_fold_without_msgspec", _fast_fold.__file__)
@@ -879,7 +879,7 @@ def test_a_beat_that_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     import time
 
     from loom_kernel import StoreUnavailableError
-    from loom_kernel._leases import Heartbeat
+    from loom_kernel._coordination._leases import Heartbeat
 
     class NoBeats(MemoryStore):
         def _append(self, stream: str, expected: int, records: Any) -> int:

@@ -28,8 +28,8 @@ from loom_kernel import (
     Worker,
     flow,
 )
-from loom_kernel._queues import QueueBook, QueueFold, pick
-from loom_kernel._run_index import RunIndex, partition_of
+from loom_kernel._coordination._queues import QueueBook, QueueFold, pick
+from loom_kernel._coordination._run_index import RunIndex, partition_of
 from loom_kernel.events import QueuePlace
 from loom_kernel.spi import NewRecord
 from loom_kernel.testing import FakeClock
@@ -655,7 +655,7 @@ class _Crash(BaseException):
 def test_an_admission_is_stale_once_its_taker_no_longer_drives_the_run() -> None:
     import subprocess
 
-    from loom_kernel._leases import _THIS_MACHINE
+    from loom_kernel._coordination._leases import _THIS_MACHINE
 
     @flow(name="stale.crash")
     def crash(ctx: Context, _input: Any) -> Any:
@@ -881,7 +881,7 @@ def test_a_dead_takers_admission_is_given_back_however_far_behind_the_reapers_cl
     import subprocess
     import sys
 
-    from loom_kernel._leases import default_worker_id
+    from loom_kernel._coordination._leases import default_worker_id
 
     store = MemoryStore()
     queue = Queue("q", concurrency=1)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from loom_kernel import MemoryStore, NotFoundError, _registry, open_store
-from loom_kernel._cli import main
+from loom_kernel import MemoryStore, NotFoundError, open_store
+from loom_kernel._hosting._cli import main
+from loom_kernel._spi import _registry
 from loom_kernel.spi import InvalidArgumentError, JournalStore, installed_stores, register_store
 from loom_kernel.testing import records
 
@@ -204,7 +205,7 @@ def test_loom_ls_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
         for number in range(500):  # long ids: more than a pipe's buffer of lines
             engine.start("contract", key=f"run-{number:05d}-" + "x" * 150)
     listing = subprocess.Popen(
-        [sys.executable, "-m", "loom_kernel._cli", "ls", "--store", url],
+        [sys.executable, "-m", "loom_kernel", "ls", "--store", url],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )

@@ -21,7 +21,7 @@ from loom_kernel import (
     Status,
     flow,
 )
-from loom_kernel._run_index import RunIndex, partition_of
+from loom_kernel._coordination._run_index import RunIndex, partition_of
 from loom_kernel.spi import NewRecord
 from loom_kernel.testing import FakeClock
 
@@ -114,7 +114,7 @@ def test_executions_by_flow_include_the_runs_moved_to_their_status_streams(
 ) -> None:
     """Closed runs compacted out of the open partitions (into `runs/<status>/<p>`) are
     listed by flow as the still-open partitions' closed ones are."""
-    from loom_kernel import _run_index
+    from loom_kernel._coordination import _run_index
 
     monkeypatch.setattr(_run_index, "_COMPACT_AT", 2)
     store = CountingStore()
@@ -160,7 +160,7 @@ def test_a_partition_deleted_under_the_index_reads_as_empty() -> None:
 
 
 def test_a_hint_of_a_dead_process_of_this_machine_is_dropped_at_once() -> None:
-    from loom_kernel._leases import _THIS_MACHINE
+    from loom_kernel._coordination._leases import _THIS_MACHINE
 
     store, clock = MemoryStore(), FakeClock(1_000.0)
     engine = _engine(store, clock)
@@ -432,7 +432,7 @@ def test_a_store_is_not_marked_indexed_when_a_run_could_not_be_looked_at() -> No
 
 
 def test_a_hint_of_a_run_that_has_only_its_start_is_not_abandoned() -> None:
-    from loom_kernel._run_index import OpenHint
+    from loom_kernel._coordination._run_index import OpenHint
 
     store = MemoryStore()
     engine = Engine(store, [], listeners=[])
@@ -453,7 +453,7 @@ def test_a_rebuild_of_a_healthy_index_that_agrees_with_the_listing_writes_nothin
 
 
 def test_a_damaged_partition_keeps_open_what_was_opened_before_a_checkpoint() -> None:
-    from loom_kernel._run_index import _fold_readable
+    from loom_kernel._coordination._run_index import _fold_readable
 
     store, clock = MemoryStore(), FakeClock()
     index = RunIndex(store, clock)
@@ -613,7 +613,7 @@ def test_a_damaged_ended_record_is_a_schema_error_naming_where(payload: bytes) -
 
 
 def test_a_checkpoint_replaces_what_the_partition_held_before_it() -> None:
-    from loom_kernel._run_index import _fold_readable
+    from loom_kernel._coordination._run_index import _fold_readable
 
     store, clock = MemoryStore(), FakeClock()
     index = RunIndex(store, clock)
@@ -661,7 +661,7 @@ def test_each_hint_record_is_a_hint_of_its_own_and_a_compaction_keeps_them() -> 
 
 
 def test_a_checkpoint_hint_without_a_position_reads_as_position_zero() -> None:
-    from loom_kernel._run_index import _fold_readable
+    from loom_kernel._coordination._run_index import _fold_readable
 
     stream = "runs/open/0"
     store = MemoryStore()
@@ -737,7 +737,7 @@ def test_a_listing_with_no_filter_reads_the_journals_and_one_by_status_the_index
 def test_an_ended_partition_deleted_by_hand_lists_no_run_and_fails_nothing() -> None:
     """A partition of the ended runs deleted (an operator's cleanup) reads as empty:
     the listing of ended runs goes on, with none from it."""
-    from loom_kernel._run_index import _ended_stream
+    from loom_kernel._coordination._run_index import _ended_stream
 
     store = MemoryStore()
     clock = FakeClock()

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel._codec import _upcasters, dump_json, encode_step_completed, register_upcaster
+from loom_kernel._core._codec import _upcasters, dump_json, encode_step_completed, register_upcaster
 from loom_kernel.events import (
     EVENT_SCHEMA,
     PINNED,
@@ -216,7 +216,7 @@ def test_both_parsers_give_the_same_events_and_errors(
     parser: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """msgspec (the `fast` extra) reads journals when installed; json.loads otherwise."""
-    from loom_kernel import _codec
+    from loom_kernel._core import _codec
 
     if parser == "json":
         monkeypatch.setattr(_codec, "parse_many", json.loads)

@@ -20,8 +20,8 @@ from loom_kernel import (
     StoreUnavailableError,
     flow,
 )
-from loom_kernel._timer_floor import FLOOR_KIND, FLOOR_STREAM
-from loom_kernel._timers import OVERDUE, SEAL_KIND, TimerIndex
+from loom_kernel._coordination._timer_floor import FLOOR_KIND, FLOOR_STREAM
+from loom_kernel._coordination._timers import OVERDUE, SEAL_KIND, TimerIndex
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError, TrimmedError
 from loom_kernel.testing import FakeClock, Interleaving, sandbox
 
@@ -336,7 +336,7 @@ def test_a_poll_reads_the_overdue_stream_from_where_it_trimmed_it() -> None:
     ],
 )
 def test_a_floor_mark_with_a_field_out_of_its_range_is_damaged(payload: bytes) -> None:
-    from loom_kernel._timer_floor import _parse
+    from loom_kernel._coordination._timer_floor import _parse
     from loom_kernel.spi import Record
 
     with pytest.raises(SchemaError, match="damaged timer floor mark"):
@@ -359,7 +359,7 @@ def test_a_hint_or_a_poll_at_a_time_that_is_not_finite_is_refused_and_writes_not
 
 
 def test_the_floor_stream_is_trimmed_as_the_floor_moves() -> None:
-    from loom_kernel._timer_floor import _TRIM_EVERY
+    from loom_kernel._coordination._timer_floor import _TRIM_EVERY
 
     store, clock = MemoryStore(), FakeClock(BASE)
     engine = _engine(store, clock)

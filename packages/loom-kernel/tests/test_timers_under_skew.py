@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
-from loom_kernel._timers import OVERDUE, QUARANTINE, TimerIndex
+from loom_kernel._coordination._timers import OVERDUE, QUARANTINE, TimerIndex
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError
 from loom_kernel.testing import FakeClock, Interleaving, sandbox
 

@@ -22,7 +22,7 @@ from loom_kernel import (
     flow,
     open_store,
 )
-from loom_kernel._cli import main
+from loom_kernel._hosting._cli import main
 from loom_kernel.testing import FakeClock, sandbox
 
 ran: list[str] = []
@@ -325,7 +325,7 @@ def _engine_on(store: Any, *flows: Any) -> Engine:
 def test_load_flows_takes_a_flow_a_function_or_a_list(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from loom_kernel._deploy import load_flows
+    from loom_kernel._hosting._deploy import load_flows
 
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "several.py").write_text(

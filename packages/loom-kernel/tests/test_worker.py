@@ -27,9 +27,9 @@ from loom_kernel import (
     Worker,
     flow,
 )
-from loom_kernel._driving import Drive
-from loom_kernel._leases import driving_here
-from loom_kernel._run_index import partition_of
+from loom_kernel._coordination._leases import driving_here
+from loom_kernel._coordination._run_index import partition_of
+from loom_kernel._replay._driving import Drive
 from loom_kernel.events import ExecutionClaimed, ExecutionStarted
 
 effects: Counter[str] = Counter()
@@ -437,7 +437,7 @@ def test_a_visit_that_has_not_started_driving_is_released_too() -> None:
 def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from loom_kernel._run_index import partition_of
+    from loom_kernel._coordination._run_index import partition_of
     from loom_kernel.spi import NewRecord
 
     store = MemoryStore()
@@ -604,7 +604,7 @@ def test_enqueues_while_every_slot_is_busy_wait_as_the_engines_own_and_need_no_c
 def test_an_enqueue_waiting_too_long_for_a_busy_slot_is_let_go_to_any_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.2)
+    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.2)
     store = MemoryStore()
     engine = _engine(store, lease=600.0)  # taken over at once, not a lease later
     with Worker(engine, concurrency=1, idle_poll=60.0) as worker:
@@ -627,7 +627,7 @@ def test_a_let_go_enqueue_is_taken_by_another_machine_at_once_not_a_lease_later(
 ) -> None:
     """The worker's beat at the let-go is all another machine's worker goes by: it must
     no longer list the runs let go (in one process, the engines also see it directly)."""
-    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.2)
+    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.2)
     store = MemoryStore()
     remote = "other-host.1:4242:abcdef"  # not this process: only its beats tell
     engine = _engine(store, lease=600.0, worker_id=remote)
@@ -651,7 +651,7 @@ def test_a_let_go_enqueue_is_taken_by_another_machine_at_once_not_a_lease_later(
 def test_a_let_go_enqueue_is_taken_back_by_its_own_worker_once_a_slot_frees(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.1)
+    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.1)
     store = MemoryStore()
     engine = _engine(store)
     with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
@@ -675,7 +675,7 @@ def test_a_beat_that_fails_as_enqueues_are_let_go_is_counted_and_the_nudges_stil
 ) -> None:
     import sys
 
-    monkeypatch.setattr("loom_kernel._worker._HANDED_WAIT", 0.1)
+    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.1)
     store = MemoryStore()
     engine = _engine(store, lease=600.0)
     heartbeat = engine._heartbeat
@@ -711,7 +711,7 @@ def test_a_beat_that_fails_as_enqueues_are_let_go_is_counted_and_the_nudges_stil
 
 
 def test_enqueues_past_the_workers_own_queue_start_unowned_for_any_worker() -> None:
-    from loom_kernel._worker import _HANDED_PER_SLOT
+    from loom_kernel._hosting._worker import _HANDED_PER_SLOT
 
     store = MemoryStore()
     engine = _engine(store)
@@ -852,7 +852,7 @@ def test_run_with_a_status_stream_writes_the_live_line_and_ends_it() -> None:
 def test_terminal_status_is_stderr_only_on_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 
-    from loom_kernel._worker import terminal_status
+    from loom_kernel._hosting._worker import terminal_status
 
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
     assert terminal_status() is sys.stderr
@@ -895,7 +895,7 @@ def test_an_enqueue_that_no_slot_takes_wakes_the_engines_workers() -> None:
 
 
 def test_a_timer_a_worker_cannot_fire_counts_as_a_failure() -> None:
-    from loom_kernel._timers import TimerIndex
+    from loom_kernel._coordination._timers import TimerIndex
     from loom_kernel.spi import NewRecord
     from loom_kernel.testing import FakeClock
 
@@ -966,7 +966,7 @@ def test_a_run_index_marker_that_cannot_be_read_is_not_taken_for_a_store_to_inde
 
 
 def test_a_run_queued_for_a_slot_is_queued_once() -> None:
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     worker = Worker(_engine(MemoryStore()), concurrency=1)
     submitted: list[Any] = []
@@ -986,7 +986,7 @@ def test_a_run_queued_for_a_slot_is_queued_once() -> None:
 def test_a_visit_that_raises_a_bug_is_logged_and_counted(caplog: Any) -> None:
     import logging
 
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     worker = Worker(_engine(MemoryStore()))
 
@@ -1004,7 +1004,7 @@ def test_a_visit_that_meets_a_store_fault_is_logged_counted_and_its_slot_freed(
 ) -> None:
     import logging
 
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     worker = Worker(_engine(MemoryStore()))
 
@@ -1181,7 +1181,7 @@ def test_a_run_a_poll_saw_while_it_was_reserved_is_looked_at_once_given_back() -
 
 
 def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     store = MemoryStore()
     engine = _engine(store)
@@ -1199,7 +1199,7 @@ def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:
 def test_a_handle_wakes_when_a_drive_of_its_engine_ends_the_run_not_at_its_next_look(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("loom_kernel._handles._FIRST_WAIT", 60.0)  # looks a minute apart
+    monkeypatch.setattr("loom_kernel._engine._handles._FIRST_WAIT", 60.0)  # looks a minute apart
     store = MemoryStore()
     engine = _engine(store)
     with Worker(engine, idle_poll=0.02):
@@ -1211,7 +1211,7 @@ def test_a_handle_wakes_when_a_drive_of_its_engine_ends_the_run_not_at_its_next_
 def test_a_handle_does_not_wait_when_the_run_ended_between_its_look_and_its_wait(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("loom_kernel._handles._FIRST_WAIT", 60.0)  # looks a minute apart
+    monkeypatch.setattr("loom_kernel._engine._handles._FIRST_WAIT", 60.0)  # looks a minute apart
 
     @flow(name="parks", version="1")
     def parks(ctx: Context, _input: Any) -> Any:
@@ -1259,7 +1259,7 @@ def test_a_signal_stops_an_idle_worker_at_once_not_at_its_next_poll(
 ) -> None:
     import signal
 
-    from loom_kernel import _worker
+    from loom_kernel._hosting import _worker
 
     monkeypatch.setattr(_worker, "_FASTEST_POLL", 60.0)  # every poll waits out a long pause
     worker = Worker(_engine(MemoryStore()), idle_poll=60.0).start()
@@ -1287,7 +1287,7 @@ def test_each_run_a_worker_drives_is_counted_once_as_visited_and_driven() -> Non
 
 
 def test_a_task_a_freed_slot_takes_from_the_backlog_is_in_flight_while_it_runs() -> None:
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     worker = Worker(_engine(MemoryStore()), concurrency=1)
     seen: list[set[str]] = []
@@ -1302,7 +1302,7 @@ def test_a_task_a_freed_slot_takes_from_the_backlog_is_in_flight_while_it_runs()
 def test_a_start_handed_to_workers_with_no_slot_and_no_place_runs_inline() -> None:
     """A worker running, but its slot busy and its queue of handed runs full: the run
     `_start_or_hand` starts is driven inline, on the caller's thread, before it returns."""
-    from loom_kernel._worker import _HANDED_PER_SLOT
+    from loom_kernel._hosting._worker import _HANDED_PER_SLOT
 
     threads: dict[str, str] = {}
 
@@ -1368,7 +1368,7 @@ def test_a_worker_whose_signal_handlers_cannot_be_installed_raises_and_runs_noth
 
 
 def test_a_task_a_freed_slot_cannot_start_as_the_pool_shuts_down_is_let_go_not_counted() -> None:
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     worker = Worker(_engine(MemoryStore()), concurrency=1)
     let_go: list[str] = []
@@ -1423,7 +1423,7 @@ def test_a_handed_run_let_go_whose_nudge_fails_is_counted_and_said(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """It is held by no one now: the sweeps find it; the failure is counted and logged."""
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     engine = _engine(MemoryStore())
     worker = Worker(engine)
@@ -1443,7 +1443,7 @@ def test_a_handed_run_let_go_whose_nudge_fails_is_counted_and_said(
 def test_an_idle_worker_doubles_its_pause_between_polls_up_to_idle_poll(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from loom_kernel import _worker
+    from loom_kernel._hosting import _worker
 
     monkeypatch.setattr(_worker, "_FASTEST_POLL", 0.001)
     worker = Worker(_engine(MemoryStore()), idle_poll=0.02)
@@ -1497,7 +1497,7 @@ def test_a_run_handed_over_as_its_slot_frees_is_not_left_marked_as_waiting() -> 
     freed before the run was handed over: it is driven at once, and nothing marks it
     as waiting for a slot afterwards (a mark left would keep this worker from taking
     the run again: a later hand-over, a poll's visit, a sweep's reaping)."""
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     worker = Worker(_engine(MemoryStore()), concurrency=1)
 
@@ -1576,7 +1576,7 @@ def test_a_task_for_a_run_waiting_here_for_a_slot_is_refused_not_kept_twice() ->
     admission back; it is not kept, to drive the run twice."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from loom_kernel._worker import _Task
+    from loom_kernel._hosting._worker import _Task
 
     worker = Worker(_engine(MemoryStore()), concurrency=1)
     waiting = _Task("r", _idle)
@@ -1595,7 +1595,7 @@ def test_a_task_for_a_run_waiting_here_for_a_slot_is_refused_not_kept_twice() ->
 def test_a_run_not_started_yet_is_looked_at_again_by_a_few_polls_then_left_to_sweeps() -> None:
     """A hint read before its run's start landed has the next few polls look again;
     past `_NOT_STARTED_LOOKS` looks (its writer may be gone), only the sweeps do."""
-    from loom_kernel._worker import _NOT_STARTED_LOOKS
+    from loom_kernel._hosting._worker import _NOT_STARTED_LOOKS
 
     worker = Worker(_engine(MemoryStore()))
     for _ in range(_NOT_STARTED_LOOKS):

@@ -8,9 +8,8 @@ journals import `loom_kernel.events`; tests import `loom_kernel.testing`. Every
 `_module` behind them is private.
 """
 
-from loom_kernel._context import AsyncContext, Context
-from loom_kernel._engine import Engine
-from loom_kernel._errors import (
+from loom_kernel._coordination._queues import Queue, QueueView, Rate
+from loom_kernel._core._errors import (
     CanonicalJSONError,
     CodeVersionError,
     ConflictError,
@@ -35,17 +34,18 @@ from loom_kernel._errors import (
     UnknownFlowError,
     publish_errors,
 )
-from loom_kernel._flows import Flow, RetryPolicy, code_hash, flow
-from loom_kernel._handles import RunHandle
-from loom_kernel._listeners import Listener
-from loom_kernel._memory_store import MemoryStore
-from loom_kernel._queues import Queue, QueueView, Rate
-from loom_kernel._reachability import reachable
-from loom_kernel._registry import installed_stores, open_store
-from loom_kernel._state import ExecutionState, Gate, Status, StepFrame
-from loom_kernel._views import Execution, HistoryEntry
-from loom_kernel._waits import Woken
-from loom_kernel._worker import Worker, WorkerStats
+from loom_kernel._core._reachability import reachable
+from loom_kernel._core._state import ExecutionState, Gate, Status, StepFrame
+from loom_kernel._engine._facade import Engine
+from loom_kernel._engine._handles import RunHandle
+from loom_kernel._engine._listeners import Listener
+from loom_kernel._engine._views import Execution, HistoryEntry
+from loom_kernel._hosting._worker import Worker, WorkerStats
+from loom_kernel._replay._context import AsyncContext, Context
+from loom_kernel._replay._flows import Flow, RetryPolicy, code_hash, flow
+from loom_kernel._replay._waits import Woken
+from loom_kernel._spi._memory_store import MemoryStore
+from loom_kernel._spi._registry import installed_stores, open_store
 
 __all__ = [
     "AsyncContext",

@@ -6,15 +6,15 @@ For tools that read journals (a timeline, an export, a migration), and for schem
 reviews (docs/schema.md). Flows never need it.
 """
 
-from loom_kernel._canonical import DEFAULT_MAX_DEPTH, stable_hash, stable_stringify
-from loom_kernel._codec import (
+from loom_kernel._core._canonical import DEFAULT_MAX_DEPTH, stable_hash, stable_stringify
+from loom_kernel._core._codec import (
     CONVERTER,
     decode_event,
     decode_events,
     encode_event,
     register_upcaster,
 )
-from loom_kernel._events import (
+from loom_kernel._core._events import (
     EVENT_SCHEMA,
     PINNED,
     ErrorInfo,
@@ -32,7 +32,7 @@ from loom_kernel._events import (
     StepFailed,
     known_event_types,
 )
-from loom_kernel._state import ExecutionState, Gate, Status, StepFrame, fold
+from loom_kernel._core._state import ExecutionState, Gate, Status, StepFrame, fold
 
 __all__ = [
     "CONVERTER",

@@ -6,7 +6,7 @@ Subclass `JournalStore`, translate your backend's failures into the errors below
 prove the store with the conformance kit in `loom_kernel.testing`.
 """
 
-from loom_kernel._errors import (
+from loom_kernel._core._errors import (
     ConflictError,
     InvalidArgumentError,
     InvalidIdError,
@@ -17,10 +17,15 @@ from loom_kernel._errors import (
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel._faults import AmbiguousWriteError, Fault, FaultInjection, SupportsFaultInjection
-from loom_kernel._ids import ID_ALPHABET, MAX_ID_LENGTH, validate_prefix, validate_stream_id
-from loom_kernel._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
-from loom_kernel._registry import (
+from loom_kernel._core._ids import ID_ALPHABET, MAX_ID_LENGTH, validate_prefix, validate_stream_id
+from loom_kernel._spi._faults import (
+    AmbiguousWriteError,
+    Fault,
+    FaultInjection,
+    SupportsFaultInjection,
+)
+from loom_kernel._spi._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel._spi._registry import (
     ENTRY_POINT_GROUP,
     OpenStore,
     StoreFactory,

@@ -13,8 +13,8 @@ checks (for stores that support them) and the stateful comparison against the
 memory model. `verify_store` runs the same kit outside pytest and returns what failed.
 """
 
-from loom_kernel._clock import FakeClock
-from loom_kernel._faults import Fault, SupportsFaultInjection
+from loom_kernel._spi._clock import FakeClock
+from loom_kernel._spi._faults import Fault, SupportsFaultInjection
 from loom_kernel.testing._checks import BAD_IDS, CHECKS, records
 from loom_kernel.testing._contract import KitReport, StoreContract, verify_store
 from loom_kernel.testing._harness import NotApplicable, StoreHarness

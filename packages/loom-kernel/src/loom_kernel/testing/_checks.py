@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from loom_kernel._errors import (
+from loom_kernel._core._errors import (
     ConflictError,
     InvalidArgumentError,
     InvalidIdError,
@@ -16,9 +16,9 @@ from loom_kernel._errors import (
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel._faults import Fault, SupportsFaultInjection
-from loom_kernel._ids import ID_ALPHABET, MAX_ID_LENGTH
-from loom_kernel._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel._core._ids import ID_ALPHABET, MAX_ID_LENGTH
+from loom_kernel._spi._faults import Fault, SupportsFaultInjection
+from loom_kernel._spi._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
 from loom_kernel.testing._harness import NotApplicable, StoreHarness
 
 __all__ = ["BAD_IDS", "CHECKS", "Check", "list_in_pages", "read_in_pages", "records"]

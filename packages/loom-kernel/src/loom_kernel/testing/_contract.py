@@ -8,7 +8,7 @@ from typing import ClassVar
 import pytest
 from hypothesis import settings as Settings  # noqa: N812 - it is a class
 
-from loom_kernel._journal import JournalStore
+from loom_kernel._spi._journal import JournalStore
 from loom_kernel.testing._checks import CHECKS
 from loom_kernel.testing._harness import NotApplicable, StoreHarness
 from loom_kernel.testing._machine import DEFAULT_SETTINGS, run_store_machine

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import attrs
 
-from loom_kernel._journal import JournalStore
+from loom_kernel._spi._journal import JournalStore
 
 __all__ = ["NotApplicable", "StoreHarness"]
 

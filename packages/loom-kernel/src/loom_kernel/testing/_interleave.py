@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loom_kernel._journal import JournalStore, NewRecord, Record
+from loom_kernel._spi._journal import JournalStore, NewRecord, Record
 
 __all__ = ["Interleaving"]
 

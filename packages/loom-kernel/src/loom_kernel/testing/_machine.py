@@ -15,9 +15,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from loom_kernel._errors import ConflictError, LoomError, TrimmedError
-from loom_kernel._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
-from loom_kernel._memory_store import MemoryStore
+from loom_kernel._core._errors import ConflictError, LoomError, TrimmedError
+from loom_kernel._spi._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel._spi._memory_store import MemoryStore
 from loom_kernel.testing._checks import BAD_IDS, list_in_pages, read_in_pages
 from loom_kernel.testing._harness import StoreHarness
 

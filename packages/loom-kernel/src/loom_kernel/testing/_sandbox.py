@@ -7,11 +7,11 @@ from typing import Any
 
 import attrs
 
-from loom_kernel._clock import FakeClock
-from loom_kernel._engine import Engine
-from loom_kernel._flows import Flow
-from loom_kernel._journal import JournalStore
-from loom_kernel._memory_store import MemoryStore
+from loom_kernel._engine._facade import Engine
+from loom_kernel._replay._flows import Flow
+from loom_kernel._spi._clock import FakeClock
+from loom_kernel._spi._journal import JournalStore
+from loom_kernel._spi._memory_store import MemoryStore
 
 __all__ = ["Sandbox", "sandbox"]
 

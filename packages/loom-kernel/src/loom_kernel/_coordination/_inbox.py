@@ -1,0 +1,141 @@
+"""Run inboxes: messages sent to a run, journaled in a stream of its own.
+
+`inbox/<execution id>` holds one record per message sent, in send order: its topic,
+its dedupe key (if any) and the message. A message whose key an earlier message of
+the inbox has is a resend: it is never delivered (concurrent resends may both be
+appended; the reader skips all but the first). The run records which positions it
+consumed (the dedupe keys of the resumes that handed them to its gates), so a replay
+reads the same messages, and a message is delivered to one gate at most.
+
+The streams are append-only; a reader keeps what it parsed and reads only what was
+appended since (positions never change once written).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from typing import Any, Final
+
+import attrs
+
+from loom_kernel._coordination._appends import append_anywhere
+from loom_kernel._core._errors import SchemaError
+from loom_kernel._core._ids import validate_stream_id
+from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+
+__all__ = ["INBOX_PREFIX", "Inbox", "Message"]
+
+INBOX_PREFIX: Final = "inbox/"
+MESSAGE_KIND: Final = "loom.message"
+#: Inboxes whose parsed messages a reader keeps (the least recently used go first).
+_KEPT: Final = 1024
+
+
+@attrs.frozen
+class Message:
+    """A message in a run's inbox.
+
+    Attributes:
+        position: its place in the inbox (1, 2, ...): the send order.
+        topic: its topic (None: the default topic).
+        key: its dedupe key, if it was sent with one.
+        message: the message (JSON).
+        sent_at: when it was sent, by the sender's clock.
+    """
+
+    position: int
+    topic: str | None
+    key: str | None
+    message: Any
+    sent_at: float
+
+
+@attrs.define
+class _Parsed:
+    head: int = 0
+    messages: list[Message] = attrs.Factory(list)  # first sends only: resends dropped
+    keys: dict[str, int] = attrs.Factory(dict)  # key -> position of its first send
+
+
+class Inbox:
+    """Reads and writes the inboxes of one store."""
+
+    def __init__(self, store: JournalStore, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._parsed: OrderedDict[str, _Parsed] = OrderedDict()
+
+    @staticmethod
+    def stream(execution_id: str) -> str:
+        return validate_stream_id(INBOX_PREFIX + execution_id)
+
+    def append(self, execution_id: str, topic: str | None, key: str | None, message: Any) -> int:
+        """Append a message wherever the inbox's head is now; its position."""
+        stream = self.stream(execution_id)
+        payload = json.dumps({"topic": topic, "key": key, "message": message}).encode()
+        record = NewRecord(MESSAGE_KIND, payload, self._clock())
+        return append_anywhere(self._store, stream, [record], self._known_head(execution_id))
+
+    def sent(self, execution_id: str, key: str) -> int | None:
+        """The position of the first message sent with `key`, if any."""
+        return self._read(execution_id).keys.get(key)
+
+    def next_for(
+        self, execution_id: str, topics: Iterable[str | None], consumed: set[int]
+    ) -> Message | None:
+        """The first message on one of `topics` that is not in `consumed` (nor a resend)."""
+        wanted = set(topics)
+        for message in self._read(execution_id).messages:
+            if message.topic in wanted and message.position not in consumed:
+                return message
+        return None
+
+    def _known_head(self, execution_id: str) -> int:
+        with self._lock:
+            parsed = self._parsed.get(execution_id)
+            return 0 if parsed is None else parsed.head
+
+    def _read(self, execution_id: str) -> _Parsed:
+        """The inbox as parsed so far, brought up to its head."""
+        stream = self.stream(execution_id)
+        with self._lock:
+            before = self._parsed.get(execution_id) or _Parsed()
+            parsed = _Parsed(before.head, list(before.messages), dict(before.keys))
+        records = self._store.read(stream, parsed.head)
+        for record in records:
+            message = _decode(record, stream)
+            parsed.head = record.position
+            if message.key is not None:
+                if message.key in parsed.keys:
+                    continue  # a resend
+                parsed.keys[message.key] = message.position
+            parsed.messages.append(message)
+        with self._lock:
+            current = self._parsed.get(execution_id)
+            if current is None or current.head <= parsed.head:
+                self._parsed[execution_id] = parsed
+                self._parsed.move_to_end(execution_id)
+                while len(self._parsed) > _KEPT:
+                    self._parsed.popitem(last=False)
+        return parsed
+
+
+def _decode(record: Record, stream: str) -> Message:
+    try:
+        if record.kind != MESSAGE_KIND:
+            raise ValueError(f"unknown kind {record.kind!r}")
+        data = json.loads(record.payload)
+        topic, key = data["topic"], data["key"]
+        if not (topic is None or isinstance(topic, str)) or not (
+            key is None or isinstance(key, str)
+        ):
+            raise TypeError("topic and key are str or null")
+        return Message(record.position, topic, key, data["message"], record.timestamp)
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise SchemaError(
+            f"a damaged message: {exc}", kind=record.kind, stream=stream, position=record.position
+        ) from None

@@ -1,0 +1,476 @@
+"""The run index: which runs are open (not yet finished and delivered), and which ended
+how, kept on the journal SPI so store-wide calls cost what there is to do.
+
+A run's id hashes to one of `PARTITIONS` partitions. Each partition has:
+
+- `runs/open/<p>`: an `open` record, written before the run's first record (a hint
+  before the fact), and a `closed` record (with the run's status and flow), written
+  once the run has finished and its listeners have been called. A `checkpoint`
+  record lists the runs still open when it was written; everything below it is
+  trimmed off.
+- `runs/<status>/<p>` for completed, failed and cancelled: batches of (id, flow) of
+  the runs that ended so, moved there from the open partition's `closed` records
+  before they are trimmed off. Read by `executions(status=...)`.
+- `runs/built`: one record once every run of the store is indexed (a fresh store,
+  or an older one after `recover()` indexed it); until then store-wide calls list
+  every journal, as before the index existed.
+
+The journal is always the truth: an open hint of a run that never started, was
+deleted, or has finished is found out when it is read, and a run listed twice is
+listed once. Every write is safe to repeat and every crash leaves the run findable:
+
+- crash after the open hint, before the start: the hint names a run that does not
+  exist; it is dropped once its writer is known to be gone (see `Sighting`);
+- crash after the run finished, before the closed record: the run is still open,
+  so `recover()` calls its listeners again and closes it;
+- crash between moving closed runs to their status streams and the checkpoint: they
+  are moved again, and read once.
+
+A checkpoint is appended at the exact head the compactor read, so it can never drop
+an open hint that landed meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Final
+
+import attrs
+
+from loom_kernel._coordination._appends import append_anywhere
+from loom_kernel._core._errors import (
+    ConflictError,
+    LoomError,
+    SchemaError,
+    StreamDeletedError,
+    TrimmedError,
+)
+from loom_kernel._core._state import Status
+from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+
+__all__ = ["ENDED", "PARTITIONS", "OpenHint", "RunIndex", "partition_of"]
+
+#: How many partitions runs are spread over (a hex digit of a hash of the run id).
+PARTITIONS: Final = 16
+ENDED: Final = (Status.COMPLETED, Status.FAILED, Status.CANCELLED)
+_PREFIX: Final = "runs/"
+_BUILT: Final = _PREFIX + "built"
+_OPEN: Final = "loom.run.open"
+_CLOSED: Final = "loom.run.closed"
+_CHECKPOINT: Final = "loom.run.checkpoint"
+_ENDED_KIND: Final = "loom.run.ended"
+#: Closed records a partition holds before a reader compacts it.
+_COMPACT_AT: Final = 32
+_READ_ATTEMPTS: Final = 8
+
+_log = logging.getLogger("loom")
+
+
+def partition_of(execution_id: str) -> str:
+    """The partition of a run: one hex digit of a hash of its id."""
+    digest = hashlib.blake2b(execution_id.encode(), digest_size=1).digest()
+    return f"{digest[0] % PARTITIONS:x}"
+
+
+def _open_stream(partition: str) -> str:
+    return f"{_PREFIX}open/{partition}"
+
+
+def _ended_stream(status: Status, partition: str) -> str:
+    return f"{_PREFIX}{status.value}/{partition}"
+
+
+@attrs.frozen
+class OpenHint:
+    """An open run as its partition lists it.
+
+    Attributes:
+        execution_id: the run.
+        flow: its flow's name.
+        by: the worker that wrote the hint (before the run's first record).
+        at: when, by that worker's clock.
+        queue: the queue the run was enqueued on, if any (only its workers drive it).
+        position: the position of the index record that wrote the hint (0 when not
+            known: a checkpoint an older Loom wrote). Two hints of a run are equal
+            only when they are one record, so a worker that saw one finds a nudge
+            news even when its clock gave both the same `at`.
+    """
+
+    execution_id: str
+    flow: str
+    by: str | None
+    at: float
+    queue: str | None = None
+    position: int = 0
+
+
+@attrs.frozen
+class _Partition:
+    stream: str
+    head: int
+    open: dict[str, OpenHint]
+    closed: list[tuple[str, Status, str]]  # id, status, flow
+
+
+def _dump(data: Any) -> bytes:
+    return json.dumps(data, separators=(",", ":")).encode()
+
+
+class RunIndex:
+    """Reads and writes the run index of one store."""
+
+    def __init__(self, store: JournalStore, clock: Callable[[], float]) -> None:
+        self._store = store
+        self._clock = clock
+        self._built = False
+        self._looked = False  # whether a start here has checked for a fresh store
+        self._heads: dict[str, int] = {}  # stream -> its head after this index's last append
+        self._read: dict[str, _Partition] = {}  # stream -> the partition as last read
+
+    # -- writing --------------------------------------------------------------
+
+    def opened(
+        self, execution_id: str, flow: str, by: str | None, queue: str | None = None
+    ) -> None:
+        """Hint that a run is about to start: before its first record is appended.
+
+        The first hint of this index on a store with no run yet marks the store built.
+        """
+        if not self._looked:
+            self._looked = True
+            self.built()
+        data: dict[str, Any] = {"id": execution_id, "flow": flow, "by": by}
+        if queue is not None:
+            data["queue"] = queue
+        self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
+
+    def nudged(self, execution_id: str, flow: str) -> None:
+        """Hint an open run afresh, so workers that saw it open look at it again (a run
+        let go by the worker that held it). It never reopens a run closed before it."""
+        data = {"id": execution_id, "flow": flow, "by": None, "nudge": True}
+        self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
+
+    def closed(self, execution_id: str, status: Status, flow: str) -> None:
+        """Record that a finished run's listeners have all been called."""
+        data = {"id": execution_id, "status": status.value, "flow": flow}
+        self._add(_open_stream(partition_of(execution_id)), NewRecord(_CLOSED, _dump(data), 0.0))
+
+    def dropped(self, execution_id: str) -> None:
+        """Drop the hint of a run that never started (its writer is gone) or was deleted."""
+        data = {"id": execution_id, "status": None, "flow": None}
+        self._add(_open_stream(partition_of(execution_id)), NewRecord(_CLOSED, _dump(data), 0.0))
+
+    def _add(self, stream: str, record: NewRecord) -> None:
+        """Append one record wherever the stream's head is now (guessed from the last
+        append here, so a quiet stream costs one request)."""
+        record = NewRecord(record.kind, record.payload, self._clock())
+        head = self._heads.get(stream, 0)
+        self._heads[stream] = append_anywhere(self._store, stream, [record], head)
+
+    # -- the built marker -------------------------------------------------------
+
+    def built(self) -> bool:
+        """Whether every run of the store is indexed. A store with no run yet is marked
+        built on the spot: from then on every start writes its hint."""
+        if self._built:
+            return True
+        if self._store.head(_BUILT) == 0:
+            if self._store.streams("ex/", None, 1):
+                return False
+            self.mark_built()
+        self._built = True
+        return True
+
+    def mark_built(self) -> None:
+        """Mark the store indexed (after every run in it was indexed by a full listing)."""
+        if self._store.head(_BUILT) == 0:
+            marker = NewRecord("loom.run.built", b"{}", self._clock())
+            with contextlib.suppress(ConflictError):  # marked by another engine meanwhile
+                self._store.append(_BUILT, 0, [marker])
+        self._built = True
+
+    def index_ended(self, runs: Iterable[tuple[str, Status, str]]) -> None:
+        """File finished runs (id, status, flow) under their status."""
+        by_stream: dict[str, list[list[str]]] = {}
+        for execution_id, status, flow in runs:
+            stream = _ended_stream(status, partition_of(execution_id))
+            by_stream.setdefault(stream, []).append([execution_id, flow])
+        for stream, batch in sorted(by_stream.items()):
+            self._add(stream, NewRecord(_ENDED_KIND, _dump({"runs": batch}), 0.0))
+
+    # -- reading ----------------------------------------------------------------
+
+    def open_runs(self, partitions: Iterable[str] | None = None) -> Iterator[OpenHint]:
+        """The runs the index holds open, partition by partition (compacting a
+        partition that holds many closed runs as it goes)."""
+        for partition in partitions if partitions is not None else self.partitions():
+            yield from self.open_in(partition)[1]
+
+    def open_in(self, partition: str) -> tuple[int, list[OpenHint]]:
+        """One partition's head as read, and the runs it holds open (compacting it when
+        it holds many closed runs)."""
+        found = self._read_partition(partition)
+        if found is None:
+            return 0, []
+        if len(found.closed) >= _COMPACT_AT:
+            self._compact(found)
+        return found.head, list(found.open.values())
+
+    def head(self, partition: str) -> int:
+        """A partition's head: it moves whenever a run is opened or closed there."""
+        return self._store.head(_open_stream(partition))
+
+    @staticmethod
+    def partitions() -> list[str]:
+        """Every partition's name."""
+        return [f"{number:x}" for number in range(PARTITIONS)]
+
+    def ended(self, status: Status) -> Iterator[tuple[str, str]]:
+        """(id, flow) of the runs filed as ended with `status`; may repeat an id, and
+        omits runs ended but not yet moved out of their open partition."""
+        for partition in self.partitions():
+            stream = _ended_stream(status, partition)
+            for record in self._retained(stream):
+                try:
+                    runs = [
+                        (str(run[0]), str(run[1])) for run in json.loads(record.payload)["runs"]
+                    ]
+                except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+                    raise _damaged(record, exc, stream) from None
+                yield from runs
+
+    def closed_runs(self) -> Iterator[tuple[str, Status, str]]:
+        """(id, status, flow) of runs closed but not yet moved to their status streams."""
+        for partition in self.partitions():
+            found = self._read_partition(partition)
+            if found is not None:
+                yield from found.closed
+
+    def rebuild(
+        self, open_runs: Iterable[OpenHint], ended: dict[str, tuple[str, Status, str]]
+    ) -> None:
+        """Bring the index up to what a full listing of the journals found.
+
+        `open_runs` are the runs the listing found unfinished, `ended` the finished
+        ones (id -> (id, status, flow)), already filed under their status. A readable
+        partition only gains records: a hint for each open run it lacks, a `closed`
+        record for each ended run it still holds open; nothing in it is dropped (a
+        hint whose start is still on its way, or a run closed meanwhile, stays as it
+        is). A partition with a damaged record is rewritten: its readable records are
+        folded, the runs they close filed under their status, and a checkpoint of the
+        runs open in them or in the listing is appended at the exact head read, so
+        everything below it, the damaged record too, is trimmed off.
+        """
+        by_partition: dict[str, dict[str, OpenHint]] = {p: {} for p in self.partitions()}
+        for hint in open_runs:
+            by_partition[partition_of(hint.execution_id)][hint.execution_id] = hint
+        for partition, hints in by_partition.items():
+            stream = _open_stream(partition)
+            while True:
+                head = self._store.head(stream)
+                opened, closed, damaged = _fold_readable(stream, self._retained(stream))
+                if not damaged:
+                    for execution_id, hint in hints.items():
+                        if execution_id not in opened:
+                            self.opened(execution_id, hint.flow, hint.by)
+                    for execution_id in opened:
+                        if execution_id in ended:
+                            _id, status, flow = ended[execution_id]
+                            self.closed(execution_id, status, flow)
+                    break
+                self.index_ended(closed.values())
+                merged = {**opened, **hints}
+                body = {"open": [_hint_data(h) for i, h in merged.items() if i not in ended]}
+                checkpoint = NewRecord(_CHECKPOINT, _dump(body), self._clock())
+                try:
+                    new_head = self._store.append(stream, head, [checkpoint])
+                except ConflictError:
+                    continue  # a run opened or closed meanwhile: fold it in too
+                self._store.trim(stream, new_head)
+                break
+
+    def _retained(self, stream: str) -> list[Record]:
+        after = 0
+        for _ in range(_READ_ATTEMPTS):
+            try:
+                return self._store.read(stream, after)
+            except TrimmedError as exc:
+                after = exc.floor
+            except StreamDeletedError:
+                return []
+        return []
+
+    def _read_partition(self, partition: str) -> _Partition | None:
+        """A partition as read now. A partition only grows between checkpoints, so
+        only what was appended since this index last read it is read and folded, in
+        one read; a read that meets a trim (another reader's checkpoint) reads again
+        from the new floor."""
+        stream = _open_stream(partition)
+        after = 0
+        cached = self._read.get(stream)
+        for _ in range(_READ_ATTEMPTS):
+            start = cached.head if cached is not None else after
+            try:  # one read, no head first: on S3 each is a request
+                records = self._store.read(stream, start)
+            except TrimmedError as exc:
+                after, cached = exc.floor, None
+                continue
+            except StreamDeletedError:
+                return None
+            head = records[-1].position if records else start
+            if cached is not None and not records:
+                return cached
+            if cached is not None:
+                found = _fold_partition(stream, head, records, cached)
+            else:
+                found = _fold_partition(stream, head, records)
+            self._read[stream] = found
+            return found
+        return None  # other readers kept compacting it: they hold it now
+
+    def _compact(self, found: _Partition) -> None:
+        """Move closed runs to their status streams, then checkpoint and trim."""
+        try:
+            self.index_ended(found.closed)
+            hints = [_hint_data(hint) for hint in found.open.values()]
+            record = NewRecord(_CHECKPOINT, _dump({"open": hints}), self._clock())
+            try:
+                head = self._store.append(found.stream, found.head, [record])
+            except ConflictError:
+                return  # a run opened or closed meanwhile: compacted on a later read
+            self._store.trim(found.stream, head)
+        except LoomError as exc:  # the partition stays as it was; a later read compacts it
+            _log.warning("loom: run index %s not compacted: %s", found.stream, exc)
+
+
+def _hint_data(hint: OpenHint) -> dict[str, Any]:
+    data = {
+        "id": hint.execution_id,
+        "flow": hint.flow,
+        "by": hint.by,
+        "at": hint.at,
+        "position": hint.position,
+    }
+    if hint.queue is not None:
+        data["queue"] = hint.queue
+    return data
+
+
+def _queue_of(data: dict[str, Any]) -> str | None:
+    queue = data.get("queue")
+    if queue is not None and not isinstance(queue, str):
+        raise TypeError(f"a hint's queue is a str, not {queue!r}")
+    return queue
+
+
+def _fold_partition(
+    stream: str, head: int, records: list[Record], before: _Partition | None = None
+) -> _Partition:
+    """Fold a partition's records (onto what `before` held, when they follow it)."""
+    opened = dict(before.open) if before is not None else {}
+    closed = {run[0]: run for run in before.closed} if before is not None else {}
+    for record in records:
+        _fold_record(record, stream, opened, closed)
+    return _Partition(stream, head, opened, list(closed.values()))
+
+
+def _fold_readable(
+    stream: str, records: list[Record]
+) -> tuple[dict[str, OpenHint], dict[str, tuple[str, Status, str]], bool]:
+    """Fold what can be read of a partition: (open runs, closed runs, whether any record
+    was damaged). With a damaged record, it is skipped, and a checkpoint never empties
+    what the records before it opened, so the open runs are a superset of the truth."""
+    try:
+        found = _fold_partition(stream, 0, records)
+    except SchemaError:
+        pass
+    else:
+        return found.open, {run[0]: run for run in found.closed}, False
+    opened: dict[str, OpenHint] = {}
+    closed: dict[str, tuple[str, Status, str]] = {}
+    damaged = False
+    for record in records:
+        if record.kind == _CHECKPOINT:
+            before = dict(opened)
+            try:
+                _fold_record(record, stream, opened, closed)
+            except SchemaError:
+                damaged = True
+            opened.update({i: h for i, h in before.items() if i not in closed})
+            continue
+        try:
+            _fold_record(record, stream, opened, closed)
+        except SchemaError:
+            damaged = True
+    return opened, closed, damaged
+
+
+def _fold_record(
+    record: Record,
+    stream: str,
+    opened: dict[str, OpenHint],
+    closed: dict[str, tuple[str, Status, str]],
+) -> None:
+    """Fold one partition record into the open and closed runs.
+
+    Raises:
+        SchemaError: the record is damaged.
+    """
+    try:
+        data = json.loads(record.payload)
+        if record.kind == _CHECKPOINT:
+            opened.clear()
+            closed.clear()
+            for item in data["open"]:
+                hint = OpenHint(
+                    str(item["id"]),
+                    str(item["flow"]),
+                    item["by"],
+                    float(item["at"]),
+                    _queue_of(item),
+                    _position_of(item),
+                )
+                opened[hint.execution_id] = hint
+        elif record.kind == _OPEN:
+            execution_id = str(data["id"])
+            if data.get("nudge") is True and execution_id not in opened:
+                return  # the run closed (or was dropped) before the nudge: it stays so
+            opened[execution_id] = OpenHint(
+                execution_id,
+                str(data["flow"]),
+                data["by"],
+                record.timestamp,
+                _queue_of(data),
+                record.position,
+            )
+            closed.pop(execution_id, None)
+        elif record.kind == _CLOSED:
+            execution_id = str(data["id"])
+            opened.pop(execution_id, None)
+            if data["status"] is not None:  # None: a dropped hint, filed nowhere
+                closed[execution_id] = (execution_id, Status(data["status"]), str(data["flow"]))
+        else:
+            raise ValueError(f"unknown kind {record.kind!r}")
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise _damaged(record, exc, stream) from None
+
+
+def _position_of(data: dict[str, Any]) -> int:
+    position = data.get("position", 0)  # 0: a checkpoint an older Loom wrote
+    if isinstance(position, bool) or not isinstance(position, int) or position < 0:
+        raise TypeError(f"a hint's position is an int >= 0, not {position!r}")
+    return position
+
+
+def _damaged(record: Record, exc: Exception, stream: str | None = None) -> SchemaError:
+    return SchemaError(
+        f"damaged run index record ({type(exc).__name__}: {exc}); the journals are the "
+        "truth: recover() lists them and rewrites the index",
+        kind=record.kind,
+        stream=stream,
+        position=record.position,
+    )

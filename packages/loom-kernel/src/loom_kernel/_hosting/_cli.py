@@ -1,0 +1,265 @@
+"""The `loom` command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Sequence
+
+from loom_kernel._core._errors import LoomError
+from loom_kernel._spi._journal import JournalStore, NewRecord
+from loom_kernel._spi._registry import installed_stores, open_store, store_factory
+
+__all__ = ["check_store", "main"]
+
+
+def _self_check_url(scheme: str, scratch: str) -> str | None:
+    """A URL a store can be checked at with no configuration, if its factory offers one
+    (`StoreFactory.self_check_url`): under the scratch directory, removed after the checks.
+    """
+    try:
+        factory = store_factory(scheme)
+    except LoomError:
+        return None
+    return None if factory.self_check_url is None else factory.self_check_url(scratch)
+
+
+def check_store(store: JournalStore) -> str:
+    """Append two records to a scratch stream, read them back, then delete the stream.
+
+    Returns:
+        A one-line summary of the round trip.
+
+    Raises:
+        LoomError: the store failed the round trip.
+    """
+    stream = f"loom-check/{uuid.uuid4().hex}"
+    sent = [
+        NewRecord("loom.check", b'{"n":1}', time.time()),
+        NewRecord("loom.check", b'{"n":2}', time.time()),
+    ]
+    started = time.perf_counter()
+    head = store.append(stream, 0, sent)
+    got = store.read(stream)
+    elapsed = time.perf_counter() - started
+    store.delete(stream)
+    if head != 2 or [(r.position, r.kind, r.payload) for r in got] != [
+        (1, "loom.check", b'{"n":1}'),
+        (2, "loom.check", b'{"n":2}'),
+    ]:
+        raise LoomError(f"round trip returned head {head} and records {got!r}")
+    return f"append+read round trip ok in {elapsed * 1000:.2f} ms"
+
+
+def _stores_command(urls: Sequence[str]) -> int:
+    failures = 0
+    installed = installed_stores()
+    print("installed stores:")
+    for scheme, origin in installed.items():
+        print(f"  {scheme + '://':<12} from {origin}")
+    with tempfile.TemporaryDirectory(prefix="loom-check-") as scratch:
+        checkable = {scheme: _self_check_url(scheme, scratch) for scheme in installed}
+        targets = list(urls) or [url for url in checkable.values() if url is not None]
+        print("checks:")
+        for url in targets:
+            try:
+                with open_store(url) as store:
+                    summary = check_store(store)
+            except LoomError as exc:
+                failures += 1
+                print(f"  {url}: FAILED: {type(exc).__name__}: {exc}")
+            else:
+                print(f"  {url}: {summary}")
+    unchecked = sorted(scheme for scheme, url in checkable.items() if url is None)
+    if unchecked and not urls:
+        print(f"  not checked (need a URL): {', '.join(unchecked)}; run `loom stores URL ...`")
+    return 1 if failures else 0
+
+
+def _inspect_command(args: argparse.Namespace) -> int:
+    from loom_kernel._engine._facade import Engine  # noqa: PLC0415 - only these commands need it
+    from loom_kernel._tools._timeline import format_timeline  # noqa: PLC0415
+
+    unreadable: list[str] = []
+
+    def report(execution_id: str, exc: LoomError) -> None:
+        unreadable.append(execution_id)
+        print(f"loom: {execution_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
+
+    try:
+        with open_store(args.store) as store:
+            engine = Engine(store, listeners=[])
+            if args.command == "ls":
+                for execution in engine._listing("", args.status, args.flow, report):
+                    waiting = (
+                        f"  waiting on {execution.waiting_on!r}" if execution.waiting_on else ""
+                    )
+                    print(f"{execution.id:<40} {execution.flow:<20} {execution.status}{waiting}")
+            else:
+                execution = engine.get(args.execution_id)
+                print(f"{execution.id}: {execution.flow}, {execution.status}")
+                print(format_timeline(engine.history(args.execution_id)))
+    except LoomError as exc:
+        print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 1 if unreadable else 0
+
+
+def _worker_command(args: argparse.Namespace) -> int:
+    import logging  # noqa: PLC0415 - only this command needs these
+
+    from loom_kernel._engine._facade import Engine  # noqa: PLC0415
+    from loom_kernel._hosting._deploy import load_flows, load_queues  # noqa: PLC0415
+    from loom_kernel._hosting._worker import Worker, terminal_status  # noqa: PLC0415
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    try:
+        flows = [item for spec in args.flows for item in load_flows(spec)]
+        queues = [item for spec in args.queues for item in load_queues(spec)]
+        with open_store(args.store) as store:
+            engine = Engine(store, flows, worker_id=args.worker_id, lease=args.lease, queues=queues)
+            worker = Worker(
+                engine, concurrency=args.concurrency, grace=args.grace, idle_poll=args.idle_poll
+            )
+            print(
+                f"loom worker {engine.worker_id}: {len(flows)} flow(s), {len(queues)} queue(s), "
+                f"concurrency {args.concurrency}; SIGTERM or Ctrl-C stops it",
+                file=sys.stderr,
+                flush=True,
+            )
+            worker.run(status=terminal_status())
+    except LoomError as exc:
+        print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    if worker._threads_left:  # the interpreter would wait for them at its exit
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return 0
+
+
+def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    worker = commands.add_parser(
+        "worker", help="fire due timers and drive enqueued and abandoned runs until stopped"
+    )
+    worker.add_argument("--store", required=True, help="store URL")
+    worker.add_argument(
+        "--flows",
+        required=True,
+        action="append",
+        help="module:attribute naming a flow or a list of flows (repeatable)",
+    )
+    worker.add_argument(
+        "--queues",
+        action="append",
+        default=[],
+        help="module:attribute naming a Queue or a list of queues it admits runs from (repeatable)",
+    )
+    worker.add_argument("--concurrency", type=int, default=8, help="runs driven at once")
+    worker.add_argument("--lease", type=float, default=30.0, help="lease in seconds")
+    worker.add_argument(
+        "--grace",
+        type=float,
+        default=30.0,
+        help="seconds runs in flight get to park or end on SIGTERM before they are released "
+        "(then as long again, at most, for threads async flows left running)",
+    )
+    worker.add_argument(
+        "--idle-poll",
+        type=float,
+        default=None,
+        help="longest wait between polls when idle (default: 1 s; 60 s on S3)",
+    )
+    worker.add_argument("--worker-id", default=None, help="this worker's id (default: made up)")
+
+
+def _lint_command(paths: Sequence[str]) -> int:
+    from loom_kernel._tools._lint import lint_paths  # noqa: PLC0415 - only this command needs it
+
+    missing = [path for path in paths if not os.path.exists(path)]
+    findings, unreadable = lint_paths(path for path in paths if path not in missing)
+    for finding in findings:
+        print(finding)
+    for problem in [*(f"{path}: no such file or directory" for path in missing), *unreadable]:
+        print(f"loom lint: cannot read {problem}", file=sys.stderr)
+    print(f"{len(findings)} problem(s)" if findings else "no problems found")
+    return 1 if findings or unreadable or missing else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the `loom` command line; returns the exit status."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader went away (`loom ls | head`): say nothing more, and let the
+        # interpreter's last flush of stdout go nowhere instead of failing again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = argparse.ArgumentParser(prog="loom", description="Loom, durable execution for Python.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    stores = commands.add_parser(
+        "stores", help="list the installed stores and check each with an append/read round trip"
+    )
+    stores.add_argument(
+        "urls", nargs="*", help="store URLs to check (default: the self-checking ones)"
+    )
+    demo = commands.add_parser(
+        "demo", help="run an order-approval flow (a step, two gates, a timer) and print its journal"
+    )
+    demo.add_argument(
+        "--store",
+        default=None,
+        help="store URL (default: sqlite://loom-demo.db when loom-store-sqlite is installed, "
+        "else memory://)",
+    )
+    listing = commands.add_parser("ls", help="list the executions in a store with their status")
+    listing.add_argument("--store", required=True, help="store URL")
+    listing.add_argument(
+        "--status",
+        action="append",
+        choices=["running", "suspended", "completed", "failed", "cancelled"],
+        help="only runs with this status (repeatable); answered from the run index",
+    )
+    listing.add_argument("--flow", default=None, help="only runs of this flow")
+    show = commands.add_parser("show", help="print an execution's journal as a timeline")
+    show.add_argument("execution_id")
+    show.add_argument("--store", required=True, help="store URL")
+    lint = commands.add_parser(
+        "lint", help="find what makes flows non-deterministic, by reading their source"
+    )
+    lint.add_argument("paths", nargs="+", help="files or directories (links are not followed)")
+    _add_worker_command(commands)
+    from loom_kernel._hosting._deploy import add_deploy_commands  # noqa: PLC0415 - imports the engine
+
+    deploy = add_deploy_commands(commands)
+    args = parser.parse_args(argv)
+    if args.command in deploy:
+        return deploy[args.command](args)
+    if args.command == "worker":
+        return _worker_command(args)
+    if args.command == "lint":
+        return _lint_command(args.paths)
+    if args.command == "stores":
+        return _stores_command(args.urls)
+    if args.command in ("ls", "show"):
+        return _inspect_command(args)
+    if args.command == "demo":
+        from loom_kernel._hosting._demo import run_demo  # noqa: PLC0415 - only this command needs it
+
+        default = "sqlite://loom-demo.db" if "sqlite" in installed_stores() else "memory://"
+        try:
+            return run_demo(args.store or default)
+        except LoomError as exc:
+            print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 1
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse exits first
+    return 2  # pragma: no cover

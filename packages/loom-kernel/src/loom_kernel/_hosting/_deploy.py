@@ -1,0 +1,219 @@
+"""`loom replay-check` and `loom migrate`: check stored runs against the code you are
+about to deploy, and move the runs that replay onto it (K11)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from loom_kernel._coordination._executions import execution_ids
+from loom_kernel._coordination._queues import Queue
+from loom_kernel._core._errors import InvalidArgumentError, LoomError, NonDeterminismError
+from loom_kernel._engine._facade import Engine
+from loom_kernel._engine._views import Execution
+from loom_kernel._replay._flows import Flow, flow
+from loom_kernel._spi._registry import open_store
+
+__all__ = ["add_deploy_commands", "load_flows"]
+
+
+def _load(spec: str, option: str, example: str) -> list[Any]:
+    """The object `module:attribute` names, as a list (a list, tuple or set is spread).
+
+    The module is imported, never evaluated from text.
+    """
+    module_name, _, attribute = spec.partition(":")
+    if not module_name or not attribute:
+        raise InvalidArgumentError(f"{option} takes module:attribute ({example}), not {spec!r}")
+    try:
+        value: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            value = getattr(value, part)
+    except Exception as exc:  # anything its import raised: a SyntaxError, an error of its own
+        what = option.removeprefix("--")
+        raise InvalidArgumentError(
+            f"cannot load {what} from {spec!r}: {type(exc).__name__}: {exc}"
+        ) from exc
+    return list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
+
+
+def load_flows(spec: str) -> list[Flow]:
+    """The flows named by `module:attribute` (a Flow, a function, or a list of them).
+
+    Raises:
+        InvalidArgumentError: the spec is malformed, or names nothing that is a flow.
+    """
+    items = _load(spec, "--flows", "myapp.flows:FLOWS")
+    if not items or not all(isinstance(item, Flow) or callable(item) for item in items):
+        raise InvalidArgumentError(f"{spec!r} is not a flow or a list of flows")
+    return [item if isinstance(item, Flow) else flow(item) for item in items]
+
+
+def load_queues(spec: str) -> list[Queue]:
+    """The queues named by `module:attribute` (a Queue, or a list of them).
+
+    Raises:
+        InvalidArgumentError: the spec is malformed, or names nothing that is a queue.
+    """
+    items = _load(spec, "--queues", "myapp.flows:QUEUES")
+    if not items or not all(isinstance(item, Queue) for item in items):
+        raise InvalidArgumentError(f"{spec!r} is not a Queue or a list of queues")
+    return items
+
+
+class _UnhostedError(LoomError):
+    """A live run of a flow the new code does not have: deploying it strands the run."""
+
+
+def _candidates(
+    engine: Engine, args: argparse.Namespace, seen: list[int]
+) -> Iterator[tuple[str, Execution | LoomError]]:
+    """The live runs (filtered by --flow, at most --limit), in id order, each with its
+    id; a run that cannot be read, or whose flow the new code lacks, comes as an
+    error. `seen[0]` counts every run in the store."""
+    given = 0
+    for execution_id in execution_ids(engine.store):
+        seen[0] += 1
+        if args.limit is not None and given >= args.limit:
+            return
+        try:
+            execution = engine.get(execution_id)
+        except LoomError as exc:
+            given += 1
+            yield execution_id, exc
+            continue
+        if execution.status.finished or (args.flow and execution.flow != args.flow):
+            continue
+        given += 1
+        if not engine.hosts(execution.flow):
+            yield (
+                execution_id,
+                _UnhostedError(
+                    f"{execution.status.value} run of flow {execution.flow!r}, which the new "
+                    "code does not define: deploying it would strand this run"
+                ),
+            )
+            continue
+        yield execution_id, execution
+
+
+def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> int:
+    try:
+        flows = load_flows(args.flows)
+        store = open_store(args.store)
+    except LoomError as exc:
+        print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    counts = {"ok": 0, "diverged": 0, "failed": 0}
+    seen = [0]
+    with store:
+        engine = Engine(store, flows, listeners=[])
+        if args.flow is not None and not _known_flow(engine, args.flow):
+            print(
+                f"loom: no flow {args.flow!r} in {args.flows}, and no run of it in the "
+                "store: is --flow right? (a mistyped name would check nothing)",
+                file=sys.stderr,
+            )
+            return 2
+        for execution_id, found in _candidates(engine, args, seen):
+            if isinstance(found, _UnhostedError):
+                counts["failed"] += 1
+                print(f"UNHOSTED   {execution_id}: {found}")
+                continue
+            if isinstance(found, LoomError):
+                counts["failed"] += 1
+                print(f"ERROR      {execution_id}: {type(found).__name__}: {found}")
+                continue
+            try:
+                line = act(engine, found)
+            except NonDeterminismError as exc:
+                counts["diverged"] += 1
+                print(
+                    f"DIVERGES   {found.id} ({found.flow}, pinned {found.code_hash}): "
+                    f"{exc.what} #{exc.index} recorded {exc.recorded!r}, "
+                    f"the new code asks for {exc.found!r}"
+                )
+                continue
+            except LoomError as exc:
+                counts["failed"] += 1
+                print(f"ERROR      {found.id}: {type(exc).__name__}: {exc}")
+                continue
+            counts["ok"] += 1
+            print(line)
+    if not seen[0]:
+        print(
+            f"loom: the store at {args.store} holds no runs at all: is --store right?",
+            file=sys.stderr,
+        )
+        return 2
+    print(
+        f"{counts['ok']} ok, {counts['diverged']} would diverge, "
+        f"{counts['failed']} could not be checked"
+    )
+    return 1 if counts["diverged"] or counts["failed"] else 0
+
+
+def _known_flow(engine: Engine, name: str) -> bool:
+    """Whether the flows loaded define `name`, or the store holds a run of it."""
+    if engine.hosts(name):
+        return True
+    try:
+        return next(iter(engine.executions(flow=name)), None) is not None
+    except LoomError:
+        return True  # the listing below says what is wrong
+
+
+def _check(engine: Engine, execution: Execution) -> str:
+    newest = engine.newest(execution.flow).code_hash
+    if execution.code_hash != newest and engine._hosts_code(execution.flow, execution.code_hash):
+        # Kept registered beside the new code (versioning.md, way 1): driven on its own.
+        return (
+            f"ok         {execution.id} ({execution.flow}): pinned {execution.code_hash}, "
+            "which these flows keep"
+        )
+    engine.replay_check(execution.id)
+    return f"ok         {execution.id} ({execution.flow})"
+
+
+def _migrator(reason: str | None) -> Callable[[Engine, Execution], str]:
+    def migrate(engine: Engine, execution: Execution) -> str:
+        moved = engine.resume_as(execution.id, engine.newest(execution.flow), reason=reason)
+        if moved.code_hash == execution.code_hash:
+            return f"ok         {execution.id} ({execution.flow}): already on this code"
+        change = f"{execution.code_hash} -> {moved.code_hash}"
+        return f"migrated   {execution.id} ({execution.flow}): {change}"
+
+    return migrate
+
+
+def _positive(text: str) -> int:
+    number = int(text)
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"a limit is at least 1, not {number}")
+    return number
+
+
+def add_deploy_commands(commands: Any) -> dict[str, Callable[[argparse.Namespace], int]]:
+    """Add `replay-check` and `migrate` to the `loom` command's subparsers."""
+    check = commands.add_parser(
+        "replay-check",
+        help="replay the store's live runs on the code you are about to deploy, writing nothing",
+    )
+    migrate = commands.add_parser(
+        "migrate", help="move every live run whose history replays onto the given code (resume_as)"
+    )
+    for parser in (check, migrate):
+        parser.add_argument("--store", required=True, help="store URL")
+        parser.add_argument(
+            "--flows", required=True, help="module:attribute of the flows to check against"
+        )
+        parser.add_argument("--flow", default=None, help="only runs of this flow")
+        parser.add_argument("--limit", type=_positive, default=None, help="at most this many runs")
+    migrate.add_argument("--reason", default=None, help="recorded in each run's _migrations")
+    return {
+        "replay-check": lambda args: _run(args, _check),
+        "migrate": lambda args: _run(args, _migrator(args.reason)),
+    }

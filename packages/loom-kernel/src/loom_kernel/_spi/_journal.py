@@ -1,0 +1,286 @@
+"""The journal protocol: records, and the abstract store every backend implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from math import isfinite
+from typing import ClassVar, Final, NamedTuple
+
+import attrs
+
+from loom_kernel._core._errors import InvalidArgumentError, SchemaError
+from loom_kernel._core._ids import validate_prefix, validate_stream_id
+from loom_kernel._core._numbers import finite_number
+
+__all__ = ["APPENDS", "MAX_KIND_LENGTH", "JournalStore", "NewRecord", "Record", "check_gapless"]
+
+MAX_KIND_LENGTH: Final = 64
+
+_KINDS_KEPT: Final = 256
+_kinds_seen: set[str] = set()  # record kinds that passed the check
+
+
+class AppendCount:
+    """How many appends this process has asked of its stores (counted as each call
+    begins, landed or not), in `asked`. A drive compares it before and after its own
+    append: when it moved by exactly one, no other code of the process appended in
+    between. An attribute, not a function: a step reads it three times."""
+
+    __slots__ = ("asked",)
+
+    def __init__(self) -> None:
+        self.asked = 0
+
+
+#: The process's one count (`JournalStore.append` bumps it).
+APPENDS: Final = AppendCount()
+
+
+@attrs.frozen
+class NewRecord:
+    """A record to append: the store gives it its position.
+
+    Attributes:
+        kind: what the record is (printable ASCII, at most 64 characters).
+        payload: opaque bytes; stores never parse them.
+        timestamp: seconds since the epoch, from the kernel's injected clock; a
+            finite number (NaN and infinities are refused: no store could keep them
+            exactly, and no clock gives them).
+    """
+
+    kind: str
+    payload: bytes
+    timestamp: float
+
+    def __attrs_post_init__(self) -> None:
+        # One check after init rather than a validator call per field: the kernel
+        # makes one of these for every journaled step.
+        kind, payload, timestamp = self.kind, self.payload, self.timestamp
+        if type(kind) is not str or kind not in _kinds_seen:
+            if (
+                not isinstance(kind, str)
+                or not kind
+                or len(kind) > MAX_KIND_LENGTH
+                or not kind.isascii()
+                or not kind.isprintable()
+            ):
+                raise InvalidArgumentError(
+                    f"a record kind must be 1 to {MAX_KIND_LENGTH} printable ASCII "
+                    f"characters, not {kind!r}"
+                )
+            if type(kind) is str and len(_kinds_seen) < _KINDS_KEPT:
+                _kinds_seen.add(kind)  # a store's few kinds, checked once each
+        if not isinstance(payload, bytes):
+            raise InvalidArgumentError(
+                f"a record payload must be bytes, not {type(payload).__name__}"
+            )
+        # A float from a clock is the common case: one type test and one isfinite.
+        if not (type(timestamp) is float and isfinite(timestamp)) and not finite_number(timestamp):
+            raise InvalidArgumentError(
+                f"a record timestamp must be a finite number, not {timestamp!r}"
+            )
+
+
+class Record(NamedTuple):
+    """A stored record: a NewRecord with the position the store gave it (1, 2, 3, ...).
+
+    A named tuple, so a store can build one straight from a database row
+    (`Record._make(row)`) on the read path, where it is made once per record.
+    """
+
+    position: int
+    kind: str
+    payload: bytes
+    timestamp: float
+
+
+def check_gapless(records: Sequence[Record], after: int, stream: str) -> None:
+    """Check that `records` are exactly positions after+1, after+2, ... of `stream`.
+
+    A store returns records in strictly increasing order, so the two ends decide; only
+    a failure looks at every record, to name the first one out of place.
+
+    Raises:
+        SchemaError: a record is missing (a gap), or out of place; naming the stream
+            and the position where the journal breaks.
+    """
+    if not records:
+        return
+    if records[0][0] == after + 1 and records[-1][0] == after + len(records):
+        return
+    for expected, record in enumerate(records, start=after + 1):
+        if record[0] != expected:
+            found = record[0]
+            break
+    else:  # pragma: no cover - the ends above disagree, so some record is out of place
+        expected, found = after + len(records), records[-1][0]
+    what = f"record {expected} is missing" if found > expected else f"found record {found} again"
+    raise SchemaError(
+        f"the journal has a gap: {what} (the store lost or reordered a record; the run "
+        "cannot be folded without it)",
+        stream=stream,
+        position=expected,
+    )
+
+
+def _check_position(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidArgumentError(f"{name} must be an int >= 0, not {value!r}")
+    return value
+
+
+def _check_limit(limit: object) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        raise InvalidArgumentError(f"limit must be None or an int >= 1, not {limit!r}")
+    return limit
+
+
+class JournalStore(abc.ABC):
+    """A store of named streams of gapless, numbered records: the storage SPI.
+
+    The public methods check their arguments (ids, positions, limits, records) and
+    then call the protected hooks a store implements. docs/spi.md is the contract:
+    what each hook must do, which errors it raises and how it handles an ambiguous
+    failure. Every store must pass the conformance kit in loom_kernel.testing.
+
+    Attributes:
+        head_is_cheap: whether `head()` costs about as little as a local read. The
+            engine looks at the head before each new step, to stop early when a
+            cancel or another worker has moved the run on; a store whose head is a
+            network round trip (S3) sets this False, and the engine then learns of
+            such a move at its next append, which the conflict rule refuses anyway.
+    """
+
+    head_is_cheap: ClassVar[bool] = True
+
+    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+        """Append records atomically where the stream's head is exactly `expected`.
+
+        Args:
+            stream: the stream id.
+            expected: the head the caller saw; 0 means the stream must not exist yet.
+            records: one or more records; they land together or not at all.
+
+        Returns:
+            The new head: `expected + len(records)`.
+
+        Raises:
+            ConflictError: the head is not `expected`; nothing was written.
+            StreamDeletedError: the stream was deleted; nothing was written.
+            StoreUnavailableError: a transient fault; the write did not land or
+                could not be confirmed (re-read before retrying).
+            InvalidIdError, InvalidArgumentError: bad arguments; nothing was written.
+        """
+        APPENDS.asked += 1
+        validate_stream_id(stream)
+        if type(expected) is not int or expected < 0:  # the common case without a call
+            _check_position("expected", expected)
+        batch = tuple(records)
+        if not batch:
+            raise InvalidArgumentError("append needs at least one record")
+        for record in batch:
+            if not isinstance(record, NewRecord):
+                raise InvalidArgumentError(
+                    f"append takes NewRecord instances, not {type(record).__name__}"
+                )
+        return self._append(stream, expected, batch)
+
+    def read(self, stream: str, after: int = 0, limit: int | None = None) -> list[Record]:
+        """Return the records after position `after`, in order and gapless.
+
+        A stream that does not exist reads as empty.
+
+        Raises:
+            TrimmedError: `after` is below the stream's trim floor.
+            StreamDeletedError: the stream was deleted.
+        """
+        validate_stream_id(stream)
+        _check_position("after", after)
+        return self._read(stream, after, _check_limit(limit))
+
+    def head(self, stream: str) -> int:
+        """Return the stream's last position, 0 for a stream that does not exist.
+
+        Raises:
+            StreamDeletedError: the stream was deleted.
+        """
+        validate_stream_id(stream)
+        return self._head(stream)
+
+    def streams(
+        self, prefix: str = "", after: str | None = None, limit: int | None = None
+    ) -> list[str]:
+        """Return stream names starting with `prefix`, sorted, strictly after `after`.
+
+        Deleted streams are not listed. Page by passing the last name of a page as
+        the next call's `after`.
+        """
+        validate_prefix(prefix)
+        if after is not None:
+            validate_prefix(after)
+        return self._streams(prefix, after, _check_limit(limit))
+
+    def trim(self, stream: str, before: int) -> None:
+        """Drop the records below position `before` (compaction). The head never moves.
+
+        Trimming at or below the current floor is a no-op.
+
+        Raises:
+            InvalidArgumentError: `before` is beyond head + 1.
+            StreamDeletedError: the stream was deleted.
+        """
+        validate_stream_id(stream)
+        _check_position("before", before)
+        self._trim(stream, before)
+
+    def delete(self, stream: str) -> None:
+        """Delete a stream: drop its records and retire its name, so no position is reused.
+
+        Deleting a deleted (or never created) stream is allowed; afterwards every
+        operation but listing and delete raises StreamDeletedError for that name.
+        """
+        validate_stream_id(stream)
+        self._delete(stream)
+
+    @staticmethod
+    def _check_trim(stream: str, before: int, head: int) -> None:
+        """For a store's `_trim`: refuse a trim beyond head + 1 (the SPI's one rule for it).
+
+        Raises:
+            InvalidArgumentError: `before` is beyond `head` + 1.
+        """
+        if before > head + 1:
+            raise InvalidArgumentError(
+                f"cannot trim {stream!r} below {before}: its head is {head}, so the most "
+                f"a trim can drop is everything, trim({stream!r}, {head + 1})"
+            )
+
+    def close(self) -> None:  # noqa: B027 - most stores have nothing to release
+        """Release the store's resources. Stores that hold none need not override it."""
+
+    def __enter__(self) -> JournalStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @abc.abstractmethod
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int: ...
+
+    @abc.abstractmethod
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Record]: ...
+
+    @abc.abstractmethod
+    def _head(self, stream: str) -> int: ...
+
+    @abc.abstractmethod
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]: ...
+
+    @abc.abstractmethod
+    def _trim(self, stream: str, before: int) -> None: ...
+
+    @abc.abstractmethod
+    def _delete(self, stream: str) -> None: ...

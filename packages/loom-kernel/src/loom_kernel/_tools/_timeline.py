@@ -1,0 +1,89 @@
+"""A journal as a person reads it: one line per record, time relative to the start."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from loom_kernel._coordination._timers import TIMER_GATE
+from loom_kernel._core._events import (
+    ExecutionCancelled,
+    ExecutionClaimed,
+    ExecutionCompleted,
+    ExecutionFailed,
+    ExecutionMigrated,
+    ExecutionResumed,
+    ExecutionStarted,
+    ExecutionSuspended,
+    StepCompleted,
+    StepFailed,
+)
+from loom_kernel._engine._views import HistoryEntry
+
+__all__ = ["format_timeline"]
+
+
+def _short(value: Any, width: int = 60) -> str:
+    text = json.dumps(value, ensure_ascii=False, separators=(", ", ": "))
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _offset(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 60:
+        return f"+{seconds:.0f}s"
+    if seconds < 3600:
+        return f"+{seconds / 60:.0f}m"
+    if seconds < 86400:
+        return f"+{seconds / 3600:.1f}h"
+    return f"+{seconds / 86400:.1f}d"
+
+
+def _describe(entry: HistoryEntry, start: float) -> tuple[str, str]:
+    event = entry.event
+    if isinstance(event, ExecutionStarted):
+        key = f" key={event.key}" if event.key else ""
+        return "started", f"{event.flow}({_short(event.input)}){key}"
+    if isinstance(event, StepCompleted):
+        retries = f" after {event.attempts} attempts" if event.attempts > 1 else ""
+        return f"step {event.index}", f"{event.name} → {_short(event.result)}{retries}"
+    if isinstance(event, StepFailed):
+        return (
+            f"step {event.index}",
+            f"{event.name} FAILED: {event.error.type}: {event.error.message}",
+        )
+    if isinstance(event, ExecutionSuspended):
+        if event.on == TIMER_GATE and event.wake_at is not None:
+            return f"gate {event.gate}", f"sleeping until {_offset(event.wake_at - start)}"
+        return f"gate {event.gate}", f"waiting on {event.on!r}"
+    if isinstance(event, ExecutionResumed):
+        if event.key is not None and event.key.startswith("timer:"):
+            return "resumed", "timer fired"
+        key = f" (key {event.key})" if event.key else ""
+        return "resumed", f"with {_short(event.payload)}{key}"
+    if isinstance(event, ExecutionCompleted):
+        return "completed", f"→ {_short(event.result)}"
+    if isinstance(event, ExecutionFailed):
+        return "failed", f"{event.error.type}: {event.error.message}"
+    if isinstance(event, ExecutionCancelled):
+        return "cancelled", event.reason or ""
+    if isinstance(event, ExecutionMigrated):
+        return "migrated", f"{event.from_hash} → {event.to_hash}"
+    if isinstance(event, ExecutionClaimed):
+        return "claimed", f"by {event.by} (from {event.previous or 'no owner'})"
+    return type(event).__name__, ""  # pragma: no cover - every kind is handled above
+
+
+def format_timeline(history: Sequence[HistoryEntry]) -> str:
+    """Render an execution's history as text, one line per journal record."""
+    if not history:
+        return "(empty journal)"
+    start = history[0].timestamp
+    lines = []
+    for entry in history:
+        what, detail = _describe(entry, start)
+        lines.append(
+            f"  #{entry.position:<3} {_offset(entry.timestamp - start):>6}  {what:<10} {detail}"
+        )
+    return "\n".join(lines)
