@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from loom_kernel import Context, Engine, MemoryStore, Worker, flow, open_store
+from loom_kernel._engine import parts_of
 from loom_kernel._hosting._cli import main as loom_main
 from loom_kernel._hosting._worker import _IDLE_POLL_COSTLY
 from loom_kernel.spi import JournalStore
@@ -84,7 +85,7 @@ def _fill(store: JournalStore, finished: int) -> None:
         engine.start("bench.one", "park", key=f"parked-{number}")
     clock.advance(3600)
     engine.fire_due_timers()
-    assert engine.timers.buckets() == [], "every handled bucket is retired"
+    assert parts_of(engine).driver.timers.buckets() == [], "every handled bucket is retired"
 
 
 _HEADER = (
@@ -168,9 +169,13 @@ def _s3_requests(make_server: Callable[[], Any]) -> None:
         handle = engine.enqueue("bench.ten")
         enqueued = requests.take()
         worker = Engine(store, [one, ten], listeners=[], clock=clock)
-        visit = next(hint for hint in worker.runs.open_runs() if hint.execution_id == handle.id)
+        visit = next(
+            hint
+            for hint in parts_of(worker).driver.runs.open_runs()
+            if hint.execution_id == handle.id
+        )
         requests.take()
-        worker.recover_open(visit)
+        parts_of(worker).recovery.recover_open(visit)
         driven = requests.take()
         assert handle.get().status.value == "completed"
 
@@ -181,7 +186,7 @@ def _s3_requests(make_server: Callable[[], Any]) -> None:
             for _ in range(count):
                 clock.advance(idle_poll)
                 worker.fire_due_timers()
-                list(worker.runs.open_runs())
+                list(parts_of(worker).driver.runs.open_runs())
             return requests.take()
 
         idle_polls(2)  # the first poll reads the floor and the partitions

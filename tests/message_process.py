@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from loom_kernel import Engine, open_store
+from loom_kernel._engine import parts_of
 from message_flow import consume  # type: ignore[import-not-found]
 
 
@@ -29,7 +30,7 @@ def main() -> int:
     store = open_store(url)
     if mode == "send-then-die":
         engine = Engine(store, [consume(Path(side))], listeners=[])
-        engine._deliver = lambda _id: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign,assignment,misc]
+        parts_of(engine).delivery.deliver = lambda _id: os.kill(os.getpid(), signal.SIGKILL)  # type: ignore[method-assign,assignment,misc]
         engine.send("inbox", sys.argv[4], key=sys.argv[4])
         return 1  # never reached
     if mode == "send-and-drive-die-on":

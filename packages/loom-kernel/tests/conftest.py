@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import Engine, Flow, MemoryStore, RetryPolicy
-from loom_kernel._replay._servant import FLOW_LOOP, LoopThread
+from loom_kernel._replay import FLOW_LOOP, LoopThread
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock, sandbox
 

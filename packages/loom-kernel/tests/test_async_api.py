@@ -22,8 +22,7 @@ from loom_kernel import (
     Status,
     flow,
 )
-from loom_kernel._replay import _servant
-from loom_kernel._replay._threads import call_threads
+from loom_kernel._replay import _servant, call_threads
 
 T = TypeVar("T")
 loops: list[asyncio.AbstractEventLoop] = []

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Worker, flow
-from loom_kernel._replay._threads import CallThreads, call_threads, in_a_thread, let_go
+from loom_kernel._replay import CallThreads, call_threads, in_a_thread, let_go
 
 
 def _eventually(condition: object, seconds: float = 10.0) -> None:

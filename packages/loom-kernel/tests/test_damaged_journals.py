@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
-from loom_kernel._coordination._executions import SNAPSHOT_KIND
+from loom_kernel._coordination import SNAPSHOT_KIND
 from loom_kernel.spi import NewRecord, SchemaError
 from loom_kernel.testing import sandbox
 

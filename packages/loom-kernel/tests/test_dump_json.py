@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from loom_kernel import InvalidArgumentError
-from loom_kernel._core._codec import dump_json
+from loom_kernel._core import dump_json
 
 keys = st.text(max_size=5) | st.integers() | st.floats(allow_nan=False) | st.booleans() | st.none()
 values = st.recursive(

@@ -24,9 +24,9 @@ from loom_kernel import (
     code_hash,
     flow,
 )
-from loom_kernel._core._codec import encode_event
-from loom_kernel._replay import _context
-from loom_kernel._replay._driving import drive_here
+from loom_kernel._core import encode_event
+from loom_kernel._engine import parts_of
+from loom_kernel._replay import _writer, drive_here
 from loom_kernel.events import ExecutionClaimed
 from loom_kernel.spi import (
     ConflictError,
@@ -246,9 +246,9 @@ def test_replay_is_idempotent(make_engine: EngineFactory, store: JournalStore) -
     before = _journal(store, ex.id)
     for _ in range(3):
         state = engine.state(ex.id)
-        drive_here(make_engine([parked])._drive(state))  # a re-run with nothing new
+        drive_here(parts_of(make_engine([parked])).driver.drive(state))  # a re-run with nothing new
         state.status = Status.RUNNING
-        drive_here(make_engine([parked])._drive(state))
+        drive_here(parts_of(make_engine([parked])).driver.drive(state))
     assert make_engine([parked]).recover() == []
     assert _journal(store, ex.id) == before
 
@@ -283,8 +283,7 @@ def test_step_retries_then_succeeds(make_engine: EngineFactory) -> None:
     def job(ctx: Context, _input: Any) -> Any:
         return ctx.step("flaky", flaky, retry=RetryPolicy(attempts=5, backoff=2, factor=3))
 
-    engine = make_engine([job])
-    engine.sleep = waits.append
+    engine = make_engine([job], sleep=waits.append)
     ex = engine.start("job")
     assert ex.result == "ok"
     assert waits == [2.0, 6.0]
@@ -595,7 +594,7 @@ class _CountedHeads(MemoryStore):
 def test_steps_in_a_tight_loop_do_not_look_at_the_head_between_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_context, "_FRESH_HEAD", 60.0)  # a loaded machine's pauses
+    monkeypatch.setattr(_writer, "_FRESH_HEAD", 60.0)  # a loaded machine's pauses
 
     @flow(name="loop", version="1")
     def loop(ctx: Context, steps: int) -> Any:
@@ -628,7 +627,7 @@ def test_a_step_long_after_the_last_append_looks_at_the_head_first() -> None:
 def test_a_move_by_another_process_in_the_instant_after_an_append_is_found_at_the_next(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(_context, "_FRESH_HEAD", 60.0)  # the instant, however slow
+    monkeypatch.setattr(_writer, "_FRESH_HEAD", 60.0)  # the instant, however slow
     store = _CountedHeads(foreign_claim=True)
     effects: list[str] = []
 

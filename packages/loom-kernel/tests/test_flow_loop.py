@@ -290,7 +290,7 @@ def test_an_async_step_that_exits_leaves_the_workers_loop_running_for_other_runs
         assert started.wait(10)
         engine.enqueue("loop.exits_async", None, key="x")
         assert waiting.result(timeout=10) == "waited"
-        assert not worker._flows.loop.is_closed()  # type: ignore[union-attr]
+        assert not worker._slots.flows.loop.is_closed()  # type: ignore[union-attr]
     assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
 
 
@@ -844,7 +844,7 @@ def test_a_call_handed_over_as_the_drive_ends_is_refused_not_left_unanswered() -
     """A call the flow's code hands to the drive's thread just as the drive ends (a
     task it left running) gets `LoopStoppedError`: left unanswered, the task awaiting
     it would never end, and neither would its loop's shutdown."""
-    from loom_kernel._replay._servant import LoopStoppedError, Servant
+    from loom_kernel._replay import LoopStoppedError, Servant
 
     loop = asyncio.new_event_loop()
     try:

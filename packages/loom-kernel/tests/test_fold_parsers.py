@@ -9,9 +9,14 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from loom_kernel._core import _codec, _fast_fold, _state
-from loom_kernel._core._codec import dump_json, encode_step_completed
-from loom_kernel._core._fast_fold import decode_step_runs
+from loom_kernel._core import (
+    _codec,
+    _fast_fold,
+    _state,
+    decode_step_runs,
+    dump_json,
+    encode_step_completed,
+)
 from loom_kernel.events import (
     EVENT_SCHEMA,
     ExecutionStarted,

@@ -7,7 +7,7 @@ import re
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel._core._ids import ID_ALPHABET
+from loom_kernel._core import ID_ALPHABET
 from loom_kernel.spi import MAX_ID_LENGTH, InvalidIdError, validate_prefix, validate_stream_id
 from loom_kernel.testing import BAD_IDS
 
@@ -94,7 +94,7 @@ def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start(
     import uuid
 
     from loom_kernel import Engine, flow, open_store
-    from loom_kernel._coordination import _executions
+    from loom_kernel._engine import _starts
 
     @flow(name="noop")
     def noop(ctx: object, value: int) -> int:
@@ -111,7 +111,7 @@ def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start(
         assert (parsed.version, parsed.variant, parsed.hex) == (7, uuid.RFC_4122, made)
         assert parsed.int >> 80 == millis, "the start's Unix time in milliseconds comes first"
     assert first < second, "a later start sorts after: new journals land side by side"
-    many = {_executions.fresh_execution_id() for _ in range(20_000)}
+    many = {_starts.fresh_execution_id() for _ in range(20_000)}
     assert len(many) == 20_000, "74 random bits: no two alike, within a millisecond too"
     now[0] = -5_000_000_000  # a clock before 1970 counts as 1970
-    assert uuid.UUID(_executions.fresh_execution_id()).int >> 80 == 0
+    assert uuid.UUID(_starts.fresh_execution_id()).int >> 80 == 0

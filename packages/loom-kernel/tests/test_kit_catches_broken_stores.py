@@ -10,7 +10,7 @@ import uuid
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 from loom_kernel import MemoryStore
-from loom_kernel._spi._faults import AmbiguousWriteError
+from loom_kernel._spi import AmbiguousWriteError
 from loom_kernel.spi import ConflictError, JournalStore, NewRecord, Record
 from loom_kernel.testing import (
     DEFAULT_SETTINGS,

@@ -16,6 +16,7 @@ from loom_kernel import (
     Status,
     flow,
 )
+from loom_kernel._engine import parts_of
 from loom_kernel.events import ExecutionResumed, ExecutionStarted
 from loom_kernel.testing import FakeClock
 
@@ -28,7 +29,7 @@ def _kinds(store: MemoryStore, execution_id: str) -> list[str]:
 
 def _left_running_by(store: MemoryStore, owner: str, clock: FakeClock) -> None:
     """Run "r" started by `owner`, which journaled one step and stopped being heard of."""
-    from loom_kernel._core._codec import encode_event, encode_step_completed
+    from loom_kernel._core import encode_event, encode_step_completed
 
     started = ExecutionStarted("two_steps", "version:1", None, "r", None, owner)
     store.append(
@@ -77,7 +78,6 @@ def test_a_run_of_a_live_owner_is_not_taken_over_until_its_lease_runs_out() -> N
 
 
 def test_a_lease_renewal_keeps_the_run() -> None:
-    from loom_kernel._core._codec import encode_event  # noqa: F401  (the beat is a plain record)
     from loom_kernel.spi import NewRecord
 
     store, clock = MemoryStore(), FakeClock(1_000.0)
@@ -98,7 +98,7 @@ def test_the_old_owner_is_fenced_by_the_claim() -> None:
     clock.advance(60.0)
     taker = Engine(store, [two_steps], clock=clock, listeners=[])
     assert taker.recover() == ["r"]
-    from loom_kernel._core._codec import encode_step_completed
+    from loom_kernel._core import encode_step_completed
 
     with pytest.raises(ConflictError):  # the old owner wakes up and tries to go on
         store.append("ex/r", stale.position, [encode_step_completed(1, "second", "9", 1, 0.0)])
@@ -147,7 +147,7 @@ def test_a_run_driven_in_this_process_is_not_driven_twice() -> None:
 
 
 def test_starts_and_resumes_name_their_driver() -> None:
-    from loom_kernel._core._codec import decode_events
+    from loom_kernel._core import decode_events
 
     @flow(name="gated", version="1")
     def gated(ctx: Context, _input: Any) -> Any:
@@ -271,7 +271,7 @@ def _blocking_flow(
 
 
 def test_an_ownerless_run_is_claimed_so_a_second_engine_leaves_it() -> None:
-    from loom_kernel._core._codec import encode_event
+    from loom_kernel._core import encode_event
 
     entered, release = threading.Event(), threading.Event()
     effects: list[str] = []
@@ -385,7 +385,7 @@ def test_a_run_whose_drive_stopped_is_taken_from_an_owner_busy_with_others() -> 
 
 def test_a_worker_without_the_pinned_code_never_claims() -> None:
     from loom_kernel import CodeVersionError
-    from loom_kernel._core._codec import encode_event
+    from loom_kernel._core import encode_event
 
     @flow(name="f", version="2")
     def newer(ctx: Context, _input: Any) -> Any:
@@ -430,17 +430,17 @@ def test_the_heartbeat_thread_ends_with_the_last_drive_and_a_failed_start_leaks_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
 
-    from loom_kernel._coordination._leases import driving_here
+    from loom_kernel._coordination import driving_here
 
     engine = Engine(MemoryStore(), [two_steps], lease=3600.0, listeners=[])
     engine.start("two_steps", key="a")
-    thread = engine._heartbeat._thread
+    thread = parts_of(engine).driver.heartbeat._thread
     assert thread is not None
     thread.join(5)
     assert not thread.is_alive(), "no thread waits out a third of an hour"
     # cleared under the lock as it ends, so a drive arriving while it is still
     # finishing starts a new one instead of counting on one about to be gone
-    assert engine._heartbeat._thread is None
+    assert parts_of(engine).driver.heartbeat._thread is None
 
     def cannot_start(_self: threading.Thread) -> None:
         raise RuntimeError("can't start new thread")
@@ -455,7 +455,7 @@ def test_on_a_store_with_costly_heads_a_drive_in_doubt_of_its_lease_looks_before
     import time
 
     from loom_kernel import StoreUnavailableError
-    from loom_kernel._core._codec import encode_event
+    from loom_kernel._core import encode_event
     from loom_kernel.events import ExecutionClaimed
 
     class CostlyHeads(MemoryStore):
@@ -512,7 +512,7 @@ def test_a_lease_is_in_doubt_once_no_beat_succeeded_for_half_of_it(
 ) -> None:
     import time
 
-    from loom_kernel._coordination._leases import Heartbeat
+    from loom_kernel._coordination import Heartbeat
 
     now = [100.0]
     monkeypatch.setattr(time, "monotonic", lambda: now[0])
@@ -527,7 +527,7 @@ def test_a_lease_is_in_doubt_once_no_beat_succeeded_for_half_of_it(
 
 def test_a_beat_that_meets_another_writer_re_reads_the_head_for_the_next() -> None:
     from loom_kernel import ConflictError
-    from loom_kernel._coordination._leases import Heartbeat
+    from loom_kernel._coordination import Heartbeat
     from loom_kernel.spi import NewRecord
 
     store = MemoryStore()
@@ -543,10 +543,10 @@ def test_a_beat_that_meets_another_writer_re_reads_the_head_for_the_next() -> No
 def test_a_run_held_twice_is_listed_until_its_last_hold_ends() -> None:
     """An enqueue holds the run, and hands a second hold to the worker's drive: the
     first ending must not drop the run from the beats while the second drives it."""
-    from loom_kernel._coordination._leases import driving_here
+    from loom_kernel._coordination import driving_here
 
     engine = Engine(MemoryStore(), [], listeners=[])
-    heartbeat = engine._heartbeat
+    heartbeat = parts_of(engine).driver.heartbeat
     with heartbeat.holding("r"):
         with heartbeat.holding("r"):
             assert heartbeat._runs["r"] == 2
@@ -562,7 +562,7 @@ def test_a_beat_lists_a_run_whose_drive_began_as_the_beat_was_stamped() -> None:
     dropped the run, and another engine could take over a live drive)."""
     import json
 
-    from loom_kernel._coordination._leases import Heartbeat
+    from loom_kernel._coordination import Heartbeat
 
     store = MemoryStore()
     clock = FakeClock()
@@ -588,7 +588,7 @@ def test_an_owner_whose_beats_are_trimmed_as_they_are_read_is_still_seen() -> No
     """A trim between reading the beat stream's head and its last record means a newer
     beat: it is read again, not taken for no beat at all."""
     from loom_kernel import TrimmedError
-    from loom_kernel._coordination._leases import last_record
+    from loom_kernel._coordination import last_record
     from loom_kernel.spi import NewRecord
 
     class TrimsOnce(MemoryStore):
@@ -659,11 +659,13 @@ def test_drives_at_once_share_one_heartbeat_thread() -> None:
     held.start()
     try:
         assert entered.wait(10)
-        beating = engine._heartbeat._thread
+        beating = parts_of(engine).driver.heartbeat._thread
         assert beating is not None
         assert beating.is_alive()
         engine.start("two_steps", key="meanwhile")
-        assert engine._heartbeat._thread is beating, "a second thread renewing the same lease"
+        assert parts_of(engine).driver.heartbeat._thread is beating, (
+            "a second thread renewing the same lease"
+        )
     finally:
         go.set()
         held.join(10)
@@ -673,7 +675,7 @@ def test_a_take_over_whose_claim_loses_the_race_drives_nothing() -> None:
     """Two takers of an expired run: the one whose claim meets the other's first does
     not drive. On a store whose heads cost a request (no look before a step), driving
     on would run the next step's function before its append was refused."""
-    from loom_kernel._core._codec import encode_event
+    from loom_kernel._core import encode_event
     from loom_kernel.events import ExecutionClaimed
 
     class CostlyHeads(MemoryStore):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from loom_kernel._hosting._cli import main
-from loom_kernel._tools._lint import lint_source, python_files
+from loom_kernel._tools import lint_source, python_files
 
 ROOT = Path(__file__).parents[3]
 
@@ -111,7 +111,7 @@ def test_names_are_followed_through_imports_and_nested_functions_are_not_walked(
 def test_a_file_too_deep_to_parse_is_reported_not_raised(tmp_path: Path) -> None:
     (tmp_path / "deep.py").write_text("x = " + "-" * 200_000 + "1\n")
     (tmp_path / "nul.py").write_bytes(b"x = 1\x00\n")
-    from loom_kernel._tools._lint import lint_paths
+    from loom_kernel._tools import lint_paths
 
     findings, unreadable = lint_paths([str(tmp_path)])
     assert findings == []

@@ -26,7 +26,9 @@ from loom_kernel import (
     Woken,
     flow,
 )
-from loom_kernel._coordination._run_index import partition_of
+from loom_kernel._coordination import partition_of
+from loom_kernel._engine import parts_of
+from loom_kernel._replay import drive_here
 from loom_kernel.events import ExecutionSuspended
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError
 from loom_kernel.testing import FakeClock
@@ -127,9 +129,9 @@ def test_resends_that_both_landed_are_delivered_once() -> None:
     engine = _engine(store)
     engine.start("inbox.two", None, key="d")
     # Two senders that both looked before either appended: both records land.
-    engine._inbox.append("d", None, "same", "first")
-    engine._inbox.append("d", None, "same", "second")
-    engine._inbox.append("d", None, None, "third")
+    parts_of(engine).driver.inbox.append("d", None, "same", "first")
+    parts_of(engine).driver.inbox.append("d", None, "same", "second")
+    parts_of(engine).driver.inbox.append("d", None, None, "third")
     engine.recover()
     assert engine.get("d").result == ["first", "third"]
 
@@ -226,7 +228,7 @@ def test_a_timer_cannot_wake_a_gate_with_no_deadline() -> None:
     engine = _engine(MemoryStore())
     engine.start("inbox.two", None, key="nt")
     with pytest.raises(NotSuspendedError, match="it waits on"):
-        engine._resume("nt", None, "timer:0", timer=True)
+        drive_here(parts_of(engine).delivery.resuming("nt", None, "timer:0", timer=True))
 
 
 # -- the first of several things ----------------------------------------------------------
@@ -322,7 +324,9 @@ def test_a_sender_that_stopped_after_appending_is_covered_by_recover() -> None:
     store = MemoryStore()
     engine = _engine(store)
     engine.start("inbox.two", None, key="c")
-    engine._inbox.append("c", None, None, "orphan")  # the sender died before the wake
+    parts_of(engine).driver.inbox.append(
+        "c", None, None, "orphan"
+    )  # the sender died before the wake
     assert engine.get("c").status is Status.SUSPENDED
     assert engine.recover() == ["c"]
     assert engine.get("c").status is Status.SUSPENDED, "at its second receive"
@@ -461,7 +465,7 @@ def test_get_event_waits_for_a_value_or_gives_up() -> None:
     engine = Engine(MemoryStore(), FLOWS, listeners=[])
     engine.start("inbox.two", None, key="slow")
     assert engine.get_event("slow", "done", timeout=0.05) is None
-    timer = threading.Timer(0.05, lambda: engine._published.set("slow", "done", 7))
+    timer = threading.Timer(0.05, lambda: parts_of(engine).driver.published.set("slow", "done", 7))
     timer.start()
     assert engine.get_event("slow", "done", timeout=10) == 7
     timer.join()
@@ -543,7 +547,7 @@ def test_a_send_that_does_not_drive_leaves_the_wake_to_a_worker() -> None:
         deadline = time.monotonic() + 10
         while worker.stats.visited == 0 and time.monotonic() < deadline:
             time.sleep(0.01)  # the worker has seen the run parked
-        engine._deliver = lambda _id: pytest.fail("the sender drove it")  # type: ignore[method-assign,assignment,misc]
+        parts_of(engine).delivery.deliver = lambda _id: pytest.fail("the sender drove it")  # type: ignore[method-assign,assignment,misc]
         engine.send("w", "one", drive=False)
         engine.send("w", "two", drive=False)
         assert engine.handle("w").result(timeout=10) == ["one", "two"]
@@ -636,7 +640,7 @@ def test_a_timer_of_a_gate_passed_meanwhile_never_wakes_the_next_gate(flow_name:
     y = Engine(store, flows, clock=clock, listeners=[])
     x.start(flow_name, None, key="run")
     clock.advance(10)
-    found_due = x._timer_state
+    found_due = parts_of(x).delivery.timer_state
 
     def passed_meanwhile(entry: Any, now: float) -> Any:
         due = found_due(entry, now)
@@ -648,7 +652,7 @@ def test_a_timer_of_a_gate_passed_meanwhile_never_wakes_the_next_gate(flow_name:
             assert y.get("run").waiting_on == "b"
         return due
 
-    x._timer_state = passed_meanwhile  # type: ignore[method-assign]
+    parts_of(x).delivery.timer_state = passed_meanwhile  # type: ignore[method-assign]
     x.fire_due_timers()
     assert x.get("run").waiting_on == "b", "gate b's deadline is 90 s away"
     y.resume("run", "later", on="b")
@@ -670,13 +674,13 @@ def test_a_keyed_send_racing_its_own_resend_is_not_reported_unread() -> None:
     first, second = _engine(store), _engine(store)
     first.start("inbox.gated", None, key="k")
     first.resume("k", None)  # at its receive
-    appended = second._inbox.append
+    appended = parts_of(second).driver.inbox.append
 
     def resent_meanwhile(execution_id: str, topic: Any, key: Any, message: Any) -> int:
         first.send("k", message, key=key)  # lands (and is read) before this copy
         return appended(execution_id, topic, key, message)
 
-    second._inbox.append = resent_meanwhile  # type: ignore[method-assign]
+    parts_of(second).driver.inbox.append = resent_meanwhile  # type: ignore[method-assign]
     assert second.send("k", "hello", key="k1") == 1, "the first copy's position"
     assert second.get("k").result == ["hello", None]
 
@@ -757,10 +761,10 @@ def test_a_deadline_hint_of_a_gate_passed_in_time_is_dropped_when_it_falls_due()
 
     def wake(entry: Any) -> Any:
         offered.append(entry.execution_id)
-        return engine._timer_state(entry, clock())
+        return parts_of(engine).delivery.timer_state(entry, clock())
 
-    engine.timers.fire_due(clock(), wake)
-    engine.timers.fire_due(clock(), wake)
+    parts_of(engine).driver.timers.fire_due(clock(), wake)
+    parts_of(engine).driver.timers.fire_due(clock(), wake)
     assert offered == ["d"], "obsolete: dropped the first time it was offered"
 
 
@@ -797,7 +801,7 @@ def test_a_value_that_cannot_be_published_stops_the_drive_before_it_is_journaled
     def down(*_args: Any) -> None:
         raise StoreUnavailableError("the store went away")
 
-    engine._published.set = down  # type: ignore[method-assign,assignment]
+    parts_of(engine).driver.published.set = down  # type: ignore[method-assign,assignment]
     with pytest.raises(StoreUnavailableError):
         engine.start("inbox.progress", 3, key="down")
     assert engine.get("down").status is Status.RUNNING, "stopped, not failed or ended"
@@ -816,7 +820,7 @@ def test_an_inbox_that_cannot_be_read_stops_the_drive_at_the_receive() -> None:
     def down(*_args: Any) -> None:
         raise StoreUnavailableError("the inbox went away")
 
-    engine._inbox.next_for = down  # type: ignore[method-assign,assignment]
+    parts_of(engine).driver.inbox.next_for = down  # type: ignore[method-assign,assignment]
     with pytest.raises(StoreUnavailableError, match="the inbox went away"):
         engine.start("inbox.two", None, key="down")
     assert engine.get("down").status is Status.RUNNING, "stopped, not parked"
@@ -857,7 +861,7 @@ def test_a_damaged_message_is_reported_and_the_run_stays_where_it_was(
 
 @pytest.mark.parametrize("payload", [{"topic": None}, "hello", {"gate": "g"}])
 def test_a_receive_resumed_with_a_damaged_payload_is_a_schema_error(payload: Any) -> None:
-    from loom_kernel._core._codec import encode_event
+    from loom_kernel._core import encode_event
     from loom_kernel.events import ExecutionResumed
 
     store = MemoryStore()
@@ -899,14 +903,14 @@ def test_get_event_waiting_returns_what_a_run_published_as_it_finished() -> None
     engine.start("inbox.progress", 1, key="p")
     engine.resume("p", "go")
     assert engine.get("p").status is Status.COMPLETED
-    real = engine._published.values
+    real = parts_of(engine).driver.published.values
     reads: list[str] = []
 
     def racing(execution_id: str) -> dict[str, Any]:
         reads.append(execution_id)  # the first read is from before the run published
         return {} if len(reads) == 1 else real(execution_id)
 
-    engine._published.values = racing  # type: ignore[method-assign]
+    parts_of(engine).driver.published.values = racing  # type: ignore[method-assign]
     assert engine.get_event("p", "done", timeout=5) == 1, "read again once it finished"
     assert reads == ["p", "p"]
 
@@ -924,8 +928,10 @@ def test_the_inboxes_and_published_values_kept_parsed_are_bounded(
         engine.send(f"p{number}", "hello")  # the run reads its inbox
         engine.start("inbox.progress", 1, key=f"p{number}-progress")
         assert engine.get_event(f"p{number}-progress", "done") == 1
-    assert list(engine._inbox._parsed) == ["p2", "p3", "p4"], "the least recent dropped"
-    kept = list(engine._published._read)
+    assert list(parts_of(engine).driver.inbox._parsed) == ["p2", "p3", "p4"], (
+        "the least recent dropped"
+    )
+    kept = list(parts_of(engine).driver.published._read)
     assert kept == ["p2-progress", "p3-progress", "p4-progress"], "the least recent dropped"
     assert engine.get_event("p0-progress", "done") == 1, "read again from the store"
 
@@ -1078,7 +1084,7 @@ def test_a_send_from_a_step_to_a_run_held_by_something_else_is_delivered_at_its_
     engine.start("inbox.listens_once", key="t")
 
     def hold_it() -> None:
-        with engine._locks.hold("t"):
+        with parts_of(engine).driver.locks.hold("t"):
             holding.set()
             released.wait(10)
 
@@ -1094,7 +1100,7 @@ def test_a_send_from_a_step_to_a_run_held_by_something_else_is_delivered_at_its_
         released.set()
         holder.join(10)
     assert engine.get("t").result == "hello", "delivered as the lock was released"
-    assert len(engine._locks) == 0
+    assert len(parts_of(engine).driver.locks) == 0
 
 
 def test_an_engine_with_another_version_of_the_flow_sends_and_leaves_the_wake_alone(

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, InvalidIdError, MemoryStore, Status, flow
-from loom_kernel._core._ids import validate_prefix, validate_stream_id
+from loom_kernel._core import validate_prefix, validate_stream_id
+from loom_kernel._engine import parts_of
 from loom_kernel.spi import InvalidArgumentError, NewRecord
 from loom_kernel.testing import FakeClock, sandbox
 
@@ -99,7 +100,7 @@ def test_a_bucket_deleted_between_listing_and_reading_is_skipped() -> None:
 
 
 def test_the_state_cache_drops_the_least_recently_used_first() -> None:
-    from loom_kernel._core._state import ExecutionState
+    from loom_kernel._core import ExecutionState
     from loom_kernel._engine._cache import StateCache
 
     cache = StateCache(2)
@@ -125,7 +126,7 @@ def test_the_history_of_a_deleted_execution_is_not_found() -> None:
 
 
 def test_decoding_no_records_gives_no_events() -> None:
-    from loom_kernel._core._codec import decode_events, parse_envelopes
+    from loom_kernel._core import decode_events, parse_envelopes
 
     assert parse_envelopes([]) == []
     assert decode_events([]) == []
@@ -348,7 +349,7 @@ def test_a_second_compaction_drops_the_older_snapshot() -> None:
 
 
 def test_a_record_holding_two_json_values_is_a_schema_error() -> None:
-    from loom_kernel._core._codec import decode_events
+    from loom_kernel._core import decode_events
     from loom_kernel.spi import Record, SchemaError
 
     two = b'{"v":"1.17.0","d":{"reason":null}},{"v":"1.17.0","d":{"reason":null}}'
@@ -432,8 +433,8 @@ def test_a_stale_timer_hint_wakes_nothing() -> None:
     assert box.engine.fire_due_timers() == ["n"]
     assert box.engine.get("n").waiting_on == "human"
     now = box.clock()
-    box.engine.timers.add("n", 0, now - 1)  # the timer gate, already woken
-    box.engine.timers.add("n", 1, now - 1)  # a human gate: no timer wakes it
+    parts_of(box.engine).driver.timers.add("n", 0, now - 1)  # the timer gate, already woken
+    parts_of(box.engine).driver.timers.add("n", 1, now - 1)  # a human gate: no timer wakes it
     assert box.engine.fire_due_timers() == []
     assert box.engine.get("n").waiting_on == "human"
 
@@ -653,7 +654,7 @@ def test_a_workers_beats_are_trimmed_as_they_go() -> None:
     store = MemoryStore()
     engine = Engine(store, [], worker_id="beating", listeners=[])
     for _ in range(40):
-        engine._heartbeat.beat()
+        parts_of(engine).driver.heartbeat.beat()
     assert store.head("workers/beating") == 40
     with pytest.raises(TrimmedError):
         store.read("workers/beating", 0)
@@ -706,7 +707,7 @@ def test_looking_whether_another_process_lives_sends_it_no_signal() -> None:
     import subprocess
     import sys
 
-    from loom_kernel._coordination._leases import abandoned_here, default_worker_id
+    from loom_kernel._coordination import abandoned_here, default_worker_id
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -752,7 +753,7 @@ def test_a_version_that_is_neither_a_flow_nor_a_name_is_refused(to: Any) -> None
 
 
 def test_a_second_start_by_key_of_a_run_just_started_writes_no_second_hint() -> None:
-    from loom_kernel._coordination._run_index import partition_of
+    from loom_kernel._coordination import partition_of
 
     box = sandbox(counter)
     box.engine.enqueue("counter", 0, key="once")  # no worker: its start is its only record
@@ -790,13 +791,13 @@ def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
     store = store_type()
     first = Engine(store, [raced], listeners=[])
     second = Engine(store, [raced], listeners=[])
-    opened = second.runs.opened
+    opened = parts_of(second).driver.runs.opened
 
     def opened_after_the_first_start(*args: Any) -> None:
         first.start("raced", "first", key="k")  # lands between the check and the append
         opened(*args)
 
-    second.runs.opened = opened_after_the_first_start  # type: ignore[method-assign,assignment]
+    parts_of(second).driver.runs.opened = opened_after_the_first_start  # type: ignore[method-assign,assignment]
     view = second.start("raced", "second", key="k")
     assert view.status is Status.COMPLETED
     assert view.result == "first"
@@ -852,7 +853,7 @@ def test_an_engine_keeps_no_record_of_drives_that_ended() -> None:
     for number in range(5):
         engine.start("ends_or_parks", number % 2 == 1, key=f"r{number}")
     engine.resume("r1", "yes")
-    assert engine._drives == {}
+    assert parts_of(engine).driver.drives_in_progress() == 0
 
 
 def test_the_kernel_alone_folds_without_msgspec(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -870,16 +871,15 @@ def test_the_kernel_alone_folds_without_msgspec(monkeypatch: pytest.MonkeyPatch)
     spec.loader.exec_module(alone)
     assert alone.decode_step_runs is None
     assert alone.parse_many is json.loads
-    from loom_kernel.events import ExecutionState
 
-    assert alone.fold_steps(ExecutionState(id="x"), [], "ex/x") is False, "the general path"
+    assert alone.step_runs([]) is None, "the general path"
 
 
 def test_a_beat_that_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
     import time
 
     from loom_kernel import StoreUnavailableError
-    from loom_kernel._coordination._leases import Heartbeat
+    from loom_kernel._coordination import Heartbeat
 
     class NoBeats(MemoryStore):
         def _append(self, stream: str, expected: int, records: Any) -> int:

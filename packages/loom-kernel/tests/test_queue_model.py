@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from loom_kernel import ConflictError, MemoryStore, Queue, Rate
-from loom_kernel._coordination._queues import QueueBook, QueueFold, pick
+from loom_kernel._coordination import QueueBook, QueueFold, pick
 
 IDS = [f"r{i}" for i in range(8)]
 KEYS = [None, "a", "b"]

@@ -28,8 +28,10 @@ from loom_kernel import (
     Worker,
     flow,
 )
-from loom_kernel._coordination._queues import QueueBook, QueueFold, pick
-from loom_kernel._coordination._run_index import RunIndex, partition_of
+from loom_kernel._coordination import QueueBook, QueueFold, RunIndex, partition_of, pick
+from loom_kernel._engine import parts_of
+from loom_kernel._hosting._queue_serving import QueueServing
+from loom_kernel._hosting._slots import Slots, WorkerStats
 from loom_kernel.events import QueuePlace
 from loom_kernel.spi import NewRecord
 from loom_kernel.testing import FakeClock
@@ -99,6 +101,17 @@ def _clean() -> None:
 
 def _engine(store: MemoryStore, *queues: Queue, **options: Any) -> Engine:
     return Engine(store, FLOWS, listeners=[], queues=queues, **options)
+
+
+def _serving(engine: Engine, concurrency: int = 1) -> tuple[QueueServing, Slots]:
+    """A worker's queue serving and slots, driven by hand (no poll loop)."""
+    parts, stats = parts_of(engine), WorkerStats()
+    slots = Slots(parts, concurrency, stats, threading.Event(), threading.Event())
+    names = list(parts.enqueueing.book.queues)
+    serving = QueueServing(
+        parts, names, slots=slots, stats=stats, stopping=threading.Event(), beat=lambda: None
+    )
+    return serving, slots
 
 
 def _wait(condition: Any, seconds: float = 10.0) -> None:
@@ -248,11 +261,11 @@ def test_a_run_whose_add_was_lost_is_put_back_on_its_queue(
     def lost(*_args: Any) -> None:
         raise StoreUnavailableError("the store went away between the start and the add")
 
-    real, engine._queues.add = engine._queues.add, lost  # type: ignore[method-assign,assignment]
+    real, parts_of(engine).enqueueing.book.add = parts_of(engine).enqueueing.book.add, lost  # type: ignore[method-assign,assignment]
     with caplog.at_level(logging.WARNING, logger="loom"):
         run = engine.enqueue("busy", {"tag": "x", "s": 0.0}, queue="q").id  # logged, not raised
     assert f"loom: {run} not put on queue 'q' yet: " in caplog.text
-    engine._queues.add = real  # type: ignore[method-assign]
+    parts_of(engine).enqueueing.book.add = real  # type: ignore[method-assign]
     engine.recover()
     assert engine.queue("q").waiting == [], "its writer may still be adding it"
     clock.advance(engine.lease)
@@ -520,7 +533,7 @@ def test_a_slot_that_cannot_admit_its_next_run_says_so_and_leaves_it_to_the_poll
         def damaged(after: Queue) -> list[Any]:
             raise SchemaError("a damaged queue partition")
 
-        worker._admit_next = damaged  # type: ignore[method-assign]
+        worker._serving._admit_next = damaged  # type: ignore[method-assign]
         with caplog.at_level(logging.DEBUG, logger="loom"):
             first = engine.enqueue("busy", {"tag": "a"}, key="a", queue="q")
             assert first.result(timeout=10) == "a"
@@ -539,13 +552,15 @@ def test_runs_cancelled_while_waiting_use_up_no_rate() -> None:
     with Worker(engine):
         assert live.result(timeout=10) == "live"
         _wait(lambda: engine.queue("q").waiting == [])
-    assert len(engine._queues.read("q", 0).admitted) == 1, "only the live run's counts"
+    assert len(parts_of(engine).enqueueing.book.read("q", 0).admitted) == 1, (
+        "only the live run's counts"
+    )
 
 
 def test_a_passing_fault_on_the_claim_keeps_the_run_on_its_queue() -> None:
     store = MemoryStore()
     engine = _engine(store, Queue("q"))
-    real = engine._take_over
+    real = parts_of(engine).driver.take_over
     faults = [StoreUnavailableError("the store blinked")]
 
     def flaky(state: Any) -> bool:
@@ -553,7 +568,7 @@ def test_a_passing_fault_on_the_claim_keeps_the_run_on_its_queue() -> None:
             raise faults.pop()
         return real(state)
 
-    engine._take_over = flaky  # type: ignore[method-assign]
+    parts_of(engine).driver.take_over = flaky  # type: ignore[method-assign]
     handle = engine.enqueue("busy", {"tag": "x", "s": 0.0}, queue="q")
     with Worker(engine):
         assert handle.result(timeout=5) == "x", "waited again at once, not a sweep later"
@@ -569,7 +584,7 @@ def test_a_worker_without_the_pinned_code_never_admits_the_run() -> None:
     with Worker(old):
         time.sleep(0.3)  # a few polls
         assert new.queue("q").waiting == [handle.id]
-        assert new._queues.read("q", 0).admitted == []
+        assert parts_of(new).enqueueing.book.read("q", 0).admitted == []
     with Worker(new):
         assert handle.result(timeout=10) == "v2"
 
@@ -672,28 +687,40 @@ def test_an_admission_is_stale_once_its_taker_no_longer_drives_the_run() -> None
         return Engine(store, [crash, done], clock=clock, listeners=[], worker_id=worker_id)
 
     me = engine("me")
-    assert me._queued_stale("nobody", "me") is False, "gone: nothing to give back"
+    assert parts_of(me).enqueueing.queued_stale("nobody", "me") is False, (
+        "gone: nothing to give back"
+    )
     me.start("stale.done", key="d")
-    assert me._queued_stale("d", "me") is False, "finished: nothing to give back"
+    assert parts_of(me).enqueueing.queued_stale("d", "me") is False, (
+        "finished: nothing to give back"
+    )
     with pytest.raises(_Crash):
         me.start("stale.crash", key="c")
-    assert me._queued_stale("c", "taker") is True, "the taker never claimed it"
-    assert me._queued_stale("c", "me") is True, "ours, and no drive of ours holds it"
-    with me._heartbeat.holding("c"):
-        assert me._queued_stale("c", "me") is None, "a drive of ours holds it"
+    assert parts_of(me).enqueueing.queued_stale("c", "taker") is True, "the taker never claimed it"
+    assert parts_of(me).enqueueing.queued_stale("c", "me") is True, (
+        "ours, and no drive of ours holds it"
+    )
+    with parts_of(me).driver.heartbeat.holding("c"):
+        assert parts_of(me).enqueueing.queued_stale("c", "me") is None, "a drive of ours holds it"
 
     with pytest.raises(_Crash):
         engine("elsewhere").start("stale.crash", key="o")
-    assert me._queued_stale("o", "elsewhere") is None, "its taker was seen within a lease"
+    assert parts_of(me).enqueueing.queued_stale("o", "elsewhere") is None, (
+        "its taker was seen within a lease"
+    )
     clock.advance(me.lease + 1)
-    assert me._queued_stale("o", "elsewhere") is True, "its taker's lease ran out"
+    assert parts_of(me).enqueueing.queued_stale("o", "elsewhere") is True, (
+        "its taker's lease ran out"
+    )
 
     gone = subprocess.Popen(["true"])
     gone.wait()  # a process of this machine that has exited
     dead = f"{_THIS_MACHINE}:{gone.pid}:abc123"
     with pytest.raises(_Crash):
         engine(dead).start("stale.crash", key="x")
-    assert me._queued_stale("x", dead) is True, "its taker's process is gone, lease or not"
+    assert parts_of(me).enqueueing.queued_stale("x", dead) is True, (
+        "its taker's process is gone, lease or not"
+    )
 
 
 def test_a_queued_runs_wake_that_fails_to_land_is_raised_and_puts_nothing_on_the_queue() -> None:
@@ -718,7 +745,7 @@ def test_a_queued_run_a_worker_drives_counts_once_as_visited_and_driven() -> Non
     store = MemoryStore()
     engine = _engine(store, Queue("q", concurrency=2))
     with Worker(engine, idle_poll=60.0) as worker:
-        _wait(lambda: len(worker._heads) == 16)  # its first sweep is over: the next is far
+        _wait(lambda: len(worker._visits._heads) == 16)  # its first sweep is over: the next is far
         handles = [engine.enqueue("busy", {"tag": f"t{n}", "s": 0.0}, queue="q") for n in range(3)]
         assert [handle.result(timeout=10) for handle in handles] == ["t0", "t1", "t2"]
         _wait(lambda: worker.stats.driven == 3 and worker.stats.visited >= 3)
@@ -736,7 +763,7 @@ def test_a_done_that_meets_another_writer_is_recorded_at_once_not_left_to_the_re
     queue = Queue("q", concurrency=1)
     engine = _engine(store, queue, lease=600.0)
     other = _engine(store, queue, lease=600.0)  # another process's engine: adds only
-    book = engine._queues
+    book = parts_of(engine).enqueueing.book
     append_at = book.append_at
     raced: list[Any] = []
 
@@ -777,7 +804,7 @@ def test_the_wake_of_a_parked_queued_run_wakes_the_engines_own_workers() -> None
     store = MemoryStore()
     engine = _engine(store, Queue("q"))
     worker = Worker(engine, idle_poll=60.0)
-    wake = worker._wake = _CountedEvent()
+    wake = worker._wake = worker._slots._wake = _CountedEvent()
     with worker:
         parked = engine.enqueue("parks", "p", queue="q")
         _wait(lambda: parked.get().status is Status.SUSPENDED)
@@ -797,13 +824,14 @@ def test_a_run_admitted_as_a_visit_of_it_takes_its_slot_goes_back_to_its_queue(
     store = MemoryStore()
     engine = _engine(store, Queue("q", concurrency=2))
     handle = engine.enqueue("parks", "p", queue="q")
-    worker = Worker(engine, concurrency=2)
-    monkeypatch.setattr(worker, "_busy_with", lambda _id: False)  # as it looked at the pick
-    worker._in_flight.add(handle.id)  # a visit of it began since
-    queue = engine._queues.queue("q")
+    serving, slots = _serving(engine, concurrency=2)
+    monkeypatch.setattr(slots, "busy_with", lambda _id: False)  # as it looked at the pick
+    slots._in_flight.add(handle.id)  # a visit of it began since
+    queue = parts_of(engine).enqueueing.book.queue("q")
     with ThreadPoolExecutor(1) as pool:
+        slots.open(pool, None)
         admitted = [
-            worker._serve_partition(pool, queue, partition, sweep=False)
+            serving._serve_partition(queue, partition, sweep=False)
             for partition in range(queue.partitions)
         ]
     assert sum(admitted) == 1
@@ -881,7 +909,7 @@ def test_a_dead_takers_admission_is_given_back_however_far_behind_the_reapers_cl
     import subprocess
     import sys
 
-    from loom_kernel._coordination._leases import default_worker_id
+    from loom_kernel._coordination import default_worker_id
 
     store = MemoryStore()
     queue = Queue("q", concurrency=1)
@@ -915,12 +943,12 @@ def test_an_admitted_run_that_cannot_be_read_holds_no_place_and_is_said(
     def unreadable(execution_id: str, _by: str | None) -> bool | None:
         raise SchemaError(f"the journal of {execution_id} is damaged")
 
-    engine._queued_stale = unreadable  # type: ignore[method-assign,assignment]
-    worker = Worker(engine)
+    parts_of(engine).enqueueing.queued_stale = unreadable  # type: ignore[method-assign,assignment]
+    serving, _slots = _serving(engine)
     with caplog.at_level(logging.WARNING, logger="loom"):
-        assert worker._reap(queue, 0, engine._queues.read("q", 0)) is True
+        assert serving._reap(queue, 0, parts_of(engine).enqueueing.book.read("q", 0)) is True
     assert f"{run.id}: admitted, and cannot be read" in caplog.text
-    fold = engine._queues.read("q", 0)
+    fold = parts_of(engine).enqueueing.book.read("q", 0)
     assert run.id not in fold.active, "its place given back"
     assert run.id not in {item.execution_id for item in fold.line()}, "and not queued again"
 
@@ -961,11 +989,12 @@ def test_a_worker_holds_no_more_admissions_than_its_slots() -> None:
 
 def test_a_queue_pass_counts_the_runs_it_hands_to_slots_and_none_when_idle() -> None:
     engine = _engine(MemoryStore(), Queue("q", concurrency=2))
-    worker = Worker(engine, concurrency=2)  # not started: one pass at a time, by hand
+    serving, slots = _serving(engine, concurrency=2)  # one pass at a time, by hand
     with ThreadPoolExecutor(max_workers=2) as pool:
-        assert worker._serve_queues(pool, sweep=False) == 0, "idle: the poll may back off"
+        slots.open(pool, None)
+        assert serving.serve(sweep=False) == 0, "idle: the poll may back off"
         handle = engine.enqueue("busy", {"tag": "only", "s": 0.0}, queue="q")
-        assert worker._serve_queues(pool, sweep=False) == 1
+        assert serving.serve(sweep=False) == 1
         assert handle.result(timeout=30) == "only"
 
 
@@ -973,16 +1002,16 @@ def test_a_freed_slot_admits_the_next_queued_run_without_waiting_for_a_poll() ->
     engine = _engine(MemoryStore(), Queue("q", concurrency=1))
     handles = [engine.enqueue("busy", {"tag": tag, "s": 0.05}, queue="q") for tag in "ab"]
     worker = Worker(engine, concurrency=1, idle_poll=0.05)
-    serve = worker._serve_queues
+    serve = worker._serving.serve
     handed: list[int] = []
 
-    def polls_admit_once(pool: ThreadPoolExecutor, *, sweep: bool) -> int:
+    def polls_admit_once(*, sweep: bool) -> int:
         if sum(handed):
             return 0  # after the first admission only a freed slot can admit
-        handed.append(serve(pool, sweep=sweep))
+        handed.append(serve(sweep=sweep))
         return handed[-1]
 
-    worker._serve_queues = polls_admit_once  # type: ignore[method-assign]
+    worker._serving.serve = polls_admit_once  # type: ignore[method-assign]
     with worker:
         assert [handle.result(timeout=20) for handle in handles] == ["a", "b"]
     assert sum(handed) == 1
@@ -997,16 +1026,16 @@ def test_a_sweep_leaves_an_admission_this_worker_holds_for_its_next_free_slot() 
     clock = FakeClock()
     engine = _engine(store, Queue("q"), clock=clock)
     handle = engine.enqueue("parks", "p", queue="q")
-    worker = Worker(engine, concurrency=1)
-    book = engine._queues
+    serving, slots = _serving(engine)
+    book = parts_of(engine).enqueueing.book
     book.take("q", 0, book.read("q", 0), [handle.id], engine.worker_id)
-    worker._queued.add(handle.id)  # admitted for the slot a run in flight holds
+    slots._queued.add(handle.id)  # admitted for the slot a run in flight holds
     clock.advance(engine.lease)
-    queue = engine._queues.queues["q"]
-    assert worker._reap(queue, 0, book.read("q", 0)) is False
+    queue = parts_of(engine).enqueueing.book.queues["q"]
+    assert serving._reap(queue, 0, book.read("q", 0)) is False
     assert (engine.queue("q").waiting, engine.queue("q").active) == ([], [handle.id])
-    worker._queued.discard(handle.id)
-    assert worker._reap(queue, 0, book.read("q", 0)) is True
+    slots._queued.discard(handle.id)
+    assert serving._reap(queue, 0, book.read("q", 0)) is True
     assert (engine.queue("q").waiting, engine.queue("q").active) == ([handle.id], [])
 
 
@@ -1023,7 +1052,7 @@ def test_a_migrated_queued_run_whose_queue_cannot_be_read_says_so(
     def unreadable(*_args: Any) -> Any:
         raise StoreUnavailableError("the queue is unreadable (injected)")
 
-    monkeypatch.setattr(new._queues, "read", unreadable)
+    monkeypatch.setattr(parts_of(new).enqueueing.book, "read", unreadable)
     with caplog.at_level(logging.WARNING, logger="loom"):
         new.resume_as(handle.id, "2")
     assert [r.getMessage() for r in caplog.records] == [
@@ -1040,17 +1069,18 @@ def test_a_poll_whose_every_take_meets_another_writer_admits_nothing_and_goes_on
 
     engine = _engine(MemoryStore(), Queue("q"))
     engine.enqueue("parks", "p", queue="q")
-    worker = Worker(engine, concurrency=1)
+    serving, slots = _serving(engine)
     tries: list[int] = []
 
     def always_beaten(*_args: Any) -> int:
         tries.append(1)
         raise ConflictError("queues/q/0", 1, 2)
 
-    monkeypatch.setattr(engine._queues, "take", always_beaten)
-    queue = engine._queues.queues["q"]
+    monkeypatch.setattr(parts_of(engine).enqueueing.book, "take", always_beaten)
+    queue = parts_of(engine).enqueueing.book.queues["q"]
     with ThreadPoolExecutor(1) as pool:
-        assert worker._serve_partition(pool, queue, 0, sweep=False) == 0
+        slots.open(pool, None)
+        assert serving._serve_partition(queue, 0, sweep=False) == 0
     assert len(tries) > 1, "folded again and retried before giving up"
     assert engine.queue("q").active == []
 

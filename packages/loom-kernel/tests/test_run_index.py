@@ -21,7 +21,8 @@ from loom_kernel import (
     Status,
     flow,
 )
-from loom_kernel._coordination._run_index import RunIndex, partition_of
+from loom_kernel._coordination import RunIndex, partition_of
+from loom_kernel._engine import parts_of
 from loom_kernel.spi import NewRecord
 from loom_kernel.testing import FakeClock
 
@@ -123,7 +124,7 @@ def test_executions_by_flow_include_the_runs_moved_to_their_status_streams(
         engine.start("work" if number % 2 else "other", "done", key=f"r{number:03d}")
     assert engine.recover() == []  # reads the open partitions: compacts them
     fresh = _engine(store)
-    assert len(list(fresh.runs.ended(Status.COMPLETED))) > 32, "most were moved"
+    assert len(list(parts_of(fresh).driver.runs.ended(Status.COMPLETED))) > 32, "most were moved"
     others = {f"r{number:03d}" for number in range(0, 64, 2)}
     assert {e.id for e in fresh.executions(flow="other")} == others
     assert {e.id for e in fresh.executions(flow="other", status="completed")} == others
@@ -142,10 +143,12 @@ def test_a_hint_whose_run_never_started_is_dropped_once_its_writer_is_gone() -> 
     engine.start("work", "done")  # the store is indexed from its first start
     RunIndex(store, clock).opened("ghost", "work", REMOTE)  # its writer died right after
     assert engine.recover() == []
-    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["ghost"], "may still land"
+    assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == ["ghost"], (
+        "may still land"
+    )
     clock.advance(31.0)
     assert engine.recover() == []
-    assert list(engine.runs.open_runs()) == []
+    assert list(parts_of(engine).driver.runs.open_runs()) == []
 
 
 def test_a_partition_deleted_under_the_index_reads_as_empty() -> None:
@@ -167,7 +170,7 @@ def test_a_hint_of_a_dead_process_of_this_machine_is_dropped_at_once() -> None:
     engine.start("work", "done")
     RunIndex(store, clock).opened("ghost", "work", f"{_THIS_MACHINE}:3999999:abcdef")
     engine.recover()
-    assert list(engine.runs.open_runs()) == []
+    assert list(parts_of(engine).driver.runs.open_runs()) == []
 
 
 def test_a_start_that_lands_after_its_hint_was_judged_is_still_found() -> None:
@@ -190,15 +193,15 @@ def test_a_crash_after_a_run_ended_and_before_it_was_closed_is_closed_by_recover
         raise KeyboardInterrupt  # the process dies between the end and the close
 
     engine = _engine(store)
-    engine._close = closing_crashes  # type: ignore[method-assign,assignment]
+    parts_of(engine).driver.close = closing_crashes  # type: ignore[method-assign,assignment]
     with pytest.raises(KeyboardInterrupt):
         engine.start("work", "done", key="r")
-    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["r"]
+    assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == ["r"]
     fresh = _engine(store)
     fresh.add_listener(lambda _engine, execution: delivered.append(execution.id))
     assert fresh.recover() == []
     assert delivered == ["r"], "its listeners are called again"
-    assert list(fresh.runs.open_runs()) == []
+    assert list(parts_of(fresh).driver.runs.open_runs()) == []
     assert [e.id for e in fresh.executions(status="completed")] == ["r"]
 
 
@@ -227,18 +230,20 @@ def test_a_run_whose_listener_failed_stays_open_until_a_recover_delivers_it(
         with caplog.at_level("WARNING", logger="loom"):
             engine.start("work", "done", key="r")
         assert "on 'r': StoreUnavailableError: the parent could not be woken" in caplog.text
-    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["r"]
+    assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == ["r"]
     engine.recover()
     assert attempts == ["r", "r"]
-    assert list(engine.runs.open_runs()) == []
+    assert list(parts_of(engine).driver.runs.open_runs()) == []
 
 
 def test_a_store_first_used_by_an_indexing_engine_is_marked_built_for_every_engine() -> None:
     store = MemoryStore()
     first = _engine(store)
-    assert first.runs.built(), "an empty store is indexed from its first run"
+    assert parts_of(first).driver.runs.built(), "an empty store is indexed from its first run"
     first.start("work", "done", key="r1")
-    assert _engine(store).runs.built(), "the mark is in the store, not in one engine"
+    assert parts_of(_engine(store)).driver.runs.built(), (
+        "the mark is in the store, not in one engine"
+    )
 
 
 def test_a_store_written_before_the_index_is_indexed_by_its_first_recover() -> None:
@@ -250,11 +255,11 @@ def test_a_store_written_before_the_index_is_indexed_by_its_first_recover() -> N
     for stream in written.streams("ex/"):
         store.append(stream, 0, [_copy(r) for r in written.read(stream)])
     old = _engine(store)
-    assert not old.runs.built()
+    assert not parts_of(old).driver.runs.built()
     failed = sorted(f"r{number:02d}" for number in range(1, 40, 3))
     assert [e.id for e in old.executions(status="failed")] == failed, "by listing every run"
     assert old.recover() == []
-    assert old.runs.built()
+    assert parts_of(old).driver.runs.built()
     store.journal_reads.clear()
     fresh = _engine(store)
     assert [e.id for e in fresh.executions(status="failed")] == failed
@@ -273,12 +278,14 @@ def test_a_damaged_index_record_falls_back_to_the_journals_and_is_rewritten(
     stream = "runs/open/" + partition_of("p")
     store.append(stream, store.head(stream), [NewRecord("loom.run.open", b"{not json", 0.0)])
     with pytest.raises(SchemaError):
-        list(engine.runs.open_runs())
+        list(parts_of(engine).driver.runs.open_runs())
     with caplog.at_level("WARNING", logger="loom"):
         assert [e.id for e in engine.executions(status="failed")] == ["f"]
     assert "listing every journal instead" in caplog.text, "the fallback is said"
     assert engine.recover() == []
-    assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
+    assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == [
+        parked.id
+    ], "repaired"
     assert [e.id for e in engine.executions(status="failed")] == ["f"]
 
 
@@ -287,8 +294,8 @@ def test_many_closed_runs_are_compacted_out_of_their_partition() -> None:
     engine = _engine(store)
     for number in range(600):
         engine.start("work", "done", key=f"r{number:03d}")
-    list(engine.runs.open_runs())  # a reader compacts what it reads
-    for partition in engine.runs.partitions():
+    list(parts_of(engine).driver.runs.open_runs())  # a reader compacts what it reads
+    for partition in parts_of(engine).driver.runs.partitions():
         assert (
             len(store.read(f"runs/open/{partition}", store.head(f"runs/open/{partition}") - 1)) == 1
         )
@@ -335,12 +342,12 @@ def test_the_index_answers_as_a_full_listing_would_whatever_crashed(ops: list[An
                 RunIndex(store, clock).opened(key, "work", REMOTE)
             elif op == "crash-close":
                 crashing = _engine(store, clock)
-                crashing._close = crashing_close  # type: ignore[method-assign,assignment]
+                parts_of(crashing).driver.close = crashing_close  # type: ignore[method-assign,assignment]
                 crashing.start("work", "done", key=key)
             elif op == "delete":
                 store.delete("ex/" + key)
             else:
-                list(engine.runs.open_runs())
+                list(parts_of(engine).driver.runs.open_runs())
         except (KeyboardInterrupt, NotSuspendedError, ExecutionNotFoundError):
             pass  # a crash, or a refusal the model expects
     clock.advance(60.0)
@@ -350,7 +357,7 @@ def test_the_index_answers_as_a_full_listing_would_whatever_crashed(ops: list[An
     for status in Status:
         indexed = [e.id for e in fresh.executions(status=status)]
         assert indexed == sorted(i for i, s in truth.items() if s is status), status
-    still_open = {hint.execution_id for hint in fresh.runs.open_runs()}
+    still_open = {hint.execution_id for hint in parts_of(fresh).driver.runs.open_runs()}
     assert still_open == {i for i, s in truth.items() if not s.finished}
 
 
@@ -382,9 +389,11 @@ def test_a_start_paused_between_its_hint_and_its_record_writes_the_hint_again(
         if stream == "ex/late" and expected == 0:
             clock.advance(31.0)  # frozen for 31 s: another worker looks meanwhile
             assert _engine(store, clock).recover() == []  # drops the hint: not seen for a lease
-            assert "late" not in {h.execution_id for h in engine.runs.open_runs()}
+            assert "late" not in {h.execution_id for h in parts_of(engine).driver.runs.open_runs()}
             frozen["at"] = 31.0  # thawed: this process's monotonic clock moved on too
-            engine._heartbeat.beat()  # and its overdue heartbeat beats before the start lands
+            parts_of(
+                engine
+            ).driver.heartbeat.beat()  # and its overdue heartbeat beats before the start lands
         return original_append(stream, expected, records)
 
     monkeypatch.setattr(store, "_append", append_after_a_freeze)
@@ -427,19 +436,19 @@ def test_a_store_is_not_marked_indexed_when_a_run_could_not_be_looked_at() -> No
     newer = Engine(store, [work_v2], clock=FakeClock(10_000.0), listeners=[])
     with pytest.raises(CodeVersionError):
         newer.recover()
-    assert not newer.runs.built(), "a run it could not look at may be anything"
-    assert [h.execution_id for h in newer.runs.open_runs()] == ["parked"]
+    assert not parts_of(newer).driver.runs.built(), "a run it could not look at may be anything"
+    assert [h.execution_id for h in parts_of(newer).driver.runs.open_runs()] == ["parked"]
 
 
 def test_a_hint_of_a_run_that_has_only_its_start_is_not_abandoned() -> None:
-    from loom_kernel._coordination._run_index import OpenHint
+    from loom_kernel._coordination import OpenHint
 
     store = MemoryStore()
     engine = Engine(store, [], listeners=[])
     store.append("ex/started", 0, [NewRecord("EXECUTION_STARTED", b"{}", 0.0)])
     ancient = OpenHint("started", "f", None, 0.0)  # no writer, a lease ago and more
-    assert not engine._hint_abandoned(ancient), "it started: its hint stays"
-    assert engine._hint_abandoned(OpenHint("never", "f", None, 0.0))
+    assert not parts_of(engine).recovery.hint_abandoned(ancient), "it started: its hint stays"
+    assert parts_of(engine).recovery.hint_abandoned(OpenHint("never", "f", None, 0.0))
 
 
 def test_a_rebuild_of_a_healthy_index_that_agrees_with_the_listing_writes_nothing() -> None:
@@ -448,7 +457,7 @@ def test_a_rebuild_of_a_healthy_index_that_agrees_with_the_listing_writes_nothin
     for number in range(20):
         engine.start("work", "park" if number % 2 else "done", key=f"r{number}")
     heads = {p: store.head(f"runs/open/{p}") for p in RunIndex.partitions()}
-    engine.runs.rebuild(engine.runs.open_runs(), {})
+    parts_of(engine).driver.runs.rebuild(parts_of(engine).driver.runs.open_runs(), {})
     assert {p: store.head(f"runs/open/{p}") for p in RunIndex.partitions()} == heads
 
 
@@ -470,9 +479,11 @@ def test_a_damaged_partition_keeps_open_what_was_opened_before_a_checkpoint() ->
 
 
 def test_a_poll_reads_no_partition_whose_head_did_not_move() -> None:
+    import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from loom_kernel import Worker
+    from loom_kernel._hosting._slots import Slots, WorkerStats
+    from loom_kernel._hosting._visits import OpenRunVisits
 
     class PartitionReads(MemoryStore):
         reads = 0
@@ -485,11 +496,14 @@ def test_a_poll_reads_no_partition_whose_head_did_not_move() -> None:
     store = PartitionReads()
     engine = Engine(store, [work], listeners=[])
     engine.start("work", "park", key="p")  # open: a poll visits it once
-    worker = Worker(engine)
+    parts, stats = parts_of(engine), WorkerStats()
+    slots = Slots(parts, 1, stats, threading.Event(), threading.Event())
+    visits = OpenRunVisits(parts, slots, stats)
     with ThreadPoolExecutor(1) as pool:
-        assert worker._visit_open(pool, sweep=False) == 1
+        slots.open(pool, None)
+        assert visits.visit_open(sweep=False) == 1
         store.reads = 0
-        assert worker._visit_open(pool, sweep=False) == 0
+        assert visits.visit_open(sweep=False) == 0
     assert store.reads == 0
 
 
@@ -531,10 +545,12 @@ def test_a_run_the_index_cannot_close_is_logged_and_left_open_for_recover(
     with caplog.at_level("WARNING", logger="loom"):
         assert engine.start("work", "done", key="d").status is Status.COMPLETED
     assert "d not closed in the run index" in caplog.text
-    assert [hint.execution_id for hint in engine.runs.open_runs()] == ["d"], "still open"
+    assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == ["d"], (
+        "still open"
+    )
     store.refuse = False
     engine.recover()
-    assert list(engine.runs.open_runs()) == [], "closed by the next recover()"
+    assert list(parts_of(engine).driver.runs.open_runs()) == [], "closed by the next recover()"
 
 
 def test_runs_closed_in_a_damaged_partition_are_filed_under_their_status_when_it_is_rewritten() -> (
@@ -549,8 +565,12 @@ def test_runs_closed_in_a_damaged_partition_are_filed_under_their_status_when_it
     stream = "runs/open/" + partition
     store.append(stream, store.head(stream), [NewRecord("loom.run.open", b"{not json", 0.0)])
     assert engine.recover() == []
-    assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
-    assert (failed, "work") in set(engine.runs.ended(Status.FAILED)), "filed, not dropped"
+    assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == [
+        parked.id
+    ], "repaired"
+    assert (failed, "work") in set(parts_of(engine).driver.runs.ended(Status.FAILED)), (
+        "filed, not dropped"
+    )
     assert [e.id for e in engine.executions(status="failed")] == [failed]
 
 
@@ -569,7 +589,7 @@ def test_a_compaction_that_fails_is_logged_and_leaves_the_partition_readable(
     for key in keys:  # 40 closed in one partition: a reader compacts it
         engine.start("work", "done", key=key)
     with caplog.at_level("WARNING", logger="loom"):
-        open_runs = list(engine.runs.open_runs())
+        open_runs = list(parts_of(engine).driver.runs.open_runs())
     assert open_runs == []
     assert "not compacted" in caplog.text
     assert len(list(engine.executions(status="completed"))) == 40
@@ -595,7 +615,7 @@ def test_each_kind_of_damaged_partition_record_is_a_schema_error_naming_where(
     head = store.head(stream)
     store.append(stream, head, [NewRecord(kind, json.dumps(data).encode(), 0.0)])
     with pytest.raises(SchemaError) as caught:
-        list(engine.runs.open_runs())
+        list(parts_of(engine).driver.runs.open_runs())
     assert (caught.value.stream, caught.value.position) == (stream, head + 1)
 
 
@@ -608,7 +628,7 @@ def test_a_damaged_ended_record_is_a_schema_error_naming_where(payload: bytes) -
     stream = "runs/completed/" + partition_of("d")
     store.append(stream, 0, [NewRecord("loom.run.ended", payload, 0.0)])
     with pytest.raises(SchemaError) as caught:
-        list(engine.runs.ended(Status.COMPLETED))
+        list(parts_of(engine).driver.runs.ended(Status.COMPLETED))
     assert (caught.value.stream, caught.value.position) == (stream, 1)
 
 
@@ -684,7 +704,7 @@ def test_a_full_listing_closes_a_finished_run_a_readable_partition_still_holds_o
     def closing_crashes(_execution: Any) -> None:
         raise KeyboardInterrupt
 
-    crashing._close = closing_crashes  # type: ignore[method-assign,assignment]
+    parts_of(crashing).driver.close = closing_crashes  # type: ignore[method-assign,assignment]
     with pytest.raises(KeyboardInterrupt):
         crashing.start("work", "done", key="r")
     parked = _engine(store).start("work", "park", key="p")
@@ -693,7 +713,7 @@ def test_a_full_listing_closes_a_finished_run_a_readable_partition_still_holds_o
     store.append(damaged, store.head(damaged), [NewRecord("loom.run.open", b"{not json", 0.0)])
     fresh = _engine(store)
     assert fresh.recover() == []
-    assert [hint.execution_id for hint in fresh.runs.open_runs()] == [parked.id]
+    assert [hint.execution_id for hint in parts_of(fresh).driver.runs.open_runs()] == [parked.id]
     assert [e.id for e in fresh.executions(status="completed")] == ["r"]
 
 
@@ -703,10 +723,10 @@ def test_a_full_listing_only_adds_to_a_readable_partition() -> None:
     parked = engine.start("work", "park", key="p")
     stream = "runs/open/" + partition_of("p")
     before = store.read(stream)
-    hint = next(iter(engine.runs.open_runs()))
-    engine.runs.rebuild([hint], {})
+    hint = next(iter(parts_of(engine).driver.runs.open_runs()))
+    parts_of(engine).driver.runs.rebuild([hint], {})
     assert store.read(stream)[: len(before)] == before, "nothing rewritten or trimmed"
-    assert [h.execution_id for h in engine.runs.open_runs()] == [parked.id]
+    assert [h.execution_id for h in parts_of(engine).driver.runs.open_runs()] == [parked.id]
 
 
 def test_a_damaged_checkpoint_has_its_partition_rewritten_by_recover() -> None:
@@ -716,9 +736,11 @@ def test_a_damaged_checkpoint_has_its_partition_rewritten_by_recover() -> None:
     stream = "runs/open/" + partition_of("p")
     store.append(stream, store.head(stream), [NewRecord("loom.run.checkpoint", b"{not", 0.0)])
     with pytest.raises(SchemaError):
-        list(engine.runs.open_runs())
+        list(parts_of(engine).driver.runs.open_runs())
     assert engine.recover() == []
-    assert [hint.execution_id for hint in engine.runs.open_runs()] == [parked.id], "repaired"
+    assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == [
+        parked.id
+    ], "repaired"
 
 
 def test_a_listing_with_no_filter_reads_the_journals_and_one_by_status_the_index() -> None:
@@ -728,7 +750,7 @@ def test_a_listing_with_no_filter_reads_the_journals_and_one_by_status_the_index
     store = MemoryStore()
     engine = _engine(store)
     engine.start("work", "done", key="a")
-    assert engine.runs.built()
+    assert parts_of(engine).driver.runs.built()
     store.append("ex/b", 0, [NewRecord(r.kind, r.payload, r.timestamp) for r in store.read("ex/a")])
     assert [e.id for e in engine.executions()] == ["a", "b"]
     assert [e.id for e in engine.executions(status="completed")] == ["a"]
@@ -755,5 +777,5 @@ def test_the_first_start_on_an_empty_store_marks_it_indexed() -> None:
     _engine(store).start("other", "x")
     assert store.head("runs/built") == 1
     later = _engine(store)
-    assert later.runs.built()
+    assert parts_of(later).driver.runs.built()
     assert later.recover() == []

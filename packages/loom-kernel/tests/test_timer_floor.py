@@ -20,8 +20,7 @@ from loom_kernel import (
     StoreUnavailableError,
     flow,
 )
-from loom_kernel._coordination._timer_floor import FLOOR_KIND, FLOOR_STREAM
-from loom_kernel._coordination._timers import OVERDUE, SEAL_KIND, TimerIndex
+from loom_kernel._coordination import FLOOR_KIND, FLOOR_STREAM, OVERDUE, SEAL_KIND, TimerIndex
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError, TrimmedError
 from loom_kernel.testing import FakeClock, Interleaving, sandbox
 

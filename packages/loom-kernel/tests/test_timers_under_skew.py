@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
-from loom_kernel._coordination._timers import OVERDUE, QUARANTINE, TimerIndex
+from loom_kernel._coordination import OVERDUE, QUARANTINE, TimerIndex
+from loom_kernel._engine import parts_of
 from loom_kernel.spi import JournalStore, NewRecord, SchemaError
 from loom_kernel.testing import FakeClock, Interleaving, sandbox
 
@@ -226,13 +227,14 @@ def test_a_timer_woken_by_another_engine_meanwhile_is_not_counted_as_woken_here(
     here, there = _engine(store, clock), _engine(store, clock)
     run = here.start("nap", 30)
     clock.advance(60)
-    resuming = here._resuming
+    delivery = parts_of(here).delivery
+    resuming = delivery.resuming
 
     def beaten_to_it(*args: Any, **kwargs: Any) -> Any:
         assert there.fire_due_timers() == [run.id]  # between the look and the resume
         return resuming(*args, **kwargs)
 
-    monkeypatch.setattr(here, "_resuming", beaten_to_it)
+    monkeypatch.setattr(delivery, "resuming", beaten_to_it)
     assert here.fire_due_timers() == [], "woken once, by the other engine"
     assert here.get(run.id).result == "rested"
     assert TimerIndex(store, clock).buckets() == []

@@ -27,9 +27,9 @@ from loom_kernel import (
     Worker,
     flow,
 )
-from loom_kernel._coordination._leases import driving_here
-from loom_kernel._coordination._run_index import partition_of
-from loom_kernel._replay._driving import Drive
+from loom_kernel._coordination import driving_here, partition_of
+from loom_kernel._engine import parts_of
+from loom_kernel._replay import Drive
 from loom_kernel.events import ExecutionClaimed, ExecutionStarted
 
 effects: Counter[str] = Counter()
@@ -213,7 +213,7 @@ def test_a_stopping_worker_releases_its_run_and_another_takes_it_at_once() -> No
     assert at_gate.wait(10), "the step is in flight (not merely claimed) when the stop comes"
     stopper = threading.Thread(target=worker.stop, kwargs={"grace": 0.0})
     stopper.start()
-    assert worker._released.wait(10)
+    assert worker._slots.released.wait(10)
     gate.set()  # the step in flight finishes; the next one is not started
     stopper.join(10)
     assert not stopper.is_alive()
@@ -242,7 +242,7 @@ def test_a_run_released_at_a_stop_is_taken_by_a_running_worker_at_its_next_poll(
         assert other.stats.driven == 0
         stopper = threading.Thread(target=worker.stop, kwargs={"grace": 0.0})
         stopper.start()
-        assert worker._released.wait(10)
+        assert worker._slots.released.wait(10)
         gate.set()
         stopper.join(10)
         # Not `status is RUNNING` here: the other worker may have finished it already.
@@ -265,8 +265,9 @@ def _stop_with_runs_released(worker: Worker, engine: Engine, runs: list[str]) ->
     starter = Engine(engine.store, [elsewhere], listeners=[])
     for execution_id in runs:
         starter.enqueue("elsewhere", key=execution_id)  # no worker: nobody's
-        state = starter._checkout(execution_id)
-        starter._append(state, [ExecutionClaimed(engine.worker_id, None)])  # this engine's
+        driver = parts_of(starter).driver
+        state = driver.checkout(execution_id)
+        driver.append(state, [ExecutionClaimed(engine.worker_id, None)])  # this engine's
         assert engine.get(execution_id).owner == engine.worker_id
     worker._wind_down = lambda: setattr(worker, "_released_runs", runs)  # type: ignore[method-assign]
     worker.stop()
@@ -282,7 +283,7 @@ def test_the_nudges_of_a_stop_end_at_the_first_store_failure() -> None:
         calls.append(execution_id)
         raise StoreUnavailableError("the store went away at the stop")
 
-    engine.runs.nudged = down  # type: ignore[method-assign,assignment]
+    parts_of(engine).driver.runs.nudged = down  # type: ignore[method-assign,assignment]
     worker.start()
     _stop_with_runs_released(worker, engine, ["a", "b", "c"])
     assert calls == ["a"], "one failed call, not one per released run"
@@ -294,12 +295,12 @@ def test_a_stop_whose_last_beat_fails_nudges_nothing_and_still_ends() -> None:
     engine = _engine(store, lease=3600.0)
     worker = Worker(engine, idle_poll=0.02).start()
     nudged: list[str] = []
-    engine.runs.nudged = lambda execution_id, _flow: nudged.append(execution_id)  # type: ignore[method-assign,assignment]
+    parts_of(engine).driver.runs.nudged = lambda execution_id, _flow: nudged.append(execution_id)  # type: ignore[method-assign,assignment]
 
     def no_beat() -> None:
         raise StoreUnavailableError("the last beat cannot be written")
 
-    engine._heartbeat.beat = no_beat  # type: ignore[method-assign]
+    parts_of(engine).driver.heartbeat.beat = no_beat  # type: ignore[method-assign]
     _stop_with_runs_released(worker, engine, ["a"])
     assert nudged == [], "the old beat still lists the run: a nudge would find it held"
     assert worker._stopped.is_set()
@@ -313,7 +314,7 @@ def test_a_worker_that_fails_as_it_stops_still_says_it_stopped() -> None:
         raise OSError("a store that breaks its contract")
 
     worker = Worker(engine, idle_poll=0.02)
-    engine._heartbeat.beat = broken  # type: ignore[method-assign]
+    parts_of(engine).driver.heartbeat.beat = broken  # type: ignore[method-assign]
     errors: list[BaseException] = []
 
     def run() -> None:
@@ -437,7 +438,7 @@ def test_a_visit_that_has_not_started_driving_is_released_too() -> None:
 def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from loom_kernel._coordination._run_index import partition_of
+    from loom_kernel._coordination import partition_of
     from loom_kernel.spi import NewRecord
 
     store = MemoryStore()
@@ -452,7 +453,7 @@ def test_a_damaged_index_partition_stops_no_other_and_the_worker_repairs_it(
         deadline = time.monotonic() + 10
         while True:
             try:
-                assert list(_engine(store).runs.open_runs()) == []
+                assert list(parts_of(_engine(store)).driver.runs.open_runs()) == []
                 break
             except SchemaError:
                 assert time.monotonic() < deadline, "the worker never repaired the index"
@@ -471,10 +472,10 @@ def test_a_worker_on_a_store_from_before_the_index_indexes_it_and_takes_its_runs
         copies = [NewRecord(r.kind, r.payload, r.timestamp) for r in written.read(stream)]
         store.append(stream, 0, copies)
     engine = _engine(store)
-    assert not engine.runs.built()
+    assert not parts_of(engine).driver.runs.built()
     with Worker(engine, idle_poll=0.02):
         assert engine.handle("old").result(timeout=10) == ["old:0", "old:1", "old:2"]
-    assert engine.runs.built()
+    assert parts_of(engine).driver.runs.built()
 
 
 def test_a_worker_whose_index_repair_fails_looks_at_the_index_once_a_sweep_not_a_poll(
@@ -492,7 +493,7 @@ def test_a_worker_whose_index_repair_fails_looks_at_the_index_once_a_sweep_not_a
         store.append(stream, 0, copies)
     engine = _engine(store, lease=60.0)  # a sweep every 30 s: one in this test
     looks = []
-    built = engine.runs.built
+    built = parts_of(engine).driver.runs.built
 
     def counted() -> bool:
         looks.append(1)
@@ -501,8 +502,8 @@ def test_a_worker_whose_index_repair_fails_looks_at_the_index_once_a_sweep_not_a
     def failing() -> list[str]:
         raise StoreUnavailableError("down")
 
-    monkeypatch.setattr(engine.runs, "built", counted)
-    monkeypatch.setattr(engine, "recover", failing)
+    monkeypatch.setattr(parts_of(engine).driver.runs, "built", counted)
+    monkeypatch.setattr(parts_of(engine).recovery, "recover", failing)
     with Worker(engine, idle_poll=0.01) as worker:
         deadline = time.monotonic() + 10
         while worker.stats.failures < 1 and time.monotonic() < deadline:
@@ -511,30 +512,6 @@ def test_a_worker_whose_index_repair_fails_looks_at_the_index_once_a_sweep_not_a
     assert worker.stats.failures == 1, "repaired at most once a sweep"
     assert len(looks) == 1, f"looked {len(looks)} times"
     assert "loom: recover: StoreUnavailableError: down" in caplog.messages, "said"
-
-
-def test_a_run_whose_hint_a_poll_saw_while_its_enqueue_was_writing_is_visited_next_poll() -> None:
-    from concurrent.futures import ThreadPoolExecutor
-
-    class PollDuringTheStart(MemoryStore):
-        during: Any = None
-
-        def _append(self, stream: str, expected: int, records: Any) -> int:
-            if stream == "ex/k" and expected == 0 and self.during is not None:
-                self.during()  # the hint is there, the start not yet
-            return super()._append(stream, expected, records)
-
-    store = PollDuringTheStart()
-    engine = _engine(store)
-    worker = Worker(engine)
-    with ThreadPoolExecutor(2) as pool:
-        handed: list[int] = []
-        store.during = lambda: handed.append(worker._visit_open(pool, sweep=False))
-        handle = engine.enqueue("three", "k", key="k")
-        store.during = None
-        assert handed == [0], "the enqueue is still writing it: left alone"
-        assert worker._visit_open(pool, sweep=False) == 1, "not taken for seen"
-        assert handle.result(timeout=10) == ["k:0", "k:1", "k:2"]
 
 
 def test_a_hint_visited_before_its_start_landed_is_looked_at_again_not_left_to_a_sweep() -> None:
@@ -604,7 +581,7 @@ def test_enqueues_while_every_slot_is_busy_wait_as_the_engines_own_and_need_no_c
 def test_an_enqueue_waiting_too_long_for_a_busy_slot_is_let_go_to_any_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.2)
+    monkeypatch.setattr("loom_kernel._hosting._slots._HANDED_WAIT", 0.2)
     store = MemoryStore()
     engine = _engine(store, lease=600.0)  # taken over at once, not a lease later
     with Worker(engine, concurrency=1, idle_poll=60.0) as worker:
@@ -627,7 +604,7 @@ def test_a_let_go_enqueue_is_taken_by_another_machine_at_once_not_a_lease_later(
 ) -> None:
     """The worker's beat at the let-go is all another machine's worker goes by: it must
     no longer list the runs let go (in one process, the engines also see it directly)."""
-    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.2)
+    monkeypatch.setattr("loom_kernel._hosting._slots._HANDED_WAIT", 0.2)
     store = MemoryStore()
     remote = "other-host.1:4242:abcdef"  # not this process: only its beats tell
     engine = _engine(store, lease=600.0, worker_id=remote)
@@ -651,16 +628,16 @@ def test_a_let_go_enqueue_is_taken_by_another_machine_at_once_not_a_lease_later(
 def test_a_let_go_enqueue_is_taken_back_by_its_own_worker_once_a_slot_frees(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.1)
+    monkeypatch.setattr("loom_kernel._hosting._slots._HANDED_WAIT", 0.1)
     store = MemoryStore()
     engine = _engine(store)
     with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
         busy = engine.enqueue("slow", "b", key="busy")
         queued = engine.enqueue("three", "q", key="queued")
         deadline = time.monotonic() + 10
-        while worker._handed and time.monotonic() < deadline:
+        while worker._slots._handed and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not worker._handed, "let go after the wait"
+        assert not worker._slots._handed, "let go after the wait"
         gate.set()
         assert queued.result(timeout=10) == ["q:0", "q:1", "q:2"]
         busy.result(timeout=10)
@@ -675,14 +652,14 @@ def test_a_beat_that_fails_as_enqueues_are_let_go_is_counted_and_the_nudges_stil
 ) -> None:
     import sys
 
-    monkeypatch.setattr("loom_kernel._hosting._worker._HANDED_WAIT", 0.1)
+    monkeypatch.setattr("loom_kernel._hosting._slots._HANDED_WAIT", 0.1)
     store = MemoryStore()
     engine = _engine(store, lease=600.0)
-    heartbeat = engine._heartbeat
+    heartbeat = parts_of(engine).driver.heartbeat
     beat = heartbeat.beat
 
     def failing_as_it_lets_go() -> None:
-        if sys._getframe(1).f_code.co_name == "_let_go_handed":
+        if sys._getframe(1).f_code.co_name == "let_go_handed":
             raise StoreUnavailableError("the beats cannot be written")
         beat()
 
@@ -699,9 +676,9 @@ def test_a_beat_that_fails_as_enqueues_are_let_go_is_counted_and_the_nudges_stil
         with caplog.at_level(logging.WARNING, logger="loom"):
             deadline = time.monotonic() + 10
             # Taken off the backlog first, then let go, beaten for and nudged.
-            while (worker._handed or not nudged()) and time.monotonic() < deadline:
+            while (worker._slots._handed or not nudged()) and time.monotonic() < deadline:
                 time.sleep(0.01)
-        assert not worker._handed, "let go after the wait"
+        assert not worker._slots._handed, "let go after the wait"
         assert said in caplog.text
         assert worker.stats.failures == 1
         assert nudged(), "the nudge written all the same"
@@ -711,7 +688,7 @@ def test_a_beat_that_fails_as_enqueues_are_let_go_is_counted_and_the_nudges_stil
 
 
 def test_enqueues_past_the_workers_own_queue_start_unowned_for_any_worker() -> None:
-    from loom_kernel._hosting._worker import _HANDED_PER_SLOT
+    from loom_kernel._hosting._slots import _HANDED_PER_SLOT
 
     store = MemoryStore()
     engine = _engine(store)
@@ -751,13 +728,13 @@ def test_a_run_handed_to_a_stopping_worker_is_left_to_the_next_one() -> None:
     engine = _engine(store)
     worker = Worker(engine, idle_poll=0.02).start()
     time.sleep(0.05)
-    original = worker._hand
+    original = worker._slots.hand
 
     def stopping_meanwhile(execution_id: str, drive: Any, let_go: Any, flow: str) -> bool:
         worker._stopping.set()  # stop() began between the slot and the hand-over
         return original(execution_id, drive, let_go, flow)
 
-    worker._hand = stopping_meanwhile  # type: ignore[method-assign]
+    worker._slots.hand = stopping_meanwhile  # type: ignore[method-assign]
     handle = engine.enqueue("three", "s", key="stopped")
     worker.stop()
     assert engine.get("stopped").status is Status.RUNNING
@@ -787,18 +764,21 @@ def test_a_look_again_is_not_used_up_by_a_poll_while_its_visit_is_still_in_fligh
                 assert self.release.wait(10)
             return super()._append(stream, expected, records)
 
-    class Preempted(Worker):
-        def _look_again(self, execution_id: str) -> None:
-            super()._look_again(execution_id)
-            time.sleep(0.3)  # the visiting thread descheduled before its slot is freed
-
     store = SlowStart()
     writer = _engine(store)
     enqueued: list[RunHandle] = []
     thread = threading.Thread(
         target=lambda: enqueued.append(writer.enqueue("three", "l", key="late"))
     )
-    with Preempted(_engine(store, lease=600.0), idle_poll=0.05) as worker:
+    worker = Worker(_engine(store, lease=600.0), idle_poll=0.05)
+    look_again = worker._visits._look_again
+
+    def preempted(execution_id: str) -> None:
+        look_again(execution_id)
+        time.sleep(0.3)  # the visiting thread descheduled before its slot is freed
+
+    worker._visits._look_again = preempted  # type: ignore[method-assign]
+    with worker:
         thread.start()
         deadline = time.monotonic() + 10
         while worker.stats.visited == 0 and time.monotonic() < deadline:
@@ -888,14 +868,14 @@ def test_a_worker_started_twice_is_refused() -> None:
 def test_an_enqueue_that_no_slot_takes_wakes_the_engines_workers() -> None:
     engine = _engine(MemoryStore())
     worker = Worker(engine)  # registered, but with no pool: it takes no hand-over
-    engine._local_workers.append(worker)
+    parts_of(engine).enqueueing.slots.append(worker._slots)
     assert not worker._wake.is_set()
     engine.enqueue("three", "x", key="x")
     assert worker._wake.is_set(), "its next poll comes now, not after idle_poll"
 
 
 def test_a_timer_a_worker_cannot_fire_counts_as_a_failure() -> None:
-    from loom_kernel._coordination._timers import TimerIndex
+    from loom_kernel._coordination import TimerIndex
     from loom_kernel.spi import NewRecord
     from loom_kernel.testing import FakeClock
 
@@ -956,71 +936,13 @@ def test_a_run_index_marker_that_cannot_be_read_is_not_taken_for_a_store_to_inde
         recovered.append(1)
         return []
 
-    engine.recover = counting_recover  # type: ignore[method-assign]
+    parts_of(engine).recovery.recover = counting_recover  # type: ignore[method-assign]
     with caplog.at_level("WARNING", logger="loom"), Worker(engine, idle_poll=0.02):
         time.sleep(0.2)
     assert recovered == [], "looked at again at the next sweep, not recovered at once"
     assert "the run index marker: StoreUnavailableError: the marker cannot be read" in (
         caplog.text
     ), "and said"
-
-
-def test_a_run_queued_for_a_slot_is_queued_once() -> None:
-    from loom_kernel._hosting._worker import _Task
-
-    worker = Worker(_engine(MemoryStore()), concurrency=1)
-    submitted: list[Any] = []
-
-    class Pool:
-        def submit(self, *args: Any) -> None:
-            submitted.append(args)
-
-    pool: Any = Pool()
-    assert worker._submit(pool, _Task("a", _idle), queue=True)
-    assert worker._submit(pool, _Task("b", _idle), queue=True)  # waits for the slot
-    assert not worker._submit(pool, _Task("b", _idle), queue=True), "queued already"
-    assert len(worker._backlog) == 1
-    assert len(submitted) == 1
-
-
-def test_a_visit_that_raises_a_bug_is_logged_and_counted(caplog: Any) -> None:
-    import logging
-
-    from loom_kernel._hosting._worker import _Task
-
-    worker = Worker(_engine(MemoryStore()))
-
-    def broken_visit() -> None:
-        raise ZeroDivisionError("a bug")
-
-    with caplog.at_level(logging.ERROR, logger="loom"):
-        worker._work(_Task("buggy", _drive_of(broken_visit)))
-    assert worker.stats.failures == 1
-    assert any("working on buggy failed" in record.getMessage() for record in caplog.records)
-
-
-def test_a_visit_that_meets_a_store_fault_is_logged_counted_and_its_slot_freed(
-    caplog: Any,
-) -> None:
-    import logging
-
-    from loom_kernel._hosting._worker import _Task
-
-    worker = Worker(_engine(MemoryStore()))
-
-    def faulty_visit() -> None:
-        raise StoreUnavailableError("the store is away")
-
-    worker._in_flight.add("faulty")
-    worker.stats.in_flight = 1
-    with caplog.at_level(logging.WARNING, logger="loom"):
-        worker._work(_Task("faulty", _drive_of(faulty_visit)))
-    assert worker.stats.failures == 1
-    assert (worker.stats.in_flight, worker._in_flight) == (0, set()), "its slot is free"
-    assert any(
-        "faulty: StoreUnavailableError: the store is away" in record.getMessage()
-        for record in caplog.records
-    )
 
 
 def test_stop_returns_once_the_runs_in_flight_have_parked_or_ended() -> None:
@@ -1077,7 +999,7 @@ def test_an_enqueue_goes_to_a_free_slot_of_a_second_worker_before_a_queue() -> N
             handle = engine.enqueue("three", "f", key="free")
             assert handle.result(timeout=10) == ["f:0", "f:1", "f:2"]
             assert _driven(second, 1) == 1
-            assert not first._handed
+            assert not first._slots._handed
         gate.set()
         busy.result(timeout=10)
 
@@ -1086,15 +1008,15 @@ def test_an_interrupt_as_a_run_is_handed_over_leaves_the_worker_whole() -> None:
     store = MemoryStore()
     engine = _engine(store)
     with Worker(engine, concurrency=1, idle_poll=0.02) as worker:
-        original = worker._hand
+        original = worker._slots.hand
 
         def interrupted(*args: Any) -> bool:
             raise KeyboardInterrupt  # Ctrl-C as the hand-over begins
 
-        worker._hand = interrupted  # type: ignore[method-assign,assignment]
+        worker._slots.hand = interrupted  # type: ignore[method-assign,assignment]
         with pytest.raises(KeyboardInterrupt):
             engine.enqueue("three", "x", key="x")
-        worker._hand = original  # type: ignore[method-assign]
+        worker._slots.hand = original  # type: ignore[method-assign]
         assert worker.stats.in_flight == 0
         assert engine.enqueue("three", "y", key="y").result(timeout=10) == ["y:0", "y:1", "y:2"]
         assert engine.handle("x").result(timeout=10) == ["x:0", "x:1", "x:2"], "found by a poll"
@@ -1103,7 +1025,7 @@ def test_an_interrupt_as_a_run_is_handed_over_leaves_the_worker_whole() -> None:
 def test_a_handed_run_whose_drive_cannot_begin_is_let_go_and_found_by_a_poll() -> None:
     store = MemoryStore()
     engine = _engine(store)
-    original = engine._locks.hold
+    original = parts_of(engine).driver.locks.hold
     holds: list[str] = []
 
     @contextlib.contextmanager
@@ -1114,7 +1036,7 @@ def test_a_handed_run_whose_drive_cannot_begin_is_let_go_and_found_by_a_poll() -
         with original(key, wait=wait):
             yield
 
-    engine._locks.hold = hold  # type: ignore[method-assign]
+    parts_of(engine).driver.locks.hold = hold  # type: ignore[method-assign]
     with Worker(engine, concurrency=1, idle_poll=0.02):
         handle = engine.enqueue("three", "x", key="x")
         assert handle.result(timeout=10) == ["x:0", "x:1", "x:2"], "let go, then polled"
@@ -1127,8 +1049,8 @@ def test_a_poll_that_sees_a_run_while_its_failed_drive_ends_looks_at_it_again() 
     # It must be looked at again once the task ends, not only at the next sweep.
     store = MemoryStore()
     engine = _engine(store, lease=600)  # the next sweep is minutes away
-    original_hold = engine._locks.hold
-    original_open_in = engine.runs.open_in
+    original_hold = parts_of(engine).driver.locks.hold
+    original_open_in = parts_of(engine).driver.runs.open_in
     holds: list[str] = []
     read_let_go = threading.Event()
 
@@ -1151,8 +1073,8 @@ def test_a_poll_that_sees_a_run_while_its_failed_drive_ends_looks_at_it_again() 
             if "working on x failed" in record.getMessage():
                 read_let_go.wait(timeout=10)  # a poll reads the hint, the run in flight
 
-    engine._locks.hold = hold  # type: ignore[method-assign]
-    engine.runs.open_in = open_in  # type: ignore[method-assign]
+    parts_of(engine).driver.locks.hold = hold  # type: ignore[method-assign]
+    parts_of(engine).driver.runs.open_in = open_in  # type: ignore[method-assign]
     handler = WhileTheTaskEnds()
     logging.getLogger("loom").addHandler(handler)
     try:
@@ -1170,30 +1092,14 @@ def test_a_run_a_poll_saw_while_it_was_reserved_is_looked_at_once_given_back() -
     worker = Worker(engine, concurrency=2, idle_poll=0.02).start()
     try:
         deadline = time.monotonic() + 10
-        assert worker._reserve("x", queue=False)  # as enqueue does before the start
+        assert worker._slots.reserve("x", queue=False)  # as enqueue does before the start
         _engine(store).enqueue("three", "x", key="x")  # another engine's start lands
-        while "x" not in worker._look_again_after and time.monotonic() < deadline:
+        while "x" not in worker._slots._look_again_after and time.monotonic() < deadline:
             time.sleep(0.01)  # a poll saw it open, reserved here
-        worker._unreserve("x")  # the reservation is given back (the key existed)
+        worker._slots.unreserve("x")  # the reservation is given back (the key existed)
         assert engine.handle("x").result(timeout=10) == ["x:0", "x:1", "x:2"]
     finally:
         worker.stop()
-
-
-def test_a_slot_given_back_takes_the_work_queued_meanwhile() -> None:
-    from loom_kernel._hosting._worker import _Task
-
-    store = MemoryStore()
-    engine = _engine(store)
-    ran = threading.Event()
-    with Worker(engine, concurrency=1, idle_poll=60.0) as worker:
-        time.sleep(0.05)
-        assert worker._reserve("reserved", queue=False)  # an enqueue about to start
-        assert worker._pool is not None
-        assert worker._submit(worker._pool, _Task("found", _drive_of(ran.set)), queue=True)
-        assert not ran.is_set(), "queued: the only slot is reserved"
-        worker._unreserve("reserved")  # the key existed: nothing started
-        assert ran.wait(5), "the freed slot took the queued work"
 
 
 def test_a_handle_wakes_when_a_drive_of_its_engine_ends_the_run_not_at_its_next_look(
@@ -1219,7 +1125,8 @@ def test_a_handle_does_not_wait_when_the_run_ended_between_its_look_and_its_wait
 
     engine = Engine(MemoryStore(), [parks], listeners=[])
     engine.start("parks", key="p")
-    looked = engine.get
+    driver = parts_of(engine).driver
+    looked = driver.execution
 
     def look_then_finish(execution_id: str) -> Any:
         view = looked(execution_id)
@@ -1228,14 +1135,14 @@ def test_a_handle_does_not_wait_when_the_run_ended_between_its_look_and_its_wait
         return view
 
     waits: list[float | None] = []
-    real_wait = engine._finishes.wait
+    real_wait = driver._finishes.wait
 
     def wait(timeout: float | None = None) -> bool:
         waits.append(timeout)
         return real_wait(0)
 
-    monkeypatch.setattr(engine, "get", look_then_finish)
-    monkeypatch.setattr(engine._finishes, "wait", wait)
+    monkeypatch.setattr(driver, "execution", look_then_finish)
+    monkeypatch.setattr(driver._finishes, "wait", wait)
     assert engine.handle("p").result(timeout=120) == "done"
     assert waits == [], "it waited for a finish that had already happened"
 
@@ -1277,7 +1184,7 @@ def test_each_run_a_worker_drives_is_counted_once_as_visited_and_driven() -> Non
     engine = _engine(store)
     with Worker(engine, concurrency=2, idle_poll=60.0) as worker:
         deadline = time.monotonic() + 10
-        while len(worker._heads) < 16 and time.monotonic() < deadline:
+        while len(worker._visits._heads) < 16 and time.monotonic() < deadline:
             time.sleep(0.005)  # its first sweep is over: the next is far
         handles = [engine.enqueue("three", f"h{n}", key=f"h{n}") for n in range(3)]
         for handle in handles:
@@ -1286,23 +1193,10 @@ def test_each_run_a_worker_drives_is_counted_once_as_visited_and_driven() -> Non
         assert _visited(worker, 3) == 3, "a run handed to a free slot is one visit"
 
 
-def test_a_task_a_freed_slot_takes_from_the_backlog_is_in_flight_while_it_runs() -> None:
-    from loom_kernel._hosting._worker import _Task
-
-    worker = Worker(_engine(MemoryStore()), concurrency=1)
-    seen: list[set[str]] = []
-    worker._in_flight.add("first")
-    worker._backlog.append(_Task("queued", _drive_of(lambda: seen.append(set(worker._in_flight)))))
-    worker._queued.add("queued")
-    worker._work(_Task("first", _idle))
-    assert seen == [{"queued"}], "in flight while it runs: no second drive of it starts"
-    assert (worker._in_flight, worker._queued, worker.stats.in_flight) == (set(), set(), 0)
-
-
 def test_a_start_handed_to_workers_with_no_slot_and_no_place_runs_inline() -> None:
     """A worker running, but its slot busy and its queue of handed runs full: the run
     `_start_or_hand` starts is driven inline, on the caller's thread, before it returns."""
-    from loom_kernel._hosting._worker import _HANDED_PER_SLOT
+    from loom_kernel._hosting._slots import _HANDED_PER_SLOT
 
     threads: dict[str, str] = {}
 
@@ -1316,8 +1210,8 @@ def test_a_start_handed_to_workers_with_no_slot_and_no_place_runs_inline() -> No
         busy = engine.enqueue("slow", "busy")
         assert at_gate.wait(10)
         queued = [engine.enqueue("three", f"q{n}") for n in range(_HANDED_PER_SLOT)]
-        assert len(worker._handed) == _HANDED_PER_SLOT, "its queue of handed runs is full"
-        handle = engine._start_or_hand("where", "inline", "inline", None)
+        assert len(worker._slots._handed) == _HANDED_PER_SLOT, "its queue of handed runs is full"
+        handle = engine.dispatch("where", "inline", key="inline")
         assert engine.get(handle.id).status is Status.COMPLETED, "driven before returning"
         assert threads == {"inline": threading.current_thread().name}
         late = engine.enqueue("three", "late")  # no slot, no place: left to the polls
@@ -1333,10 +1227,10 @@ def test_a_start_handed_to_no_worker_runs_inline_and_one_taken_by_a_worker_does_
     engine running, the run is driven inline before the call returns."""
     store = MemoryStore()
     engine = _engine(store)
-    handle = engine._start_or_hand("three", "i", "inline", None)
+    handle = engine.dispatch("three", "i", key="inline")
     assert engine.get(handle.id).status is Status.COMPLETED, "driven before returning"
     with Worker(engine, idle_poll=0.05):
-        handed = engine._start_or_hand("three", "w", "handed", None)
+        handed = engine.dispatch("three", "w", key="handed")
         assert handed.result(timeout=10) == ["w:0", "w:1", "w:2"]
 
 
@@ -1365,26 +1259,6 @@ def test_a_worker_whose_signal_handlers_cannot_be_installed_raises_and_runs_noth
         runner.join(10)
     assert not went_on, "run() raised at once"
     assert [str(exc) for exc in raised] == ["signal handlers refused (injected)"]
-
-
-def test_a_task_a_freed_slot_cannot_start_as_the_pool_shuts_down_is_let_go_not_counted() -> None:
-    from loom_kernel._hosting._worker import _Task
-
-    worker = Worker(_engine(MemoryStore()), concurrency=1)
-    let_go: list[str] = []
-
-    class ShutDown:
-        def submit(self, *_args: Any) -> None:
-            raise RuntimeError("cannot schedule new futures after shutdown")
-
-    worker._pool = ShutDown()  # type: ignore[assignment]
-    worker._in_flight.add("reserved")  # a slot taken for an enqueue that is given back
-    worker._backlog.append(_Task("next", _idle, lambda: let_go.append("next")))
-    worker._queued.add("next")
-    worker._unreserve("reserved")
-    assert let_go == ["next"], "let go for another worker"
-    assert worker._in_flight == set()
-    assert worker.stats.in_flight == 0
 
 
 def test_stop_returns_once_a_worker_run_in_the_foreground_has_stopped() -> None:
@@ -1417,27 +1291,6 @@ def test_stop_returns_once_a_worker_run_in_the_foreground_has_stopped() -> None:
         worker.stop()
         running.join(10)
     assert not running.is_alive()
-
-
-def test_a_handed_run_let_go_whose_nudge_fails_is_counted_and_said(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """It is held by no one now: the sweeps find it; the failure is counted and logged."""
-    from loom_kernel._hosting._worker import _Task
-
-    engine = _engine(MemoryStore())
-    worker = Worker(engine)
-    let_go: list[str] = []
-    worker._backlog.append(_Task("x", _idle, lambda: let_go.append("x"), "three", 0.0))
-
-    def down(_execution_id: str, _flow: str) -> None:
-        raise StoreUnavailableError("down")
-
-    monkeypatch.setattr(engine.runs, "nudged", down)
-    worker._let_go_handed()
-    assert let_go == ["x"]
-    assert worker.stats.failures == 1
-    assert "loom: letting x go: down" in caplog.messages
 
 
 def test_an_idle_worker_doubles_its_pause_between_polls_up_to_idle_poll(
@@ -1492,37 +1345,6 @@ def test_a_stop_waits_for_its_runs_in_flight_without_spinning() -> None:
     assert waits[0] < 100, f"{waits[0]} waits in half a second: it spun"
 
 
-def test_a_run_handed_over_as_its_slot_frees_is_not_left_marked_as_waiting() -> None:
-    """`enqueue` reserved a place in the worker's queue (no slot free), and a slot
-    freed before the run was handed over: it is driven at once, and nothing marks it
-    as waiting for a slot afterwards (a mark left would keep this worker from taking
-    the run again: a later hand-over, a poll's visit, a sweep's reaping)."""
-    from loom_kernel._hosting._worker import _Task
-
-    worker = Worker(_engine(MemoryStore()), concurrency=1)
-
-    class Inline:
-        def submit(self, fn: Any, *args: Any) -> None:
-            fn(*args)
-
-    worker._pool = Inline()  # type: ignore[assignment]
-    worker._in_flight.add("busy")
-    assert worker._reserve("handed", queue=True), "a place in its queue"
-    assert worker._queued == {"handed"}
-    worker._work(_Task("busy", _idle))  # the slot frees before the hand-over
-    driven: list[str] = []
-
-    def drive() -> str:
-        driven.append("handed")
-        return "handed"
-
-    assert worker._hand("handed", _drive_of(drive), lambda: None, "three")
-    assert driven == ["handed"]
-    assert (worker._in_flight, worker._queued, worker._handed) == (set(), set(), set())
-    assert not worker._busy_with("handed")
-    assert worker._reserve("handed", queue=False), "taken again when handed again"
-
-
 def test_an_enqueue_of_a_key_that_exists_gives_back_the_slot_it_reserved() -> None:
     """The slot `enqueue` reserved for a run whose key exists already (nothing to
     hand over) goes back: kept, one run of a one-slot worker would never be driven
@@ -1532,11 +1354,11 @@ def test_an_enqueue_of_a_key_that_exists_gives_back_the_slot_it_reserved() -> No
         first = engine.enqueue("three", "a", key="k")
         assert first.result(timeout=10) == ["a:0", "a:1", "a:2"]
         deadline = time.monotonic() + 10
-        while worker._in_flight and time.monotonic() < deadline:
+        while worker._slots._in_flight and time.monotonic() < deadline:
             time.sleep(0.005)  # its slot's thread is done with it
         again = engine.enqueue("three", "b", key="k")
         assert again.id == first.id
-        assert worker._in_flight == set(), "the slot went back"
+        assert worker._slots._in_flight == set(), "the slot went back"
         later = engine.enqueue("three", "c")
         assert later.result(timeout=10) == ["c:0", "c:1", "c:2"]
 
@@ -1554,8 +1376,9 @@ def test_an_enqueue_of_a_key_that_exists_with_every_slot_busy_gives_back_its_pla
             assert at_gate.wait(10)
             again = engine.enqueue("three", "b", key="k")
             assert again.id == first.id
-            assert (worker._queued, worker._handed) == (set(), set()), "the place went back"
-            assert not worker._busy_with(first.id)
+            slots = worker._slots
+            assert (slots._queued, slots._handed) == (set(), set()), "the place went back"
+            assert not worker._slots.busy_with(first.id)
         finally:
             gate.set()
         busy.result(timeout=10)
@@ -1568,40 +1391,3 @@ def test_the_live_status_line_is_cut_at_200_characters() -> None:
     out = io.StringIO()
     worker._show(out)
     assert out.getvalue() == "\r" + ("loom worker " + "w" * 190)[:200]
-
-
-def test_a_task_for_a_run_waiting_here_for_a_slot_is_refused_not_kept_twice() -> None:
-    """A second task for a run already waiting in this worker's backlog (a poll's
-    admission of a run a hand-over queued) is refused, so its caller gives its
-    admission back; it is not kept, to drive the run twice."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from loom_kernel._hosting._worker import _Task
-
-    worker = Worker(_engine(MemoryStore()), concurrency=1)
-    waiting = _Task("r", _idle)
-    worker._backlog.append(waiting)
-    worker._queued.add("r")
-    with ThreadPoolExecutor(1) as pool:
-        assert worker._submit(pool, _Task("r", _idle), queue=True) is False
-        assert list(worker._backlog) == [waiting]
-        # Every slot busy: a visit (not to be queued) is refused, and not queued.
-        worker._in_flight.add("busy")
-        ran: list[str] = []
-        assert worker._submit(pool, _Task("v", _drive_of(lambda: ran.append("v")))) is False
-    assert (list(worker._backlog), ran, worker._queued) == ([waiting], [], {"r"})
-
-
-def test_a_run_not_started_yet_is_looked_at_again_by_a_few_polls_then_left_to_sweeps() -> None:
-    """A hint read before its run's start landed has the next few polls look again;
-    past `_NOT_STARTED_LOOKS` looks (its writer may be gone), only the sweeps do."""
-    from loom_kernel._hosting._worker import _NOT_STARTED_LOOKS
-
-    worker = Worker(_engine(MemoryStore()))
-    for _ in range(_NOT_STARTED_LOOKS):
-        worker._look_again("r")
-        assert "r" in worker._look_again_after
-        worker._look_again_after.discard("r")
-    worker._look_again("r")
-    assert "r" not in worker._look_again_after
-    assert "r" not in worker._not_started

@@ -8,6 +8,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from loom_kernel import Context, Engine, Execution, MemoryStore, Status, flow
+from loom_kernel._engine import parts_of
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
 from loom_orchestration import (
@@ -80,14 +81,18 @@ class DeferringEngine(Engine):
         self.deferring = True
         self.immediate = immediate  # per check, in order: run it now, as a live process would
         self.pending: list[Execution] = []
+        driver = parts_of(self).driver
+        settled = driver.settled
 
-    def _settled(
-        self, execution: Execution, delivered: Callable[[Execution], None] | None = None
-    ) -> Execution:
-        if self.deferring and not (self.immediate and self.immediate.pop(0)):
-            self.pending.append(execution)
-            return execution
-        return super()._settled(execution, delivered)
+        def deferred(
+            execution: Execution, delivered: Callable[[Execution], None] | None = None
+        ) -> Execution:
+            if self.deferring and not (self.immediate and self.immediate.pop(0)):
+                self.pending.append(execution)
+                return execution
+            return settled(execution, delivered)
+
+        driver.settled = deferred  # type: ignore[method-assign]
 
 
 def _resumes(engine: Engine, execution_id: str) -> list[Any]:
@@ -510,14 +515,14 @@ def test_a_parent_cancelled_while_it_starts_a_child_leaves_no_orphan() -> None:
     def starts_then_waits(ctx: Context, _input: Any) -> Any:
         return await_child(ctx, approval, "x", on_parent_close="cancel")
 
-    original = engine._start_or_hand
+    original = engine.dispatch
 
     def start_then_cancel(*args: Any, **kwargs: Any) -> Any:
         started = original(*args, **kwargs)
         engine.cancel("o", "meanwhile")
         return started
 
-    engine._start_or_hand = start_then_cancel  # type: ignore[method-assign]
+    engine.dispatch = start_then_cancel  # type: ignore[method-assign]
     engine.register(starts_then_waits)
     engine.start("starts_then_waits", key="o")
     assert engine.get("o").status is Status.CANCELLED

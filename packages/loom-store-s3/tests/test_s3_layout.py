@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel._core._ids import ID_ALPHABET
+from loom_kernel._core import ID_ALPHABET
 from loom_kernel.spi import NewRecord, SchemaError, StoreUnavailableError
 from loom_store_s3._batch import decode_batch, encode_batch, encode_marker
 from loom_store_s3._layout import Layout

@@ -537,7 +537,7 @@ def test_a_listing_follows_every_page(moto_server: S3Server) -> None:
 def test_an_idle_timer_poll_costs_the_same_however_many_minutes_were_handled(
     moto_server: S3Server,
 ) -> None:
-    from loom_kernel._coordination._timers import TimerIndex
+    from loom_kernel._coordination import TimerIndex
     from loom_kernel.testing import FakeClock
 
     client = moto_server.client()

@@ -36,12 +36,12 @@ from loom_kernel._core._errors import (
 )
 from loom_kernel._core._reachability import reachable
 from loom_kernel._core._state import ExecutionState, Gate, Status, StepFrame
-from loom_kernel._engine._facade import Engine
+from loom_kernel._engine._facade import Engine, Listener
 from loom_kernel._engine._handles import RunHandle
-from loom_kernel._engine._listeners import Listener
 from loom_kernel._engine._views import Execution, HistoryEntry
 from loom_kernel._hosting._worker import Worker, WorkerStats
-from loom_kernel._replay._context import AsyncContext, Context
+from loom_kernel._replay._async_context import AsyncContext
+from loom_kernel._replay._context import Context
 from loom_kernel._replay._flows import Flow, RetryPolicy, code_hash, flow
 from loom_kernel._replay._waits import Woken
 from loom_kernel._spi._memory_store import MemoryStore

@@ -18,13 +18,14 @@ from loom_kernel._core._errors import (
     TrimmedError,
 )
 from loom_kernel._core._ids import ID_ALPHABET, MAX_ID_LENGTH, validate_prefix, validate_stream_id
+from loom_kernel._core._records import MAX_KIND_LENGTH, NewRecord, Record
 from loom_kernel._spi._faults import (
     AmbiguousWriteError,
     Fault,
     FaultInjection,
     SupportsFaultInjection,
 )
-from loom_kernel._spi._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel._spi._journal import JournalStore
 from loom_kernel._spi._registry import (
     ENTRY_POINT_GROUP,
     OpenStore,

@@ -274,14 +274,14 @@ def start_child_as(
     on_parent_close: OnParentClose,
 ) -> Any:
     """start_child with an id the caller derived deterministically (a supervisor's `name@n`)."""
-    engine = ctx.engine
+    engine: Engine = ctx.engine
     install(engine)
     flow_name = flow.name if isinstance(flow, Flow) else flow
     _claim_child_id(ctx, child_id)
 
     def start() -> dict[str, Any]:
         # A worker here takes the child (one of its slots, or its queue); else inline.
-        engine._start_or_hand(flow_name, input, child_id, ctx.execution_id)
+        engine.dispatch(flow_name, input, key=child_id, parent=ctx.execution_id)
         found = engine.get(child_id)
         if found.parent != ctx.execution_id or found.flow != flow_name:
             raise ChildIdTakenError(child_id, ctx.execution_id, found.parent, found.flow)

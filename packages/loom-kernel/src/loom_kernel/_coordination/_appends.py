@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from loom_kernel._core._errors import ConflictError
-from loom_kernel._spi._journal import JournalStore, NewRecord
+from loom_kernel._core import ConflictError, NewRecord
+from loom_kernel._spi import JournalStore
 
 __all__ = ["append_anywhere"]
 

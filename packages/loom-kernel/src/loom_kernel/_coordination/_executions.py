@@ -19,101 +19,33 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import os
-import time
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
-from loom_kernel._coordination._inbox import INBOX_PREFIX
-from loom_kernel._coordination._published import EVENTS_PREFIX
-from loom_kernel._core._errors import (
+from loom_kernel._core import (
+    EXECUTION_PREFIX,
+    SNAPSHOT_PREFIX,
     ConflictError,
     ExecutionNotFoundError,
+    ExecutionState,
     InvalidIdError,
+    NewRecord,
+    Record,
     SchemaError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
+    fold_records,
+    stream_of,
+    validate_stream_id,
 )
-from loom_kernel._core._ids import MAX_ID_LENGTH, validate_stream_id
-from loom_kernel._core._state import ExecutionState, fold_records
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._spi import JournalStore
 
-__all__ = [
-    "EXECUTION_PREFIX",
-    "SNAPSHOT_KIND",
-    "SNAPSHOT_PREFIX",
-    "compact",
-    "execution_ids",
-    "fresh_execution_id",
-    "load",
-    "new_execution_id",
-    "stream_of",
-]
+__all__ = ["SNAPSHOT_KIND", "compact", "execution_ids", "load"]
 
-EXECUTION_PREFIX: Final = "ex/"
-SNAPSHOT_PREFIX: Final = "snap/"
-#: The longest execution id every stream of its run can be named by.
-MAX_EXECUTION_ID_LENGTH: Final = MAX_ID_LENGTH - max(
-    len(prefix) for prefix in (EXECUTION_PREFIX, SNAPSHOT_PREFIX, INBOX_PREFIX, EVENTS_PREFIX)
-)
 SNAPSHOT_KIND: Final = "loom.snapshot"
 #: Loads restarted because a compaction moved the journal on meanwhile, before giving up.
 _LOAD_ATTEMPTS: Final = 16
-
-
-def stream_of(execution_id: object) -> str:
-    """The journal stream of an execution.
-
-    Raises:
-        InvalidIdError: the id is not a str, or not a valid stream id.
-    """
-    if not isinstance(execution_id, str):
-        raise InvalidIdError(execution_id, "an execution id is a str")
-    try:
-        return validate_stream_id(EXECUTION_PREFIX + execution_id)
-    except InvalidIdError as exc:
-        raise InvalidIdError(execution_id, exc.reason) from None
-
-
-def fresh_execution_id() -> str:
-    """The id of a run started without a key: a version 7 UUID's 32 hex digits (RFC
-    9562: the Unix time in milliseconds, then 74 random bits).
-
-    Ids made later sort after earlier ones (within a millisecond, at random), so the
-    journals of new runs land side by side in a store that keeps streams in name
-    order (SQLite's clustered records b-tree) instead of at random places all over
-    it. Nothing relies on that order: a clock that jumps back only costs locality (a
-    clock before 1970 counts as 1970).
-    """
-    millis = max(time.time_ns() // 1_000_000, 0) & _MILLIS
-    value = millis << 80 | int.from_bytes(os.urandom(10))
-    return f"{value & _UUID7_CLEAR | _UUID7_SET:032x}"
-
-
-#: The 48 bits of milliseconds a version 7 UUID holds.
-_MILLIS: Final = (1 << 48) - 1
-#: Where the version (7) and the variant (0b10) go, cleared, then set.
-_UUID7_CLEAR: Final = ~((0xF << 76) | (0x3 << 62)) & ((1 << 128) - 1)
-_UUID7_SET: Final = (0x7 << 76) | (0x2 << 62)
-
-
-def new_execution_id(execution_id: str) -> str:
-    """An id for a new run: a valid execution id whose other streams (inbox, events,
-    snapshot) can be named too. (Runs started before this check with longer ids are
-    still read: only their messages and events cannot be.)
-
-    Raises:
-        InvalidIdError: the id is not a valid id, or is too long for those streams.
-    """
-    stream_of(execution_id)
-    if len(execution_id) > MAX_EXECUTION_ID_LENGTH:
-        raise InvalidIdError(
-            execution_id,
-            f"an execution id is at most {MAX_EXECUTION_ID_LENGTH} characters (its inbox, "
-            "events and snapshot streams are named by it too)",
-        )
-    return execution_id
 
 
 def _snapshot_stream(execution_id: str) -> str:

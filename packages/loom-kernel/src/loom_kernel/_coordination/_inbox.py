@@ -22,35 +22,15 @@ from typing import Any, Final
 import attrs
 
 from loom_kernel._coordination._appends import append_anywhere
-from loom_kernel._core._errors import SchemaError
-from loom_kernel._core._ids import validate_stream_id
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._core import INBOX_PREFIX, NewRecord, Record, SchemaError, validate_stream_id
+from loom_kernel._replay import Message
+from loom_kernel._spi import JournalStore
 
-__all__ = ["INBOX_PREFIX", "Inbox", "Message"]
+__all__ = ["INBOX_PREFIX", "Inbox"]
 
-INBOX_PREFIX: Final = "inbox/"
 MESSAGE_KIND: Final = "loom.message"
 #: Inboxes whose parsed messages a reader keeps (the least recently used go first).
 _KEPT: Final = 1024
-
-
-@attrs.frozen
-class Message:
-    """A message in a run's inbox.
-
-    Attributes:
-        position: its place in the inbox (1, 2, ...): the send order.
-        topic: its topic (None: the default topic).
-        key: its dedupe key, if it was sent with one.
-        message: the message (JSON).
-        sent_at: when it was sent, by the sender's clock.
-    """
-
-    position: int
-    topic: str | None
-    key: str | None
-    message: Any
-    sent_at: float
 
 
 @attrs.define

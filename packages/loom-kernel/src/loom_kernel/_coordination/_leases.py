@@ -31,9 +31,15 @@ from typing import Final
 
 import attrs
 
-from loom_kernel._core._errors import ConflictError, LoomError, TrimmedError
-from loom_kernel._core._ids import validate_stream_id
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._core import (
+    ConflictError,
+    LoomError,
+    NewRecord,
+    Record,
+    TrimmedError,
+    validate_stream_id,
+)
+from loom_kernel._spi import JournalStore
 
 __all__ = [
     "DEFAULT_LEASE",

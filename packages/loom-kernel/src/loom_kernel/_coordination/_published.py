@@ -16,21 +16,15 @@ from collections.abc import Callable
 from typing import Any, Final
 
 from loom_kernel._coordination._appends import append_anywhere
-from loom_kernel._core._errors import SchemaError
-from loom_kernel._core._ids import MAX_ID_LENGTH, validate_stream_id
-from loom_kernel._spi._journal import JournalStore, NewRecord
+from loom_kernel._core import (
+    EVENTS_PREFIX,
+    NewRecord,
+    SchemaError,
+    validate_stream_id,
+)
+from loom_kernel._spi import JournalStore
 
-__all__ = ["EVENTS_PREFIX", "Published", "event_key_refusal"]
-
-EVENTS_PREFIX: Final = "events/"
-
-
-def event_key_refusal(key: object) -> str:
-    """Why `key` cannot name an event (see `is_name`)."""
-    return (
-        f"an event key is a non-empty str of at most {MAX_ID_LENGTH} characters (UTF-8, "
-        f"so no lone surrogate), not {key!r}"
-    )
+__all__ = ["EVENTS_PREFIX", "Published"]
 
 
 EVENT_KIND: Final = "loom.event"

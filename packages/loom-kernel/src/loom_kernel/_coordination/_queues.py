@@ -36,19 +36,23 @@ from typing import Any, Final
 import attrs
 
 from loom_kernel._coordination._appends import append_anywhere
-from loom_kernel._core._errors import (
+from loom_kernel._core import (
+    MAX_ID_LENGTH,
     ConflictError,
     InvalidArgumentError,
     LoomError,
+    NewRecord,
+    QueuePlace,
+    Record,
     SchemaError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
+    finite_number,
+    is_name,
+    validate_stream_id,
 )
-from loom_kernel._core._events import QueuePlace
-from loom_kernel._core._ids import MAX_ID_LENGTH, is_name, validate_stream_id
-from loom_kernel._core._numbers import finite_number
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._spi import JournalStore
 
 __all__ = ["QUEUES_PREFIX", "Queue", "QueueBook", "QueueFold", "QueueView", "Rate", "pick"]
 

@@ -42,15 +42,17 @@ from typing import Any, Final
 import attrs
 
 from loom_kernel._coordination._appends import append_anywhere
-from loom_kernel._core._errors import (
+from loom_kernel._core import (
     ConflictError,
     LoomError,
+    NewRecord,
+    Record,
     SchemaError,
+    Status,
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel._core._state import Status
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._spi import JournalStore
 
 __all__ = ["ENDED", "PARTITIONS", "OpenHint", "RunIndex", "partition_of"]
 

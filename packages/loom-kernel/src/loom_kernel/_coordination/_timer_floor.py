@@ -32,8 +32,8 @@ from typing import Final
 
 import attrs
 
-from loom_kernel._core._errors import ConflictError, SchemaError, TrimmedError
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._core import ConflictError, NewRecord, Record, SchemaError, TrimmedError
+from loom_kernel._spi import JournalStore
 
 FLOOR_STREAM: Final = "timers-floor"
 FLOOR_KIND: Final = "loom.timer.floor"

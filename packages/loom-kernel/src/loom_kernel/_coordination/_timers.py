@@ -31,28 +31,21 @@ from typing import Final
 import attrs
 
 from loom_kernel._coordination._timer_floor import TimerFloor
-from loom_kernel._core._errors import (
+from loom_kernel._core import (
     ConflictError,
     InvalidArgumentError,
     LoomError,
+    NewRecord,
     NotSuspendedError,
+    Record,
     SchemaError,
     StreamDeletedError,
     TrimmedError,
 )
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._spi import JournalStore
 
-__all__ = [
-    "OVERDUE",
-    "QUARANTINE",
-    "TIMER_GATE",
-    "TimerEntry",
-    "TimerIndex",
-    "timer_resume_key",
-]
+__all__ = ["OVERDUE", "QUARANTINE", "TimerEntry", "TimerIndex"]
 
-#: The gate name a sleep parks at.
-TIMER_GATE: Final = "loom.timer"
 TIMER_KIND: Final = "loom.timer"
 SEAL_KIND: Final = "loom.timer.sealed"
 PREFIX: Final = "timers/"
@@ -69,11 +62,6 @@ _BY_NAME: Final = 16  # a poll reads this many minutes by name rather than list 
 _UNREADABLE: Final = -1  # the floor's origin, when its mark cannot be read
 
 _log = logging.getLogger("loom")
-
-
-def timer_resume_key(gate: int) -> str:
-    """The dedupe key of the resume that wakes timer gate number `gate`."""
-    return f"timer:{gate}"
 
 
 @attrs.frozen

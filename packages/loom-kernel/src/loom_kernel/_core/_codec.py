@@ -16,7 +16,7 @@ import cattrs
 from loom_kernel._core._errors import InvalidArgumentError, SchemaError
 from loom_kernel._core._events import EVENT_SCHEMA, ErrorInfo, Event, QueuePlace, event_class
 from loom_kernel._core._fast_fold import STEP_FIELDS, STEP_KIND, parse_many
-from loom_kernel._spi._journal import NewRecord, Record
+from loom_kernel._core._records import NewRecord, Record
 
 __all__ = [
     "CONVERTER",

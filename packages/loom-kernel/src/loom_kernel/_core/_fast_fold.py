@@ -10,7 +10,7 @@ general path instead, so the fold's result never depends on which path ran.
 
 msgspec also parses whole journals (`parse_many`) about twice as fast as json.loads,
 and reads every integer exactly. Without msgspec both fall back to the standard
-library: `parse_many` is json.loads and `fold_steps` declines.
+library: `parse_many` is json.loads and `step_runs` declines.
 """
 
 from __future__ import annotations
@@ -19,17 +19,14 @@ import json
 from collections.abc import Callable, Sequence
 from itertools import groupby
 from operator import attrgetter, itemgetter
-from typing import TYPE_CHECKING, Any, Final, Literal
+from typing import Any, Final, Literal
 
 import attrs
 
 from loom_kernel._core._events import EVENT_SCHEMA, StepCompleted
-from loom_kernel._spi._journal import Record
+from loom_kernel._core._records import Record
 
-if TYPE_CHECKING:
-    from loom_kernel._core._state import ExecutionState
-
-__all__ = ["STEP_FIELDS", "STEP_KIND", "decode_step_runs", "fold_steps", "parse_many"]
+__all__ = ["STEP_FIELDS", "STEP_KIND", "decode_step_runs", "parse_many", "step_runs"]
 
 STEP_KIND: Final = StepCompleted.KIND
 #: The payload fields of a completed step, in the order they are written.
@@ -69,17 +66,18 @@ else:
     decode_step_runs = msgspec.json.Decoder(list[_StepEnvelope]).decode  # type: ignore[valid-type]
 
 
-def fold_steps(state: ExecutionState, records: list[Record], stream: str) -> bool:
-    """Fold `records` into `state` with every run of steps decoded by msgspec.
+def step_runs(records: list[Record]) -> list[tuple[int, int, Sequence[Any] | None]] | None:
+    """`records` cut into runs of one kind, every run of steps decoded by msgspec: each
+    run as (start, end, the decoded steps' data, or None for a run of other kinds).
 
     Returns:
-        True when folded; False, with nothing folded, when msgspec is missing or any
-        step payload does not fit the current schema's shape exactly (the caller
-        then takes the general path, which judges it).
+        None when msgspec is missing or any step payload does not fit the current
+        schema's shape exactly (the caller then takes the general path, which judges
+        it).
     """
     decode = decode_step_runs
     if decode is None:
-        return False
+        return None
     runs: list[tuple[int, int, Sequence[Any] | None]] = []
     position = 0
     for kind, run in groupby(map(_KIND, records)):
@@ -88,16 +86,11 @@ def fold_steps(state: ExecutionState, records: list[Record], stream: str) -> boo
             try:
                 decoded = decode(b"[" + b",".join(map(_PAYLOAD, records[position:end])) + b"]")
             except ValueError:
-                return False
+                return None
             if len(decoded) != end - position:  # a payload held more than one value
-                return False
-            runs.append((position, end, decoded))
+                return None
+            runs.append((position, end, list(map(_DATA, decoded))))
         else:
             runs.append((position, end, None))
         position = end
-    for start, end, steps in runs:
-        if steps is None:
-            state.apply_records(records[start:end], stream)
-        else:
-            state.record_steps(list(map(_DATA, steps)))
-    return True
+    return runs

@@ -10,6 +10,7 @@ from loom_kernel._core._errors import InvalidIdError
 __all__ = [
     "ID_ALPHABET",
     "MAX_ID_LENGTH",
+    "event_key_refusal",
     "has_utf8",
     "is_name",
     "validate_prefix",
@@ -116,3 +117,11 @@ def validate_prefix(value: object) -> str:
         if segment in (".", ".."):
             raise InvalidIdError(value, f"prefix has a {segment!r} segment")
     return value
+
+
+def event_key_refusal(key: object) -> str:
+    """Why `key` cannot name an event (see `is_name`)."""
+    return (
+        f"an event key is a non-empty str of at most {MAX_ID_LENGTH} characters (UTF-8, "
+        f"so no lone surrogate), not {key!r}"
+    )

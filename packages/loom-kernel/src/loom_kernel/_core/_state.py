@@ -27,8 +27,8 @@ from loom_kernel._core._events import (
     StepCompleted,
     StepFailed,
 )
-from loom_kernel._core._fast_fold import STEP_FIELDS, STEP_KIND, fold_steps
-from loom_kernel._spi._journal import Record, check_gapless
+from loom_kernel._core._fast_fold import STEP_FIELDS, STEP_KIND, step_runs
+from loom_kernel._core._records import Record, check_gapless
 
 _STEP_KEYS: Final = frozenset(STEP_FIELDS)
 
@@ -276,8 +276,15 @@ def fold_records(state: ExecutionState, records: list[Record], stream: str) -> N
             after `state.position`), or one cannot be decoded.
     """
     check_gapless(records, state.position, stream)
-    if not fold_steps(state, records, stream):
+    runs = step_runs(records)
+    if runs is None:
         state.apply_records(records, stream)
+        return
+    for start, end, steps in runs:
+        if steps is None:
+            state.apply_records(records[start:end], stream)
+        else:
+            state.record_steps(steps)
 
 
 def fold(events: Iterable[Event], start: ExecutionState | str) -> ExecutionState:

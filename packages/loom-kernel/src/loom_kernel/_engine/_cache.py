@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from loom_kernel._core._state import ExecutionState
+from loom_kernel._core import ExecutionState
 
 __all__ = ["StateCache"]
 

@@ -6,7 +6,7 @@ import logging
 from collections.abc import Callable, Iterable
 from typing import TypeVar
 
-from loom_kernel._core._errors import LoomError
+from loom_kernel._core import LoomError
 
 __all__ = ["raise_first", "try_each"]
 

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
-from loom_kernel._core._errors import ExecutionEndedError, InvalidArgumentError, ResultTimeoutError
-from loom_kernel._core._numbers import finite_number
-from loom_kernel._core._state import Status
-from loom_kernel._replay._threads import in_a_thread
-
-if TYPE_CHECKING:
-    from loom_kernel._engine._facade import Engine
-    from loom_kernel._engine._views import Execution
+from loom_kernel._core import (
+    ExecutionEndedError,
+    InvalidArgumentError,
+    ResultTimeoutError,
+    Status,
+    finite_number,
+)
+from loom_kernel._engine._driver import Driver
+from loom_kernel._engine._views import Execution
+from loom_kernel._replay import in_a_thread
 
 __all__ = ["RunHandle"]
 
@@ -29,10 +31,10 @@ class RunHandle:
         id: the execution id.
     """
 
-    __slots__ = ("_engine", "id")
+    __slots__ = ("_driver", "id")
 
-    def __init__(self, engine: Engine, execution_id: str) -> None:
-        self._engine = engine
+    def __init__(self, driver: Driver, execution_id: str) -> None:
+        self._driver = driver
         self.id = execution_id
 
     def __repr__(self) -> str:
@@ -46,7 +48,7 @@ class RunHandle:
 
     def get(self) -> Execution:
         """The run's current view (see `Engine.get`)."""
-        return self._engine.get(self.id)
+        return self._driver.execution(self.id)
 
     def wait(self, timeout: float | None = None) -> Execution:
         """Wait until the run has finished; its final view (completed, failed or cancelled).
@@ -60,11 +62,11 @@ class RunHandle:
         """
         looks = _Looks(self.id, timeout)
         while True:
-            seen = self._engine._finished_count
+            seen = self._driver.finished_count
             execution = self.get()
             if execution.status.finished:
                 return execution
-            self._engine._wait_for_a_finish(seen, looks.pause(execution))
+            self._driver.wait_for_a_finish(seen, looks.pause(execution))
 
     async def wait_async(self, timeout: float | None = None) -> Execution:
         """`wait`, for `async def` callers: it sleeps on the loop between looks."""

@@ -15,24 +15,22 @@ import logging
 from collections import deque
 from collections.abc import Callable, Iterable
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Final
+from typing import Any, Final
 
-from loom_kernel._core._errors import LoomError
+from loom_kernel._core import LoomError
+from loom_kernel._engine._views import Execution
 
-if TYPE_CHECKING:
-    from loom_kernel._engine._facade import Engine
-    from loom_kernel._engine._views import Execution
+__all__ = ["LISTENER_GROUP", "AnyListener", "Listeners", "installed_listeners"]
 
-__all__ = ["LISTENER_GROUP", "Listener", "Listeners", "installed_listeners"]
-
-Listener = Callable[["Engine", "Execution"], None]
-_Delivery = tuple["Execution", Callable[["Execution"], None] | None]
+#: A listener, called with the engine and a run's view (`Listener` types the engine).
+AnyListener = Callable[[Any, Execution], None]
+_Delivery = tuple[Execution, Callable[[Execution], None] | None]
 LISTENER_GROUP: Final = "loom.listeners"
-_installed: list[Listener] | None = None
+_installed: list[AnyListener] | None = None
 _log = logging.getLogger("loom")
 
 
-def installed_listeners() -> list[Listener]:
+def installed_listeners() -> list[AnyListener]:
     """The listeners published in the `loom.listeners` entry-point group (loaded once)."""
     global _installed  # noqa: PLW0603 - a process-wide cache of installed plugins
     if _installed is None:
@@ -43,15 +41,15 @@ def installed_listeners() -> list[Listener]:
 class Listeners:
     """An engine's listeners and its queue of deliveries."""
 
-    def __init__(self, listeners: Iterable[Listener]) -> None:
-        self._listeners: list[Listener] = []
+    def __init__(self, listeners: Iterable[AnyListener]) -> None:
+        self._listeners: list[AnyListener] = []
         for listener in listeners:
             self.add(listener)
         self._queue: contextvars.ContextVar[deque[_Delivery] | None] = contextvars.ContextVar(
             f"loom_listener_queue_{id(self)}", default=None
         )
 
-    def add(self, listener: Listener) -> None:
+    def add(self, listener: AnyListener) -> None:
         """Add a listener (once)."""
         if listener not in self._listeners:
             self._listeners.append(listener)
@@ -61,7 +59,7 @@ class Listeners:
 
     def deliver(
         self,
-        engine: Engine,
+        engine: object,
         execution: Execution,
         delivered: Callable[[Execution], None] | None = None,
     ) -> bool:

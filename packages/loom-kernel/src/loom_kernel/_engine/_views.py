@@ -6,10 +6,8 @@ from typing import Any
 
 import attrs
 
-from loom_kernel._core._errors import InvalidArgumentError
-from loom_kernel._core._events import ErrorInfo, Event
-from loom_kernel._core._state import ExecutionState, Status
-from loom_kernel._replay._waits import wait_of
+from loom_kernel._core import ErrorInfo, Event, ExecutionState, InvalidArgumentError, Status
+from loom_kernel._replay import wait_of
 
 __all__ = ["Execution", "HistoryEntry"]
 

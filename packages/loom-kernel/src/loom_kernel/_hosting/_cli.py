@@ -10,9 +10,8 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from loom_kernel._core._errors import LoomError
-from loom_kernel._spi._journal import JournalStore, NewRecord
-from loom_kernel._spi._registry import installed_stores, open_store, store_factory
+from loom_kernel._core import LoomError, NewRecord
+from loom_kernel._spi import JournalStore, installed_stores, open_store, store_factory
 
 __all__ = ["check_store", "main"]
 
@@ -81,8 +80,8 @@ def _stores_command(urls: Sequence[str]) -> int:
 
 
 def _inspect_command(args: argparse.Namespace) -> int:
-    from loom_kernel._engine._facade import Engine  # noqa: PLC0415 - only these commands need it
-    from loom_kernel._tools._timeline import format_timeline  # noqa: PLC0415
+    from loom_kernel._engine import Engine, parts_of  # noqa: PLC0415 - for this command only
+    from loom_kernel._tools import format_timeline  # noqa: PLC0415
 
     unreadable: list[str] = []
 
@@ -94,7 +93,9 @@ def _inspect_command(args: argparse.Namespace) -> int:
         with open_store(args.store) as store:
             engine = Engine(store, listeners=[])
             if args.command == "ls":
-                for execution in engine._listing("", args.status, args.flow, report):
+                for execution in parts_of(engine).reading.listing(
+                    "", args.status, args.flow, report
+                ):
                     waiting = (
                         f"  waiting on {execution.waiting_on!r}" if execution.waiting_on else ""
                     )
@@ -112,7 +113,7 @@ def _inspect_command(args: argparse.Namespace) -> int:
 def _worker_command(args: argparse.Namespace) -> int:
     import logging  # noqa: PLC0415 - only this command needs these
 
-    from loom_kernel._engine._facade import Engine  # noqa: PLC0415
+    from loom_kernel._engine import Engine  # noqa: PLC0415
     from loom_kernel._hosting._deploy import load_flows, load_queues  # noqa: PLC0415
     from loom_kernel._hosting._worker import Worker, terminal_status  # noqa: PLC0415
 
@@ -179,7 +180,7 @@ def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
 
 
 def _lint_command(paths: Sequence[str]) -> int:
-    from loom_kernel._tools._lint import lint_paths  # noqa: PLC0415 - only this command needs it
+    from loom_kernel._tools import lint_paths  # noqa: PLC0415 - only this command needs it
 
     missing = [path for path in paths if not os.path.exists(path)]
     findings, unreadable = lint_paths(path for path in paths if path not in missing)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from loom_kernel._engine._facade import Engine
-from loom_kernel._replay._context import Context
-from loom_kernel._replay._flows import flow
-from loom_kernel._spi._clock import FakeClock
-from loom_kernel._spi._registry import open_store
-from loom_kernel._tools._timeline import format_timeline
+from loom_kernel._engine import Engine
+from loom_kernel._replay import Context, flow
+from loom_kernel._spi import FakeClock, open_store
+from loom_kernel._tools import format_timeline
 
 __all__ = ["run_demo"]
 

@@ -9,13 +9,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from loom_kernel._coordination._executions import execution_ids
-from loom_kernel._coordination._queues import Queue
-from loom_kernel._core._errors import InvalidArgumentError, LoomError, NonDeterminismError
-from loom_kernel._engine._facade import Engine
-from loom_kernel._engine._views import Execution
-from loom_kernel._replay._flows import Flow, flow
-from loom_kernel._spi._registry import open_store
+from loom_kernel._coordination import Queue, execution_ids
+from loom_kernel._core import InvalidArgumentError, LoomError, NonDeterminismError
+from loom_kernel._engine import Engine, Execution, parts_of
+from loom_kernel._replay import Flow, flow
+from loom_kernel._spi import open_store
 
 __all__ = ["add_deploy_commands", "load_flows"]
 
@@ -168,7 +166,9 @@ def _known_flow(engine: Engine, name: str) -> bool:
 
 def _check(engine: Engine, execution: Execution) -> str:
     newest = engine.newest(execution.flow).code_hash
-    if execution.code_hash != newest and engine._hosts_code(execution.flow, execution.code_hash):
+    if execution.code_hash != newest and parts_of(engine).driver.flows.hosts_code(
+        execution.flow, execution.code_hash
+    ):
         # Kept registered beside the new code (versioning.md, way 1): driven on its own.
         return (
             f"ok         {execution.id} ({execution.flow}): pinned {execution.code_hash}, "

@@ -17,12 +17,19 @@ from collections.abc import Awaitable, Callable, Coroutine, Generator
 from concurrent.futures import Executor, ThreadPoolExecutor
 from typing import Any, TypeAlias, TypeVar
 
-from loom_kernel._core._codec import to_json
-from loom_kernel._core._errors import LoomError, NonDeterminismError
-from loom_kernel._core._events import ExecutionCompleted, ExecutionFailed, error_info
-from loom_kernel._core._state import ExecutionState
-from loom_kernel._replay._context import AsyncContext, Context, DriveControl, Runtime, Unwind
+from loom_kernel._core import (
+    ExecutionCompleted,
+    ExecutionFailed,
+    ExecutionState,
+    LoomError,
+    NonDeterminismError,
+    error_info,
+    to_json,
+)
+from loom_kernel._replay._async_context import AsyncContext
+from loom_kernel._replay._context import Context
 from loom_kernel._replay._flows import Flow
+from loom_kernel._replay._host import DriveControl, Host, Unwind
 from loom_kernel._replay._servant import FLOW_LOOP, LoopStoppedError, Outcome, Servant
 
 T = TypeVar("T")
@@ -151,7 +158,7 @@ async def _pass_on_loop(
 
 
 def run_flow(
-    definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
+    definition: Flow, host: Host, state: ExecutionState, control: DriveControl
 ) -> Drive[ExecutionCompleted | ExecutionFailed | None]:
     """Re-run the flow from the top until it parks or ends.
 
@@ -168,13 +175,13 @@ def run_flow(
             the journal (including returning or failing before it reached every
             recorded call); the journal is left as it was.
     """
-    ending, context = yield from _execute(definition, runtime, state, control)
+    ending, context = yield from _execute(definition, host, state, control)
     if ending is not None:
         _refuse_unconsumed(state.id, ending, context)
     return ending
 
 
-def replay_check(definition: Flow, runtime: Runtime, state: ExecutionState) -> None:
+def replay_check(definition: Flow, host: Host, state: ExecutionState) -> None:
     """Re-run `definition` against the run's recorded history, in memory, writing nothing.
 
     The replay stops where recorded history ends (at the first call with no record,
@@ -186,7 +193,7 @@ def replay_check(definition: Flow, runtime: Runtime, state: ExecutionState) -> N
             (returns, fails, parks) before it reaches everything recorded.
     """
     control = DriveControl(replay_only=True)
-    ending, context = drive_here(_execute(definition, runtime, state.copy(), control))
+    ending, context = drive_here(_execute(definition, host, state.copy(), control))
     _refuse_unconsumed(state.id, ending, context)
 
 
@@ -210,13 +217,13 @@ def _refuse_unconsumed(
 
 
 def _execute(
-    definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
+    definition: Flow, host: Host, state: ExecutionState, control: DriveControl
 ) -> Drive[tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]]:
     """Run the code from the top, again while a pass asks to (`Context.replay_again`):
     each such pass journaled the steps it left running, so the next one gets further."""
     while True:
         before = state.position
-        ending, context = yield from _execute_once(definition, runtime, state, control)
+        ending, context = yield from _execute_once(definition, host, state, control)
         if not context.replay_again:
             return ending, context
         if state.position == before:  # the next pass would end the same way, forever
@@ -228,12 +235,10 @@ def _execute(
 
 
 def _execute_once(
-    definition: Flow, runtime: Runtime, state: ExecutionState, control: DriveControl
+    definition: Flow, host: Host, state: ExecutionState, control: DriveControl
 ) -> Drive[tuple[ExecutionCompleted | ExecutionFailed | None, Context | AsyncContext]]:
     context: Context | AsyncContext = (
-        AsyncContext(runtime, state, control)
-        if definition.is_async
-        else Context(runtime, state, control)
+        AsyncContext(host, state, control) if definition.is_async else Context(host, state, control)
     )
     try:
         if isinstance(context, AsyncContext):

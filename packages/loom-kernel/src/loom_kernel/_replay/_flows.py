@@ -12,8 +12,7 @@ from typing import Any, overload
 
 import attrs
 
-from loom_kernel._core._errors import InvalidArgumentError
-from loom_kernel._core._numbers import finite_number
+from loom_kernel._core import InvalidArgumentError, finite_number
 
 __all__ = ["Flow", "RetryPolicy", "code_hash", "flow"]
 

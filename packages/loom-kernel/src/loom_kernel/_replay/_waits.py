@@ -18,15 +18,14 @@ from typing import Any, Final, Literal
 
 import attrs
 
-from loom_kernel._coordination._timers import TIMER_GATE
-from loom_kernel._core._canonical import stable_stringify
-from loom_kernel._core._errors import InvalidArgumentError
-from loom_kernel._core._ids import MAX_ID_LENGTH, is_name
+from loom_kernel._core import MAX_ID_LENGTH, InvalidArgumentError, is_name, stable_stringify
 
 __all__ = [
     "FIRST_PREFIX",
     "RECEIVE_PREFIX",
     "RESERVED_RESUME_KEYS",
+    "TIMER_GATE",
+    "Message",
     "Wait",
     "Woken",
     "first_gate",
@@ -34,10 +33,13 @@ __all__ = [
     "message_key",
     "message_payload",
     "receive_gate",
+    "timer_resume_key",
     "validate_topic",
     "wait_of",
 ]
 
+#: The gate name a sleep parks at.
+TIMER_GATE: Final = "loom.timer"
 RECEIVE_PREFIX: Final = "loom.receive:"
 FIRST_PREFIX: Final = "loom.first:"
 _MESSAGE_KEY: Final = "loom.inbox:"
@@ -59,6 +61,25 @@ class Wait:
     gates: tuple[str, ...]
     topics: tuple[str | None, ...] = ()
     named: bool = False
+
+
+@attrs.frozen
+class Message:
+    """A message in a run's inbox.
+
+    Attributes:
+        position: its place in the inbox (1, 2, ...): the send order.
+        topic: its topic (None: the default topic).
+        key: its dedupe key, if it was sent with one.
+        message: the message (JSON).
+        sent_at: when it was sent, by the sender's clock.
+    """
+
+    position: int
+    topic: str | None
+    key: str | None
+    message: Any
+    sent_at: float
 
 
 @attrs.frozen
@@ -118,6 +139,11 @@ def wait_of(on: str) -> Wait | None:
     except (ValueError, KeyError, TypeError, RecursionError) as exc:
         raise InvalidArgumentError(f"a damaged gate name {on!r}: {exc}") from None
     return Wait((on,))
+
+
+def timer_resume_key(gate: int) -> str:
+    """The dedupe key of the resume that wakes timer gate number `gate`."""
+    return f"timer:{gate}"
 
 
 def message_key(position: int) -> str:

@@ -2,3 +2,18 @@
 checked operations a store implements), the fault-injection seam, the `memory://`
 reference store, stores by URL scheme, and the fake clock. It imports only the core.
 """
+
+from loom_kernel._spi._clock import FakeClock
+from loom_kernel._spi._faults import AmbiguousWriteError
+from loom_kernel._spi._journal import APPENDS, JournalStore
+from loom_kernel._spi._registry import installed_stores, open_store, store_factory
+
+__all__ = [
+    "APPENDS",
+    "AmbiguousWriteError",
+    "FakeClock",
+    "JournalStore",
+    "installed_stores",
+    "open_store",
+    "store_factory",
+]

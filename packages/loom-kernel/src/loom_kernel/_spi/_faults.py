@@ -7,7 +7,7 @@ import enum
 from collections import deque
 from typing import Protocol, runtime_checkable
 
-from loom_kernel._core._errors import StoreUnavailableError
+from loom_kernel._core import StoreUnavailableError
 
 __all__ = ["AmbiguousWriteError", "Fault", "FaultInjection", "SupportsFaultInjection"]
 

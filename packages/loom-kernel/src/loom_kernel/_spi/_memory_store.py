@@ -9,14 +9,16 @@ from urllib.parse import urlsplit
 
 import attrs
 
-from loom_kernel._core._errors import (
+from loom_kernel._core import (
     ConflictError,
     InvalidArgumentError,
+    NewRecord,
+    Record,
     StreamDeletedError,
     TrimmedError,
 )
 from loom_kernel._spi._faults import AmbiguousWriteError, FaultInjection
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._spi._journal import JournalStore
 
 __all__ = ["MemoryStore", "open_memory_store"]
 

@@ -9,7 +9,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 import attrs
 
-from loom_kernel._core._errors import InvalidArgumentError, NotFoundError
+from loom_kernel._core import InvalidArgumentError, NotFoundError
 from loom_kernel._spi._journal import JournalStore
 from loom_kernel._spi._memory_store import open_memory_store
 

@@ -6,8 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from loom_kernel._coordination._timers import TIMER_GATE
-from loom_kernel._core._events import (
+from loom_kernel._core import (
     ExecutionCancelled,
     ExecutionClaimed,
     ExecutionCompleted,
@@ -19,7 +18,8 @@ from loom_kernel._core._events import (
     StepCompleted,
     StepFailed,
 )
-from loom_kernel._engine._views import HistoryEntry
+from loom_kernel._engine import HistoryEntry
+from loom_kernel._replay import TIMER_GATE
 
 __all__ = ["format_timeline"]
 

@@ -17,8 +17,9 @@ from loom_kernel._core._errors import (
     TrimmedError,
 )
 from loom_kernel._core._ids import ID_ALPHABET, MAX_ID_LENGTH
+from loom_kernel._core._records import MAX_KIND_LENGTH, NewRecord, Record
 from loom_kernel._spi._faults import Fault, SupportsFaultInjection
-from loom_kernel._spi._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel._spi._journal import JournalStore
 from loom_kernel.testing._harness import NotApplicable, StoreHarness
 
 __all__ = ["BAD_IDS", "CHECKS", "Check", "list_in_pages", "read_in_pages", "records"]

@@ -13,7 +13,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from loom_kernel._spi._journal import JournalStore, NewRecord, Record
+from loom_kernel._core._records import NewRecord, Record
+from loom_kernel._spi._journal import JournalStore
 
 __all__ = ["Interleaving"]
 

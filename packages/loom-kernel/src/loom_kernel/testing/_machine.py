@@ -16,7 +16,8 @@ from hypothesis.stateful import (
 )
 
 from loom_kernel._core._errors import ConflictError, LoomError, TrimmedError
-from loom_kernel._spi._journal import MAX_KIND_LENGTH, JournalStore, NewRecord, Record
+from loom_kernel._core._records import MAX_KIND_LENGTH, NewRecord, Record
+from loom_kernel._spi._journal import JournalStore
 from loom_kernel._spi._memory_store import MemoryStore
 from loom_kernel.testing._checks import BAD_IDS, list_in_pages, read_in_pages
 from loom_kernel.testing._harness import StoreHarness

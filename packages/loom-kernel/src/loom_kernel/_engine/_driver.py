@@ -1,0 +1,360 @@
+"""The driver every part of the engine drives runs through: check a run's state out,
+lock it, drive it, journal how the drive ended, and hand the view to the listeners.
+
+The Engine, the Worker and run handles share one driver per engine. It owns the
+engine's configuration, the coordination streams a drive touches (the run index,
+timers, inboxes, published values, the heartbeat), the cache of folded states and the
+per-run locks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from typing import Any
+
+import attrs
+
+from loom_kernel._coordination import (
+    Heartbeat,
+    Inbox,
+    Published,
+    RunIndex,
+    TimerIndex,
+    abandoned_here,
+    default_worker_id,
+    driving_here,
+    load,
+    sighting,
+)
+from loom_kernel._core import (
+    ConflictError,
+    Event,
+    ExecutionClaimed,
+    ExecutionState,
+    InvalidArgumentError,
+    LoomError,
+    RunBusyError,
+    Status,
+    encode_event,
+    has_utf8,
+    stream_of,
+)
+from loom_kernel._engine._cache import StateCache
+from loom_kernel._engine._flow_book import FlowBook
+from loom_kernel._engine._listeners import AnyListener, Listeners
+from loom_kernel._engine._locks import KeyedLocks, LockBusyError
+from loom_kernel._engine._views import Execution
+from loom_kernel._replay import (
+    Drive,
+    DriveControl,
+    Host,
+    Message,
+    RetryPolicy,
+    drive_here,
+    run_flow,
+)
+from loom_kernel._spi import JournalStore
+
+__all__ = ["Driver", "check_reason"]
+
+logger = logging.getLogger("loom")
+
+
+@attrs.frozen
+class Settings:
+    """What an engine is configured with (see `Engine`)."""
+
+    store: JournalStore
+    clock: Callable[[], float]
+    sleep: Callable[[float], None]
+    async_sleep: Callable[[float], Awaitable[None]]
+    retry: RetryPolicy
+    lease: float
+    worker_id: str | None
+    cache_size: int
+
+
+class Driver:
+    """Drives the runs of one engine (see the module's docstring)."""
+
+    def __init__(
+        self, engine: object, settings: Settings, flows: FlowBook, listeners: Iterable[AnyListener]
+    ) -> None:
+        store, clock = settings.store, settings.clock
+        self.engine = engine
+        self.settings = settings
+        self.store = store
+        self.clock = clock
+        self.lease = settings.lease
+        self.flows = flows
+        self._default_id = (os.getpid(), default_worker_id())
+        self.heartbeat = Heartbeat(store, lambda: self.worker_id, self.lease, clock)
+        self.timers = TimerIndex(store, clock)
+        self.runs = RunIndex(store, clock)
+        self.inbox = Inbox(store, clock)
+        self.published = Published(store, clock)
+        self.cache = StateCache(settings.cache_size)
+        self.locks = KeyedLocks()
+        self.listeners = Listeners(listeners)
+        self._drives: dict[str, DriveControl] = {}
+        self._drives_lock = threading.Lock()
+        self._finishes = threading.Condition()  # notified when a drive here ends a run
+        self.finished_count = 0
+        self.host = Host(
+            engine,
+            store,
+            clock,
+            settings.sleep,
+            settings.async_sleep,
+            settings.retry,
+            lambda: self.worker_id,
+            self.heartbeat.in_doubt,
+            self._add_timer,
+            self._next_message,
+            self._publish,
+        )
+
+    @property
+    def worker_id(self) -> str:
+        """Who this engine is in the journal: the configured id, or one made for this
+        process (a process forked from it gets its own)."""
+        configured = self.settings.worker_id
+        if configured is not None:
+            return configured
+        pid, made = self._default_id
+        if pid != os.getpid():
+            self._default_id = pid, made = os.getpid(), default_worker_id()
+        return made
+
+    # The streams a drive writes beside its journal, looked up at each call (a test
+    # may stand in for one of them).
+
+    def _add_timer(self, execution_id: str, gate: int, wake_at: float) -> None:
+        self.timers.add(execution_id, gate, wake_at)
+
+    def _next_message(
+        self, execution_id: str, topics: tuple[str | None, ...], consumed: set[int]
+    ) -> Message | None:
+        return self.inbox.next_for(execution_id, topics, consumed)
+
+    def _publish(self, execution_id: str, key: str, value: Any) -> None:
+        self.published.set(execution_id, key, value)
+
+    # -- states -----------------------------------------------------------------
+
+    def checkout(self, execution_id: str) -> ExecutionState:
+        """The execution's current state, for this caller alone (see StateCache): give
+        it back (or drop it) when done.
+
+        Raises:
+            ExecutionNotFoundError: no such execution.
+            InvalidIdError: the id is not a valid execution id.
+        """
+        stream_of(execution_id)
+        return load(self.store, execution_id, self.cache.take(execution_id))
+
+    def view(self, execution_id: str, read: Callable[[ExecutionState], Any]) -> Any:
+        """`read` of the execution's current state."""
+        state = self.checkout(execution_id)
+        try:
+            return read(state)
+        finally:
+            self.cache.give_back(state)
+
+    def execution(self, execution_id: str) -> Execution:
+        """The execution's current view; for a running run, who drives it and when that
+        worker was last seen (see `Engine.get`)."""
+        view: Execution = self.view(execution_id, Execution.of)
+        if view.owner is None:
+            return view
+        seen = sighting(self.store, view.owner, execution_id, stream_of(execution_id))
+        return attrs.evolve(view, owner_seen_at=seen.seen_at)
+
+    def append(
+        self, state: ExecutionState, events: list[Event], control: DriveControl | None = None
+    ) -> None:
+        """Journal `events` at the state's position, after what the drive holds pending."""
+        stream = stream_of(state.id)
+        now = self.clock()
+        pending = control.pending if control is not None else []
+        records = pending + [encode_event(e, now) for e in events]
+        self.store.append(stream, state.position - len(pending), records)
+        pending.clear()
+        for event in events:
+            state.apply(event)
+
+    # -- driving ----------------------------------------------------------------
+
+    def drive(self, state: ExecutionState, control: DriveControl | None = None) -> Drive[None]:
+        """Re-run the flow from the top until it parks or ends, and journal how it ended.
+
+        Raises:
+            ConflictError: another writer moved the journal (this run stopped).
+            NonDeterminismError, InvalidArgumentError: the code misused or diverged
+                from the journal; the journal is left as it was.
+        """
+        if state.status is not Status.RUNNING:
+            return
+        control = control or DriveControl()
+        ending = yield from run_flow(self.flows.pinned(state), self.host, state, control)
+        if ending is not None:
+            self.append(state, [ending], control)
+        elif control.pending:  # parked without new work: the resume still happened
+            stream = stream_of(state.id)
+            self.store.append(stream, state.position - len(control.pending), control.pending)
+            control.pending.clear()
+
+    def drive_owned(self, state: ExecutionState, control: DriveControl | None = None) -> Execution:
+        """`driving_owned` on this thread."""
+        return drive_here(self.driving_owned(state, control))
+
+    def driving_owned(
+        self, state: ExecutionState, control: DriveControl | None = None
+    ) -> Drive[Execution]:
+        """Drive a state this caller owns (holding the run's lock), then cache it.
+
+        A racing writer (another engine, or a cancel) is the one now in charge: the
+        run stops and the view returned is the journal's, read afresh.
+
+        Returns:
+            The run's view after the drive (built before the state goes back to the
+            cache, where another thread may fold into it).
+        """
+        control = control or DriveControl()
+        with self._drives_lock:
+            self._drives[state.id] = control
+        try:
+            with self.heartbeat.holding(state.id):
+                yield from self.drive(state, control)
+        except ConflictError:
+            if control.pending:
+                raise  # the resume itself lost the race: the caller's payload went nowhere
+            state = load(self.store, state.id, None)
+        finally:
+            with self._drives_lock:
+                if self._drives.get(state.id) is control:
+                    del self._drives[state.id]
+        execution = Execution.of(state)
+        self.cache.give_back(state)
+        return execution
+
+    def stop(self, execution_id: str) -> None:
+        """Stop a drive of this engine in progress before its next step (a cancel)."""
+        with self._drives_lock:
+            control = self._drives.get(execution_id)
+        if control is not None:
+            control.stopped = True
+
+    def drives_in_progress(self) -> int:
+        """How many drives of this engine are in progress."""
+        with self._drives_lock:
+            return len(self._drives)
+
+    @contextlib.contextmanager
+    def run_lock(self, execution_id: str) -> Iterator[None]:
+        """Hold a run's lock to resume it. From inside a drive (a step resuming
+        another run), wait half a lease at most: two runs whose steps resume each
+        other would otherwise wait for each other for ever.
+
+        Raises:
+            RunBusyError: the wait from inside a drive passed.
+        """
+        wait = self.lease / 2 if self.locks.holding_any() else None
+        try:
+            with self.locks.hold(execution_id, wait=wait):
+                yield
+        except LockBusyError:
+            raise RunBusyError(execution_id, wait or 0.0) from None
+
+    # -- owners -------------------------------------------------------------------
+
+    def take_over(self, state: ExecutionState) -> bool:
+        """Whether this engine may drive a running run now, claiming it first when
+        another worker owned it (an append at the exact head: one taker wins, and the
+        old owner's next append is refused)."""
+        self.flows.pinned(state)  # a worker without the run's code never claims it
+        owner, me = state.owner, self.worker_id
+        if self.driven_now(state, besides=1):  # besides this recover
+            return False
+        try:  # a claim even of a run with no owner (1.16) or ours: it is a fresh sighting
+            self.append(state, [ExecutionClaimed(me, owner)])
+        except ConflictError:
+            return False  # another taker, a cancel or the owner itself moved first
+        return True
+
+    def driven_now(self, state: ExecutionState, *, besides: int = 0) -> bool:
+        """Whether a running run's owner may be driving it now: a drive of this
+        engine's own (not counting `besides` holds the caller has), or another owner
+        seen within the lease that has not dropped it and is not known gone."""
+        owner = state.owner
+        if owner is None:
+            return False
+        if owner == self.worker_id:
+            # Ours: a drive of ours stopped (a store fault), or this worker restarted
+            # under its configured id; unless a drive of ours is on it right now.
+            return driving_here(owner, state.id, besides=besides)
+        if abandoned_here(owner, state.id):
+            return False
+        seen = sighting(self.store, owner, state.id, stream_of(state.id))
+        if seen.expired(self.clock(), self.lease):
+            return False
+        logger.debug(
+            "loom: %s is running on %s (seen %.1f s ago): left to it",
+            state.id,
+            owner,
+            self.clock() - (seen.seen_at or 0.0),
+        )
+        return True
+
+    # -- after a drive ------------------------------------------------------------
+
+    def settled(
+        self, execution: Execution, delivered: Callable[[Execution], None] | None = None
+    ) -> Execution:
+        """Tell the listeners about a run that parked or ended; return its view after them
+        (a listener may have moved it on, by resuming it, say). A finished run is then
+        closed in the run index (or handed to `delivered` instead)."""
+        if execution.status is Status.RUNNING:
+            return execution
+        if execution.status.finished:
+            with self._finishes:
+                self.finished_count += 1
+                self._finishes.notify_all()
+        then = delivered or self.close
+        if not self.listeners:
+            try:
+                then(execution)
+            except LoomError as exc:  # still open: the next recover() closes it
+                logger.warning("loom: %s not closed in the run index: %s", execution.id, exc)
+            return execution
+        if not self.listeners.deliver(self.engine, execution, then):
+            return execution  # queued for the delivery loop this call runs inside
+        try:
+            return self.execution(execution.id)
+        except LoomError:
+            return execution
+
+    def wait_for_a_finish(self, seen: int, seconds: float) -> None:
+        """Wait up to `seconds` for a drive of this engine to end a run, unless one
+        has since `seen` (the count `finished_count` had): a handle waiting on a run
+        driven here wakes at once, not at its next look."""
+        with self._finishes:
+            if self.finished_count == seen:
+                self._finishes.wait(seconds)
+
+    def close(self, execution: Execution) -> None:
+        """Close a finished run in the run index, once its listeners have all run."""
+        if execution.status.finished:
+            self.runs.closed(execution.id, execution.status, execution.flow)
+
+
+def check_reason(reason: object) -> None:
+    """A cancel's or a migration's reason: a str, or None (the journal records it)."""
+    if reason is not None and not isinstance(reason, str):
+        raise InvalidArgumentError(f"a reason is a str or None, not {reason!r}")
+    if reason is not None and not has_utf8(reason):
+        raise InvalidArgumentError(f"a reason has a UTF-8 form (no lone surrogate): {reason!r}")

@@ -1,0 +1,200 @@
+"""Reading: what a run is now (its view, state, steps and history), which runs a store
+holds (listed through the run index), and what a run published.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from loom_kernel._coordination import ENDED, execution_ids
+from loom_kernel._core import (
+    EXECUTION_PREFIX,
+    ExecutionNotFoundError,
+    ExecutionState,
+    InvalidArgumentError,
+    InvalidIdError,
+    SchemaError,
+    Status,
+    StepFrame,
+    StreamDeletedError,
+    TrimmedError,
+    check_gapless,
+    decode_events,
+    event_key_refusal,
+    finite_number,
+    is_name,
+    stream_of,
+    validate_prefix,
+)
+from loom_kernel._engine._driver import Driver
+from loom_kernel._engine._views import Execution, HistoryEntry
+
+__all__ = ["EventLooks", "Reading"]
+
+logger = logging.getLogger("loom")
+
+
+class Reading:
+    """Reads the runs of one engine's store."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+
+    def state(self, execution_id: str) -> ExecutionState:
+        """See `Engine.state`."""
+        copy: ExecutionState = self._driver.view(execution_id, ExecutionState.copy)
+        return copy
+
+    def frames(self, execution_id: str) -> Mapping[int, StepFrame]:
+        """See `Engine.frames`."""
+        frames: Mapping[int, StepFrame] = self._driver.view(
+            execution_id, lambda state: MappingProxyType(dict(state.steps))
+        )
+        return frames
+
+    def history(self, execution_id: str) -> list[HistoryEntry]:
+        """See `Engine.history`."""
+        store = self._driver.store
+        stream = stream_of(execution_id)
+        after = 0
+        try:
+            try:
+                records = store.read(stream)
+            except TrimmedError as exc:
+                after = exc.floor
+                records = store.read(stream, after)
+        except StreamDeletedError:
+            raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted") from None
+        if not records:
+            raise ExecutionNotFoundError(f"no execution with id {execution_id!r}")
+        check_gapless(records, after, stream)
+        events = decode_events(records, stream)
+        return [
+            HistoryEntry(r.position, r.timestamp, e) for r, e in zip(records, events, strict=True)
+        ]
+
+    def listing(
+        self,
+        prefix: str,
+        status: Status | str | Iterable[Status | str] | None,
+        flow: str | None,
+        unreadable: Callable[[str, SchemaError], None] | None = None,
+    ) -> Iterator[Execution]:
+        """`Engine.executions`; with `unreadable`, a run whose journal cannot be folded
+        is handed to it and the listing goes on (`loom ls`)."""
+        wanted = _statuses(status)
+        if wanted is None and flow is None:
+            ids: Iterable[str] = execution_ids(self._driver.store, prefix)
+        else:
+            ids = self._indexed_ids(prefix, wanted, flow)
+        for execution_id in ids:
+            try:
+                execution = self._driver.execution(execution_id)
+            except ExecutionNotFoundError:
+                continue
+            except SchemaError as exc:
+                if unreadable is None:
+                    raise
+                unreadable(execution_id, exc)
+                continue
+            if (wanted is None or execution.status in wanted) and (
+                flow is None or execution.flow == flow
+            ):
+                yield execution
+
+    def _indexed_ids(
+        self, prefix: str, wanted: frozenset[Status] | None, flow: str | None
+    ) -> Iterable[str]:
+        """The ids that may match, from the run index (every id, when it is not built
+        or is damaged)."""
+        if not isinstance(prefix, str):
+            raise InvalidIdError(prefix, "an execution id prefix is a str")
+        validate_prefix(EXECUTION_PREFIX + prefix)
+        store, runs = self._driver.store, self._driver.runs
+        try:
+            if not runs.built():
+                return execution_ids(store, prefix)
+            found: set[str] = set()
+            for hint in runs.open_runs():
+                if flow is None or hint.flow == flow:
+                    found.add(hint.execution_id)
+            for execution_id, ended_as, ended_flow in runs.closed_runs():
+                if (wanted is None or ended_as in wanted) and (flow is None or ended_flow == flow):
+                    found.add(execution_id)
+            for ended_as in ENDED:
+                if wanted is not None and ended_as not in wanted:
+                    continue
+                for execution_id, ended_flow in runs.ended(ended_as):
+                    if flow is None or ended_flow == flow:
+                        found.add(execution_id)
+        except SchemaError as exc:
+            logger.warning("loom: %s; listing every journal instead", exc)
+            return execution_ids(store, prefix)
+        return sorted(execution_id for execution_id in found if execution_id.startswith(prefix))
+
+    def event_looks(self, execution_id: str, key: str, timeout: float | None) -> EventLooks:
+        """The looks of a `get_event`, its arguments checked."""
+        stream_of(execution_id)
+        if not is_name(key):
+            raise InvalidArgumentError(event_key_refusal(key))
+        if timeout is not None and (not finite_number(timeout) or timeout < 0):
+            raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
+        return EventLooks(self._driver, execution_id, key, timeout)
+
+    def get_event(self, execution_id: str, key: str, timeout: float | None) -> Any:
+        """See `Engine.get_event`."""
+        looks = self.event_looks(execution_id, key, timeout)
+        while True:
+            pause, value = looks.look()
+            if pause is None:
+                return value
+            time.sleep(pause)
+
+    def get_events(self, execution_id: str) -> dict[str, Any]:
+        """See `Engine.get_events`."""
+        stream_of(execution_id)
+        return self._driver.published.values(execution_id)
+
+
+class EventLooks:
+    """A `get_event`'s looks at what a run published: each says how long to wait
+    before the next, or (None, the value) once the wait is over."""
+
+    def __init__(self, driver: Driver, execution_id: str, key: str, timeout: float | None) -> None:
+        self._driver = driver
+        self._id = execution_id
+        self._key = key
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._pause = 0.005
+
+    def look(self) -> tuple[float | None, Any]:
+        driver, execution_id = self._driver, self._id
+        values = driver.published.values(execution_id)
+        if self._key in values:
+            return None, values[self._key]
+        left = 0.0 if self._deadline is None else self._deadline - time.monotonic()
+        if left <= 0:
+            return None, None
+        with contextlib.suppress(ExecutionNotFoundError):
+            if driver.view(execution_id, lambda state: state.status.finished):
+                return None, driver.published.values(execution_id).get(self._key)
+        pause = min(self._pause, left)
+        self._pause = min(self._pause * 2, 0.25)
+        return pause, None
+
+
+def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset[Status] | None:
+    """The statuses asked for, validated."""
+    if status is None:
+        return None
+    items = [status] if isinstance(status, str) else list(status)
+    try:
+        return frozenset(Status(item) for item in items)
+    except ValueError:
+        known = ", ".join(member.value for member in Status)
+        raise InvalidArgumentError(f"a status is one of {known}, not {status!r}") from None

@@ -1,0 +1,107 @@
+"""Starting runs: a run's first record, written after its hint in the run index (K9:
+a start by key lands once, however many processes race to write it).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Final
+
+from loom_kernel._core import (
+    ConflictError,
+    ExecutionNotFoundError,
+    ExecutionStarted,
+    ExecutionState,
+    StreamDeletedError,
+    encode_event,
+    new_execution_id,
+    stream_of,
+    to_json,
+)
+from loom_kernel._engine._driver import Driver
+from loom_kernel._engine._views import Execution
+from loom_kernel._replay import Flow
+
+__all__ = ["Starts", "fresh_execution_id"]
+
+
+class Starts:
+    """Starts runs of one engine."""
+
+    def __init__(self, driver: Driver) -> None:
+        self._driver = driver
+
+    def start(
+        self, flow_name: str | Flow, input: Any, key: str | None, parent: str | None
+    ) -> Execution:
+        """Start a run and drive it here until it parks or ends (see `Engine.start`)."""
+        driver = self._driver
+        execution_id, event = self.new_start(flow_name, input, key, parent, driver.worker_id)
+        with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
+            if not self.append_start(event, execution_id):
+                return driver.execution(execution_id)
+            state = ExecutionState(id=execution_id)
+            state.apply(event)
+            execution = driver.drive_owned(state)
+        return driver.settled(execution)
+
+    def new_start(
+        self, flow_name: str | Flow, input: Any, key: str | None, parent: str | None, by: str | None
+    ) -> tuple[str, ExecutionStarted]:
+        """The id and the EXECUTION_STARTED of a new run (nothing journaled yet)."""
+        definition = self._driver.flows.newest(flow_name)
+        data = to_json(input, "the flow input")
+        execution_id = new_execution_id(key) if key is not None else fresh_execution_id()
+        started = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, by)
+        return execution_id, started
+
+    def append_start(self, event: ExecutionStarted, execution_id: str) -> bool:
+        """Index the run (the hint first), then journal its start. False when a run
+        with that id exists already.
+
+        Raises:
+            ExecutionNotFoundError: the id belongs to a deleted run.
+        """
+        driver = self._driver
+        stream = stream_of(execution_id)
+        queue = None if event.queue is None else event.queue.name
+        try:
+            if event.key is not None and driver.store.head(stream) > 0:
+                return False  # a start by key of a run that exists: no second hint
+            hinted = time.monotonic()
+            driver.runs.opened(execution_id, event.flow, driver.worker_id, queue)
+            driver.store.append(stream, 0, [encode_event(event, driver.clock())])
+        except ConflictError:
+            return False
+        except StreamDeletedError:
+            raise ExecutionNotFoundError(
+                f"execution {execution_id!r} was deleted; its key cannot start another run"
+            ) from None
+        if time.monotonic() - hinted > driver.lease / 2:
+            # Paused between the hint and the start (a frozen VM, say): another worker
+            # may have judged the hint abandoned and dropped it. Write it again.
+            driver.runs.opened(execution_id, event.flow, driver.worker_id, queue)
+        return True
+
+
+def fresh_execution_id() -> str:
+    """The id of a run started without a key: a version 7 UUID's 32 hex digits (RFC
+    9562: the Unix time in milliseconds, then 74 random bits).
+
+    Ids made later sort after earlier ones (within a millisecond, at random), so the
+    journals of new runs land side by side in a store that keeps streams in name
+    order (SQLite's clustered records b-tree) instead of at random places all over
+    it. Nothing relies on that order: a clock that jumps back only costs locality (a
+    clock before 1970 counts as 1970).
+    """
+    millis = max(time.time_ns() // 1_000_000, 0) & _MILLIS
+    value = millis << 80 | int.from_bytes(os.urandom(10))
+    return f"{value & _UUID7_CLEAR | _UUID7_SET:032x}"
+
+
+#: The 48 bits of milliseconds a version 7 UUID holds.
+_MILLIS: Final = (1 << 48) - 1
+#: Where the version (7) and the variant (0b10) go, cleared, then set.
+_UUID7_CLEAR: Final = ~((0xF << 76) | (0x3 << 62)) & ((1 << 128) - 1)
+_UUID7_SET: Final = (0x7 << 76) | (0x2 << 62)

@@ -1,0 +1,246 @@
+"""How a worker serves its engine's queues: admit runs as the free slots and each
+queue's limits allow (a take at the partition's exact head, so two workers never
+admit past a limit), say when a run is done, give back the admissions of runs their
+taker no longer drives, and mend a partition that holds a damaged record.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Final
+
+from loom_kernel._coordination import Queue, QueueFold, exited_here, pick
+from loom_kernel._core import ConflictError, LoomError, SchemaError
+from loom_kernel._engine import EngineParts, QueuedDrive
+from loom_kernel._hosting._slots import Slots, Task, WorkerStats
+from loom_kernel._replay import Drive
+
+__all__ = ["QueueServing"]
+
+logger = logging.getLogger("loom")
+
+#: Takes one poll tries on a queue partition that other workers keep moving.
+_TAKE_ATTEMPTS: Final = 4
+
+
+class QueueServing:
+    """Serves the queues one worker admits runs from."""
+
+    def __init__(
+        self,
+        parts: EngineParts,
+        names: list[str],
+        *,
+        slots: Slots,
+        stats: WorkerStats,
+        stopping: threading.Event,
+        beat: Callable[[], None],
+    ) -> None:
+        self._parts = parts
+        self._book = parts.enqueueing.book
+        self.names = names
+        self._slots = slots
+        self._stats = stats
+        self._stopping = stopping
+        self._beat = beat
+        self._turn = 0  # which queue, and partition of each, a poll serves first
+
+    def serve(self, *, sweep: bool) -> int:
+        """Admit from each queue's partitions as many runs as the free slots and the
+        queue's limits allow, and hand them to the slots; how many were handed. On a
+        sweep, first give back the admissions of runs their taker no longer drives."""
+        handed = 0
+        self._turn += 1
+        names = self.names
+        for offset in range(len(names)):  # each queue is served first in turn
+            name = names[(self._turn + offset) % len(names)]
+            queue = self._book.queues[name]
+            count = queue.partitions
+            for partition in [(self._turn + offset) % count for offset in range(count)]:
+                try:
+                    handed += self._serve_partition(queue, partition, sweep=sweep)
+                except SchemaError as exc:
+                    self._stats.failures += 1
+                    logger.warning("loom: queue %s/%d: %s", name, partition, exc)
+                    if exc.stream == self._book.stream(name, partition):
+                        self._mend(name, partition)
+                except LoomError as exc:
+                    self._stats.failures += 1
+                    logger.warning("loom: queue %s/%d: %s", name, partition, exc)
+        return handed
+
+    def _mend(self, name: str, partition: int) -> None:
+        """Rewrite a queue partition that holds a damaged record."""
+        try:
+            self._book.rewrite(name, partition)
+        except LoomError as exc:
+            logger.warning("loom: queue %s/%d not mended: %s", name, partition, exc)
+
+    def _serve_partition(self, queue: Queue, partition: int, *, sweep: bool) -> int:
+        if sweep:
+            self._reap(queue, partition, self._book.read(queue.name, partition))
+        admitted = self._admit(queue, partition, self._slots.free())
+        for task in admitted:
+            if not self._slots.submit(task, queue=True):  # a visit of it is in flight
+                assert task.let_go is not None
+                task.let_go()
+        return len(admitted)
+
+    def _admit(self, queue: Queue, partition: int, free: int) -> list[Task]:
+        """Admit as many runs as `free` slots and the limits allow, with a take at the
+        partition's exact head (folding it again when another process moved it); the
+        tasks that drive them."""
+        driver = self._parts.driver
+        book = self._book
+        with book.holding(queue.name, partition):
+            for _ in range(_TAKE_ATTEMPTS):
+                if free <= 0 or self._stopping.is_set():
+                    return []
+                fold = book.refresh(queue.name, partition)
+                cap, rate = queue.share(partition)
+                chosen = pick(
+                    fold,
+                    cap=cap,
+                    per_key=queue.per_key,
+                    rate=rate,
+                    now=driver.clock(),
+                    free=free,
+                    hosts=driver.flows.hosts_code,
+                    busy=self._slots.busy_with,
+                )
+                if not chosen:
+                    return []
+                try:
+                    take = book.take(queue.name, partition, fold, chosen, driver.worker_id)
+                except ConflictError:  # another process admitted or added: fold again
+                    continue
+                return [self._queued_task(queue, partition, run, take) for run in chosen]
+        return []
+
+    def _queued_task(self, queue: Queue, partition: int, execution_id: str, take: int) -> Task:
+        drive = partial(self._drive_queued, queue, partition, execution_id, take)
+        let_go = partial(
+            self._give_back, queue.name, partition, execution_id, take, requeue=True, unused=True
+        )
+        return Task(execution_id, drive, let_go, since=time.monotonic())
+
+    def _drive_queued(
+        self, queue: Queue, partition: int, execution_id: str, take: int
+    ) -> Drive[None]:
+        """Drive a run this worker admitted, then say it is done: waiting again if it
+        is still running (let go at a stop, or its claim met a live owner or a passing
+        fault). A drive that raised (a divergence, a store fault mid-drive) is done
+        too; if the run is left running, a sweep puts it back on the queue half a
+        lease after its last record, so a failing run is retried at that pace."""
+        outcome = None
+        try:
+            outcome = yield from self._parts.enqueueing.drive_queued(execution_id)
+            if outcome is QueuedDrive.LEFT_RUNNING:
+                self._beat()  # says it no longer drives the run: the next taker claims it
+            if outcome in (QueuedDrive.DRIVEN, QueuedDrive.LEFT_RUNNING):
+                self._stats.driven += 1
+        finally:
+            self._stats.visited += 1
+            requeue = outcome in (QueuedDrive.LEFT_RUNNING, QueuedDrive.NOT_NOW)
+            unused = outcome in (QueuedDrive.NOT_NOW, QueuedDrive.VOID)
+            self._finish(queue, partition, execution_id, take, requeue=requeue, unused=unused)
+
+    def _finish(
+        self,
+        queue: Queue,
+        partition: int,
+        execution_id: str,
+        take: int,
+        *,
+        requeue: bool,
+        unused: bool,
+    ) -> None:
+        """Say a run this slot drove is done, then admit the next run for this slot
+        when the limits allow, rather than leave the slot to the next poll; the slot's
+        thread drives it next. The next run comes from the worker's queues in turn,
+        starting after this one (a busy queue would keep every slot otherwise); a
+        queue of several partitions is left to the polls, which serve its partitions
+        in turn, for the same reason."""
+        book = self._book
+        done = book.done_record(execution_id, take, requeue=requeue, unused=unused)
+        # Found work (a due timer, say) waits for the slot, or the run may need it
+        # again at once.
+        chain = not (requeue or self._slots.backlog_waits())
+        try:
+            with book.holding(queue.name, partition):
+                book.append_at(queue.name, partition, book.refresh(queue.name, partition), [done])
+        except LoomError as exc:  # another process moved it: the done wherever the head is
+            logger.debug("loom: queue %s/%d: %s", queue.name, partition, exc)
+            self._give_back(
+                queue.name, partition, execution_id, take, requeue=requeue, unused=unused
+            )
+            self._slots.wake()  # the next poll admits for the free slots at once
+            return
+        try:
+            admitted = self._admit_next(queue) if chain else []
+        except LoomError as exc:  # a damaged partition, say: the polls say it and mend it
+            logger.debug("loom: admitting after %s: %s", execution_id, exc)
+            self._slots.wake()
+            return
+        self._slots.next_up(admitted)  # taken next by this slot's thread
+
+    def _admit_next(self, after: Queue) -> list[Task]:
+        """Admit one run for a slot that has just finished a run of `after`: from the
+        first of the worker's queues, in turn from the one after it, that has one to
+        admit (queues of several partitions are left to the polls)."""
+        names = self.names
+        start = names.index(after.name)
+        for offset in range(1, len(names) + 1):
+            queue = self._book.queues[names[(start + offset) % len(names)]]
+            if queue.partitions == 1:
+                admitted = self._admit(queue, 0, 1)
+                if admitted:
+                    return admitted
+        return []
+
+    def _give_back(
+        self,
+        name: str,
+        partition: int,
+        execution_id: str,
+        take: int,
+        *,
+        requeue: bool,
+        unused: bool = False,
+    ) -> None:
+        try:
+            self._book.done(name, partition, execution_id, take, requeue=requeue, unused=unused)
+        except LoomError as exc:  # a sweep's reaping gives the admission back
+            self._stats.failures += 1
+            logger.warning("loom: %s: its queue's done record: %s", execution_id, exc)
+
+    def _reap(self, queue: Queue, partition: int, fold: QueueFold) -> bool:
+        """Give back the admissions, older than half a lease, of runs their taker no
+        longer drives (it crashed, stopped, or never claimed them); whether any was."""
+        driver = self._parts.driver
+        horizon = driver.clock() - driver.lease / 2
+        reaped = False
+        for execution_id, active in fold.active.items():
+            # Its taker has had half a lease to claim it, by the clocks; or its taker
+            # is a process of this machine that has exited, whatever the clocks say.
+            if active.at > horizon and not exited_here(active.by):
+                continue
+            if active.by == driver.worker_id and self._slots.busy_with(execution_id):
+                continue
+            try:
+                requeue = self._parts.enqueueing.queued_stale(execution_id, active.by)
+            except SchemaError as exc:  # a run that cannot be read holds no place
+                logger.warning("loom: %s: admitted, and cannot be read: %s", execution_id, exc)
+                requeue = False
+            except LoomError as exc:  # a passing fault: the next sweep looks again
+                logger.warning("loom: %s: %s: %s", execution_id, type(exc).__name__, exc)
+                continue
+            if requeue is not None:
+                logger.info("loom: %s: admitted by %s, no longer driven", execution_id, active.by)
+                self._give_back(queue.name, partition, execution_id, active.take, requeue=requeue)
+                reaped = True
+        return reaped

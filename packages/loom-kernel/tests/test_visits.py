@@ -1,0 +1,69 @@
+"""A worker's visits to the open runs of the run index, made by hand (no worker, no
+poll loop): a run whose start had not landed when its hint was read is looked at
+again by the next polls."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from loom_kernel import Context, Engine, MemoryStore, flow
+from loom_kernel._engine import parts_of
+from loom_kernel._hosting._slots import Slots, WorkerStats
+from loom_kernel._hosting._visits import OpenRunVisits
+
+
+@flow(name="three", version="1")
+def three(ctx: Context, tag: str) -> Any:
+    return [ctx.step(f"s{i}", lambda i=i: f"{tag}:{i}") for i in range(3)]
+
+
+def _engine(store: MemoryStore) -> Engine:
+    return Engine(store, [three], listeners=[])
+
+
+def _visits(engine: Engine, concurrency: int = 8) -> tuple[OpenRunVisits, Slots]:
+    """The visits of a worker of `engine` (a Worker's default concurrency), and the
+    slots they hand their runs to (not open)."""
+    parts, stats = parts_of(engine), WorkerStats()
+    slots = Slots(parts, concurrency, stats, threading.Event(), threading.Event())
+    return OpenRunVisits(parts, slots, stats), slots
+
+
+def test_a_run_whose_hint_a_poll_saw_while_its_enqueue_was_writing_is_visited_next_poll() -> None:
+    class PollDuringTheStart(MemoryStore):
+        during: Any = None
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == "ex/k" and expected == 0 and self.during is not None:
+                self.during()  # the hint is there, the start not yet
+            return super()._append(stream, expected, records)
+
+    store = PollDuringTheStart()
+    engine = _engine(store)
+    visits, slots = _visits(engine)
+    with ThreadPoolExecutor(2) as pool:
+        slots.open(pool, None)
+        handed: list[int] = []
+        store.during = lambda: handed.append(visits.visit_open(sweep=False))
+        handle = engine.enqueue("three", "k", key="k")
+        store.during = None
+        assert handed == [0], "the enqueue is still writing it: left alone"
+        assert visits.visit_open(sweep=False) == 1, "not taken for seen"
+        assert handle.result(timeout=10) == ["k:0", "k:1", "k:2"]
+
+
+def test_a_run_not_started_yet_is_looked_at_again_by_a_few_polls_then_left_to_sweeps() -> None:
+    """A hint read before its run's start landed has the next few polls look again;
+    past `_NOT_STARTED_LOOKS` looks (its writer may be gone), only the sweeps do."""
+    from loom_kernel._hosting._visits import _NOT_STARTED_LOOKS
+
+    visits, slots = _visits(_engine(MemoryStore()))
+    for _ in range(_NOT_STARTED_LOOKS):
+        visits._look_again("r")
+        assert "r" in slots._look_again_after
+        slots._look_again_after.discard("r")
+    visits._look_again("r")
+    assert "r" not in slots._look_again_after
+    assert "r" not in visits._not_started
