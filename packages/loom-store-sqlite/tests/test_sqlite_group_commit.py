@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from loom_kernel.spi import ConflictError, NewRecord, StoreUnavailableError
 from loom_store_sqlite import SqliteOptions, SqliteStore
 from loom_store_sqlite._group import PendingAppend, Wake
+from loom_store_sqlite.testing import connection_stand_in, queued_appends, raw_connection
 
 
 def _record(tag: str) -> list[NewRecord]:
@@ -63,7 +64,7 @@ def _wait_leading(store: GatedStore) -> None:
 
 def _wait_queued(store: SqliteStore, count: int) -> None:
     deadline = time.monotonic() + 10
-    while len(store._group._queue) < count:
+    while queued_appends(store) < count:
         assert time.monotonic() < deadline, "the appends never queued"
         time.sleep(0.001)
 
@@ -99,7 +100,7 @@ def test_appends_queued_behind_a_commit_go_in_one_transaction_each_with_its_own_
     assert [r.payload for r in store.read("a")] == [b"a1"]
     assert [r.payload for r in store.read("b")] == [b"b1"]
     assert len(store.read("c")) == 1
-    assert store._group._queue == [], "a group taken is off the queue: never committed twice"
+    assert queued_appends(store) == 0, "a group taken is off the queue: never committed twice"
 
 
 def test_an_interrupted_leader_lands_nothing_and_its_followers_are_told_to_retry(
@@ -305,12 +306,9 @@ def test_a_group_whose_commit_fails_takes_back_the_conflicts_it_judged_on_its_ow
         def _commit_group(self, batch: list[PendingAppend]) -> None:
             if len(self.groups) == 1:  # the second group: COMMIT refused, nothing lands
                 self.groups.append([(a.stream, a.expected) for a in batch])
-                real = self._connection  # this thread's, opened if need be
-                self._local.connection = _RefusingCommit(real)
-                try:
+                real = raw_connection(self)  # this thread's, opened if need be
+                with connection_stand_in(self, _RefusingCommit(real)):
                     super()._commit_group(batch)
-                finally:
-                    self._local.connection = real
                 return
             super()._commit_group(batch)
 
@@ -345,7 +343,6 @@ def test_an_append_interrupted_while_queued_leaves_the_store_working(
     store = GatedStore(str(tmp_path / "q.db"))
     leader = _append_in_thread(store, "a", 0, "a1")
     _wait_leading(store)
-    pending = PendingAppend("b", 0, [])
 
     class Interrupted(Wake):
         def wait(self, timeout: float) -> bool:
@@ -353,9 +350,9 @@ def test_an_append_interrupted_while_queued_leaves_the_store_working(
 
     monkeypatch.setattr("loom_store_sqlite._group.Wake", Interrupted)
     with pytest.raises(KeyboardInterrupt):
-        store._group.submit(pending)
+        store.append("b", 0, _record("b1"))
     monkeypatch.undo()
-    assert store._group._queue == [], "taken out of the queue: it never happens"
+    assert queued_appends(store) == 0, "taken out of the queue: it never happens"
     store.gate.set()
     leader[0].join(10)
     assert leader[1] == {"head": 1}
@@ -415,16 +412,16 @@ def test_a_failed_rollback_to_an_appends_savepoint_fails_the_group_and_tears_no_
     store = SqliteStore(str(tmp_path / "torn.db"))
     store.append("a", 0, _record("a0"))
     store.append("b", 0, _record("b0"))
-    store._local.connection = _SavepointsFail(store._connection)
     lone = PendingAppend("a", 1, [("a", 2, "k", b"a1", 1.0, "txn-a")])
     pair = PendingAppend(
         "b", 1, [("b", 2, "k", b"b1", 1.0, "txn-b"), ("b", 3, "k", b"b2", 1.0, None)]
     )
-    store._commit_group([lone, pair])
-    assert isinstance(pair.error, StoreUnavailableError)
-    assert [record.payload for record in store.read("b")] == [b"b0"], "no half of it landed"
-    assert [record.payload for record in store.read("a")] == [b"a0"]
-    assert lone.error is not None, "rolled back with the group: its caller confirms, not told"
+    with connection_stand_in(store, _SavepointsFail(raw_connection(store))):
+        store._commit_group([lone, pair])
+        assert isinstance(pair.error, StoreUnavailableError)
+        assert [record.payload for record in store.read("b")] == [b"b0"], "no half of it landed"
+        assert [record.payload for record in store.read("a")] == [b"a0"]
+        assert lone.error is not None, "rolled back with the group: its caller confirms, not told"
 
 
 class _InterruptAt:
@@ -510,12 +507,12 @@ def _round_interrupted_at(role: str, nth: int) -> bool:
         told.append(append)  # returned with no error: it says it landed
 
     def queue_behind() -> None:
-        while len(group._queue) < 1 and not gate.is_set():  # behind mine, if it queues
+        while group.queued < 1 and not gate.is_set():  # behind mine, if it queues
             time.sleep(0.001)
         submit(PendingAppend("behind", 1, []))
 
     def open_gate() -> None:
-        while len(group._queue) < 2 and not gate.is_set():
+        while group.queued < 2 and not gate.is_set():
             time.sleep(0.001)
         gate.set()
 
@@ -523,7 +520,7 @@ def _round_interrupted_at(role: str, nth: int) -> bool:
     if role != "alone":
         threads.append(_in_a_thread(lambda: submit(PendingAppend("first", 1, []))))
         threads += [_in_a_thread(queue_behind), _in_a_thread(open_gate)]
-        while not group._leading:
+        while not group.leading:
             time.sleep(0.001)  # the first leads, held at the gate
     fired = _submit_interrupted(group, PendingAppend("mine", 1, []), nth)
     gate.set()
@@ -534,7 +531,7 @@ def _round_interrupted_at(role: str, nth: int) -> bool:
     thread = _in_a_thread(lambda: submit(later))
     thread.join(5)
     assert later in told, f"a later append commits (line {nth})"
-    assert (group._leading, group._queue) == (False, []), f"line {nth}"
+    assert (group.leading, group.queued) == (False, 0), f"line {nth}"
     assert all(append in committed for append in told), f"line {nth}"
     return fired
 
@@ -549,7 +546,7 @@ def test_an_interrupt_at_any_line_of_group_commit_leaves_no_append_waiting_for_g
     landed unless a group committed it."""
     from loom_store_sqlite import _group
 
-    monkeypatch.setattr(_group, "_LOOK_AGAIN", 0.01)
+    monkeypatch.setattr(_group, "LOOK_AGAIN", 0.01)
     nth = 0
     while _round_interrupted_at(role, nth):
         nth += 1

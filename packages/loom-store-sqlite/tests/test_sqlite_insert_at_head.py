@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom_kernel import StoreUnavailableError
 from loom_kernel.spi import ConflictError, NewRecord, StreamDeletedError
-from loom_store_sqlite import SqliteOptions, SqliteStore
-from loom_store_sqlite import _store as store_module
+from loom_store_sqlite import SqliteOptions, SqliteStore, _appends
 from loom_store_sqlite._failures import store_error
 from loom_store_sqlite._group import PendingAppend
+from loom_store_sqlite.testing import raw_connection
 
 LIMIT = 5000  # bytes: a record above it is refused, as a full disk would refuse it
 
@@ -55,10 +55,10 @@ class ReadThenInsert(SqliteStore):
                 connection.execute(
                     "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, 0, 0)", (stream,)
                 )
-            connection.executemany(store_module._INSERT_RECORD, append.rows)
+            connection.executemany(_appends._INSERT_RECORD, append.rows)
         except sqlite3.Error as exc:
             if not isolated:
-                raise store_module._InsertRefusedError(exc) from exc
+                raise _appends._InsertRefusedError(exc) from exc
             connection.execute("ROLLBACK TO loom_append")
             connection.execute("RELEASE loom_append")
             append.error = store_error("refused", exc)
@@ -71,7 +71,7 @@ class ReadThenInsert(SqliteStore):
 
 def _open(cls: type[SqliteStore], path: Path) -> SqliteStore:
     store = cls(str(path), SqliteOptions(synchronous="off"))
-    store._connection.setlimit(sqlite3.SQLITE_LIMIT_LENGTH, LIMIT)
+    raw_connection(store).setlimit(sqlite3.SQLITE_LIMIT_LENGTH, LIMIT)
     return store
 
 
@@ -84,11 +84,15 @@ def _outcome(error: BaseException | None) -> Any:
 def _streams(store: SqliteStore) -> dict[str, Any]:
     seen = {}
     for name in "abc":
-        row = store._stream_row(store._connection, name)
-        records = store._connection.execute(
-            "SELECT position, payload FROM loom_records WHERE stream = ? ORDER BY position",
-            (name,),
-        ).fetchall()
+        row = store._stream_row(raw_connection(store), name)
+        records = (
+            raw_connection(store)
+            .execute(
+                "SELECT position, payload FROM loom_records WHERE stream = ? ORDER BY position",
+                (name,),
+            )
+            .fetchall()
+        )
         try:  # as the store answers it: from what this connection learned, if anything
             head: int | str = store.head(name)
         except StreamDeletedError:

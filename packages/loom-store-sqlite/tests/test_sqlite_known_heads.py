@@ -27,9 +27,16 @@ from loom_kernel.spi import (
     StoreUnavailableError,
     StreamDeletedError,
 )
-from loom_store_sqlite import SqliteStore, open_sqlite_store
+from loom_store_sqlite import SqliteStore, _walindex, open_sqlite_store
 from loom_store_sqlite._group import PendingAppend
 from loom_store_sqlite._heads import StampedHeads
+from loom_store_sqlite.testing import (
+    connection_stand_in,
+    lone_leader,
+    raw_connection,
+    wal_index,
+    witnessed,
+)
 
 STREAMS = ("ex/a", "ex/b")
 
@@ -146,27 +153,13 @@ def test_another_process_writing_is_seen(tmp_path: Path) -> None:
         store.append("ex/a", 1, _record())
 
 
-def _witnessed(store: SqliteStore) -> SqliteStore:
-    """Make the store's next group witnessed, as when another thread led the last."""
-    store._last_leader = -1
-    return store
-
-
-def _alone(store: SqliteStore) -> SqliteStore:
-    """Make the store's next lone group unwitnessed, as when this thread has been the
-    only one appending for a while."""
-    store._last_leader = threading.get_ident()
-    store._crowded_until = 0.0
-    return store
-
-
 def test_after_its_own_append_a_head_reads_no_records(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/q.db")
     store.append("ex/a", 0, _record())
-    _alone(store).append("ex/a", 1, _record())
+    lone_leader(store).append("ex/a", 1, _record())
     assert store.head("ex/a") == 2  # as the engine does before a step
     statements: list[str] = []
-    store._connection.set_trace_callback(statements.append)
+    raw_connection(store).set_trace_callback(statements.append)
     store.append("ex/a", 2, _record())
     assert len(statements) == 1, "one thread appending: no witness reads"
     statements.clear()
@@ -182,23 +175,27 @@ def test_after_its_own_append_a_head_reads_no_records(tmp_path: Path) -> None:
 def test_a_head_another_thread_of_the_store_wrote_makes_no_statement(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/t.db")
     store.append("ex/a", 0, _record())
-    _in_thread(_witnessed(store).append, "ex/a", 1, _record())  # another leader
+    _in_thread(witnessed(store).append, "ex/a", 1, _record())  # another leader
     statements: list[str] = []
-    store._connection.set_trace_callback(statements.append)
+    raw_connection(store).set_trace_callback(statements.append)
     assert store.head("ex/a") == 2
     assert statements == [], "the heads the store's commits wrote are shared by its threads"
-    _in_thread(_witnessed(store).append, "ex/b", 0, _record())
+    _in_thread(witnessed(store).append, "ex/b", 0, _record())
     assert store.head("ex/a") == 2
     assert statements == [], "what was known stays known across the store's own commits"
-    _alone(store).append("ex/a", 2, _record())  # this thread alone for a while: unwitnessed
+    lone_leader(store).append("ex/a", 2, _record())  # this thread alone for a while: unwitnessed
     statements.clear()
     assert store.head("ex/b") == 1
     assert statements, "an unwitnessed commit of its own: what was shared is dropped"
 
 
-def test_without_a_wal_index_every_head_is_read(tmp_path: Path) -> None:
-    store = _witnessed(open_sqlite_store(f"sqlite://{tmp_path}/n.db"))
-    store._wal = None  # as where the -shm file cannot be mapped
+def test_without_a_wal_index_every_head_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with monkeypatch.context() as patched:
+        patched.setattr(_walindex, "MOST_FILES", 0)  # as where the -shm file cannot be mapped
+        store = witnessed(open_sqlite_store(f"sqlite://{tmp_path}/n.db"))
+    assert wal_index(store) is None
     store.append("ex/a", 0, _record())
     other = open_sqlite_store(f"sqlite://{tmp_path}/n.db")
     other.append("ex/a", 1, _record())
@@ -219,9 +216,9 @@ def test_a_commit_by_another_writer_during_the_stores_own_is_not_taken_for_it(
     tmp_path: Path, records: int
 ) -> None:
     path = tmp_path / "r.db"
-    store = _witnessed(open_sqlite_store(f"sqlite://{path}"))
+    store = witnessed(open_sqlite_store(f"sqlite://{path}"))
     store.append("ex/f", 0, _record())
-    _witnessed(store).append("ex/g", 0, _record())
+    witnessed(store).append("ex/g", 0, _record())
     assert store.head("ex/f") == 1  # known, and stamped
     transact, alone = store._transact, store._insert_alone
 
@@ -235,7 +232,7 @@ def test_a_commit_by_another_writer_during_the_stores_own_is_not_taken_for_it(
 
     store._transact = transact_after_another  # type: ignore[method-assign]
     store._insert_alone = alone_after_another  # type: ignore[method-assign]
-    assert _witnessed(store).append("ex/g", 1, _record() * records) == 1 + records
+    assert witnessed(store).append("ex/g", 1, _record() * records) == 1 + records
     assert store.head("ex/f") == 2, "the other writer's record"
     assert store.head("ex/g") == 1 + records
 
@@ -244,29 +241,27 @@ def test_a_commit_by_another_writer_before_the_stores_own_drops_what_was_known(
     tmp_path: Path,
 ) -> None:
     path = tmp_path / "b.db"
-    store = _witnessed(open_sqlite_store(f"sqlite://{path}"))
+    store = witnessed(open_sqlite_store(f"sqlite://{path}"))
     store.append("ex/f", 0, _record())
-    _witnessed(store).append("ex/g", 0, _record())
+    witnessed(store).append("ex/g", 0, _record())
     assert store.head("ex/f") == 1
     _foreign_append(path, "ex/f", 2)  # then the store's own, witnessed, commit
-    assert _witnessed(store).append("ex/g", 1, _record()) == 2
+    assert witnessed(store).append("ex/g", 1, _record()) == 2
     assert store.head("ex/f") == 2, "the header before it was not the stamp"
     statements: list[str] = []
-    store._connection.set_trace_callback(statements.append)
+    raw_connection(store).set_trace_callback(statements.append)
     assert store.head("ex/g") == 2
     assert statements == [], "the witnessed commit's own head is shared"
 
 
 def test_a_commit_whose_outcome_is_not_certain_drops_what_was_known(tmp_path: Path) -> None:
-    store = _witnessed(open_sqlite_store(f"sqlite://{tmp_path}/u.db"))
+    store = witnessed(open_sqlite_store(f"sqlite://{tmp_path}/u.db"))
     store.append("ex/a", 0, _record())
-    _witnessed(store).append("ex/b", 0, _record())
+    witnessed(store).append("ex/b", 0, _record())
     assert store.head("ex/a") == 1
-    real = store._connection
-    store._local.connection = _CommitLandsThenFails(real)
-    with pytest.raises(LoomError):
-        _witnessed(store).append("ex/a", 1, _record() * 2)  # landed, then said it failed
-    store._local.connection = real
+    real = raw_connection(store)
+    with connection_stand_in(store, _CommitLandsThenFails(real)), pytest.raises(LoomError):
+        witnessed(store).append("ex/a", 1, _record() * 2)  # landed, then said it failed
     assert store.head("ex/a") == 3, "the commit landed: the head is read again"
 
 
@@ -275,33 +270,37 @@ def test_a_group_whose_outcome_is_not_certain_leaves_nothing_for_other_threads(
 ) -> None:
     # Its appends' callers forget their streams once woken; until then another
     # thread must not find the old heads stamped with the new header.
-    store = _witnessed(open_sqlite_store(f"sqlite://{tmp_path}/g.db"))
+    store = witnessed(open_sqlite_store(f"sqlite://{tmp_path}/g.db"))
     store.append("ex/a", 0, _record())
-    _witnessed(store).append("ex/b", 0, _record())
-    assert store._stamped.lookup("ex/a", store._wal.stamp() if store._wal else None) == 1
+    witnessed(store).append("ex/b", 0, _record())
+    real = raw_connection(store)
+    statements: list[str] = []
+    real.set_trace_callback(statements.append)
+    assert store.head("ex/a") == 1
+    assert statements == [], "the store's threads share it: no statement reads it"
     rows = [("ex/a", 2, "k", b"{}", 1.0, "t1")]
     uncertain = PendingAppend("ex/a", 1, rows)
-    real = store._connection
-    store._local.connection = _CommitLandsThenFails(real)
     other = PendingAppend("ex/b", 1, [("ex/b", 2, "k", b"{}", 1.0, "t2")])
-    _witnessed(store)._commit_group([uncertain, other])
-    store._local.connection = real
+    with connection_stand_in(store, _CommitLandsThenFails(real)):
+        witnessed(store)._commit_group([uncertain, other])
     assert isinstance(uncertain.error, StoreUnavailableError)
-    assert store._stamped.lookup("ex/a", store._wal.stamp() if store._wal else None) is None
+    statements.clear()
+    assert store.head("ex/a") == 2, "the commit landed"
+    assert statements, "nothing shared: the head is read from the database"
 
 
 def test_a_group_of_several_appends_is_witnessed_whoever_led_the_last(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/s.db")
     store.append("ex/a", 0, _record())
     for stream in ("ex/b", "ex/c"):  # the same leader twice, each a group of two
-        _alone(store)._commit_group(
+        lone_leader(store)._commit_group(
             [
                 PendingAppend(stream, 0, [(stream, 1, "k", b"{}", 1.0, "t")]),
                 PendingAppend(stream + "2", 0, [(stream + "2", 1, "k", b"{}", 1.0, "u")]),
             ]
         )
     statements: list[str] = []
-    store._connection.set_trace_callback(statements.append)
+    raw_connection(store).set_trace_callback(statements.append)
     assert store.head("ex/c2") == 1
     assert statements == []
 
@@ -350,7 +349,7 @@ def test_a_head_read_again_after_another_writer_is_known_until_the_next(tmp_path
     open_sqlite_store(f"sqlite://{tmp_path}/k.db").append("ex/b", 0, _record())
     assert store.head("ex/a") == 1  # read from the table: the version moved
     statements: list[str] = []
-    store._connection.set_trace_callback(statements.append)
+    raw_connection(store).set_trace_callback(statements.append)
     assert store.head("ex/a") == 1
     assert statements == ["PRAGMA data_version"], "the head read is remembered"
 
@@ -377,11 +376,9 @@ def test_an_append_whose_commit_landed_but_failed_is_not_remembered_at_the_old_h
     store = open_sqlite_store(f"sqlite://{tmp_path}/c.db")
     store.append("ex/a", 0, _record())
     assert store.head("ex/a") == 1
-    real = store._connection
-    store._local.connection = _CommitLandsThenFails(real)
-    with pytest.raises(LoomError):
+    real = raw_connection(store)
+    with connection_stand_in(store, _CommitLandsThenFails(real)), pytest.raises(LoomError):
         store.append("ex/a", 1, _record() * 2)  # two records: BEGIN, inserts, COMMIT
-    store._local.connection = real
     assert store.head("ex/a") == 3, "the commit landed: the head is read again"
 
 
@@ -400,10 +397,8 @@ def test_a_lone_append_that_landed_but_failed_is_confirmed_by_its_commit_id(
 ) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/c.db")
     store.append("ex/a", 0, _record())
-    real = store._connection
-    store._local.connection = _StatementLandsThenFails(real)
-    assert store.append("ex/a", 1, _record()) == 2, "its commit id says it landed"
-    store._local.connection = real
+    with connection_stand_in(store, _StatementLandsThenFails(raw_connection(store))):
+        assert store.append("ex/a", 1, _record()) == 2, "its commit id says it landed"
     assert store.head("ex/a") == 2
     assert len(store.read("ex/a")) == 2, "written once"
 
@@ -416,13 +411,13 @@ def test_a_lost_reply_whose_position_another_writer_took_is_a_conflict(tmp_path:
 
 
 def test_the_heads_a_connection_remembers_are_bounded() -> None:
-    from loom_store_sqlite._heads import _LIMIT, KnownHeads
+    from loom_store_sqlite._heads import LIMIT, KnownHeads
 
     known = KnownHeads()
     assert known.lookup(7, "s0") is None  # anchors it at data_version 7
-    for number in range(_LIMIT * 2 + 5):
+    for number in range(LIMIT * 2 + 5):
         known.learn(f"s{number}", number)
-        assert len(known._heads) <= _LIMIT
-    last = _LIMIT * 2 + 4
+        assert known.size() <= LIMIT
+    last = LIMIT * 2 + 4
     assert known.lookup(7, f"s{last}") == last
     assert known.lookup(7, "s1") is None, "the oldest were let go, and are read again"

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from loom_kernel.spi import NewRecord
 from loom_store_sqlite import _walindex, open_sqlite_store
-from loom_store_sqlite._walindex import WalIndex
+from loom_store_sqlite._walindex import WalIndex, mapped_files
+from loom_store_sqlite.testing import wal_index
 
 #: Tries, from another process, the write lock on the byte SQLite's connections hold
 #: shared while they use the `-shm` file (its "DMS" lock, byte 128). Got, a new
@@ -49,7 +50,7 @@ def _lock_on(file: str) -> str:
 def test_mapping_the_header_leaves_sqlites_locks_on_the_file(tmp_path: Path) -> None:
     path = tmp_path / "l.db"
     store = open_sqlite_store(f"sqlite://{path}")
-    assert store._wal is not None
+    assert wal_index(store) is not None
     store.append("ex/a", 0, _record())
     assert _lock_on_shm(path) == "held"
     other = open_sqlite_store(f"sqlite://{path}")  # the same file mapped again, then let go
@@ -62,18 +63,21 @@ def test_mapping_the_header_leaves_sqlites_locks_on_the_file(tmp_path: Path) -> 
 
 def test_a_file_is_mapped_once_per_process(tmp_path: Path) -> None:
     path = tmp_path / "o.db"
+    before = _mapped_files()
     one = open_sqlite_store(f"sqlite://{path}")
+    mapped = mapped_files()
     two = open_sqlite_store(f"sqlite://{path}")
-    assert one._wal is not None
-    assert two._wal is not None
-    assert one._wal._map is two._wal._map
+    assert wal_index(one) is not None
+    assert wal_index(two) is not None
+    assert len(set(mapped) - before) == 1, "mapped as the first store opened it"
+    assert mapped_files() == mapped, "not again: the second store's view reads the same map"
     one.close()
     two.close()
 
 
 def test_a_closed_view_reads_nothing_and_closes_twice(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/c.db")
-    index = store._wal
+    index = wal_index(store)
     assert index is not None
     assert index.stamp() is not None
     store.close()
@@ -84,7 +88,7 @@ def test_a_closed_view_reads_nothing_and_closes_twice(tmp_path: Path) -> None:
 def test_the_header_read_mid_write_is_no_stamp(tmp_path: Path) -> None:
     store = open_sqlite_store(f"sqlite://{tmp_path}/w.db")
     store.append("ex/a", 0, _record())
-    index = store._wal
+    index = wal_index(store)
     assert index is not None
     stamp = index.stamp()
     assert stamp is not None
@@ -101,7 +105,7 @@ def test_the_header_read_mid_write_is_no_stamp(tmp_path: Path) -> None:
 
 def test_no_view_where_there_is_no_file_to_map(tmp_path: Path) -> None:
     assert WalIndex.open(str(tmp_path / "missing.db")) is None
-    assert open_sqlite_store("sqlite:///:memory:")._wal is None
+    assert wal_index(open_sqlite_store("sqlite:///:memory:")) is None
     (tmp_path / "short.db-shm").write_bytes(b"\0" * 10)
     assert WalIndex.open(str(tmp_path / "short.db")) is None, "shorter than a header"
     (tmp_path / "zero.db-shm").write_bytes(b"\0" * 4096)
@@ -109,8 +113,7 @@ def test_no_view_where_there_is_no_file_to_map(tmp_path: Path) -> None:
 
 
 def _mapped_files() -> set[tuple[int, int]]:
-    with _walindex._files_lock:
-        return set(_walindex._files)
+    return set(mapped_files())
 
 
 def test_a_closed_database_leaves_no_descriptor_open(tmp_path: Path) -> None:
@@ -129,8 +132,9 @@ def test_a_database_another_store_holds_open_stays_mapped(tmp_path: Path) -> Non
     mapped = _mapped_files()
     two.close()
     assert _mapped_files() == mapped, "still linked: SQLite's locks on it must stay"
-    assert one._wal is not None
-    assert one._wal.stamp() is not None
+    index = wal_index(one)
+    assert index is not None
+    assert index.stamp() is not None
     one.close()
 
 
@@ -158,9 +162,9 @@ print("done")
 def test_past_the_most_files_a_store_reads_its_heads_from_sqlite(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_walindex, "_MOST_FILES", 0)
+    monkeypatch.setattr(_walindex, "MOST_FILES", 0)
     keep = open_sqlite_store(f"sqlite://{tmp_path}/k.db")
-    assert keep._wal is None
+    assert wal_index(keep) is None
     keep.append("ex/a", 0, _record())
     assert keep.head("ex/a") == 1
     keep.close()
@@ -170,7 +174,7 @@ def _registered(database: Path) -> tuple[tuple[int, int], int]:
     """The registry's key and descriptor for a database's `-shm` file."""
     status = os.stat(f"{database}-shm")
     key = (status.st_dev, status.st_ino)
-    return key, _walindex._files[key][0]
+    return key, mapped_files()[key]
 
 
 _linux_descriptors = pytest.mark.skipif(
@@ -189,11 +193,11 @@ def test_a_shm_file_deleted_while_in_use_keeps_sqlites_locks(tmp_path: Path) -> 
     key, descriptor = _registered(path)
     os.unlink(f"{path}-shm")
     open_sqlite_store(f"sqlite://{tmp_path}/other.db").close()  # lets go of the unlinked
-    assert key in _walindex._files, "SQLite still uses the file: the map is kept"
+    assert key in mapped_files(), "SQLite still uses the file: the map is kept"
     assert _lock_on(f"/proc/{os.getpid()}/fd/{descriptor}") == "held"
     store.append("ex/a", 1, _record())
     store.close()  # SQLite's last descriptor of it closes: now nothing refers to it
-    assert key not in _walindex._files
+    assert key not in mapped_files()
 
 
 def test_a_descriptor_closed_behind_the_registry_is_never_closed_again(tmp_path: Path) -> None:
@@ -206,7 +210,7 @@ def test_a_descriptor_closed_behind_the_registry_is_never_closed_again(tmp_path:
     with tempfile.TemporaryFile() as stranger:  # unlinked from the start
         os.dup2(stranger.fileno(), descriptor)  # the registry's number is the stranger's now
         _walindex.let_go_of_unlinked()
-        assert key not in _walindex._files, "forgotten"
+        assert key not in mapped_files(), "forgotten"
         os.fstat(descriptor)  # still open: not closed by the registry
         os.close(descriptor)
     assert store.head("ex/a") == 1
@@ -219,7 +223,7 @@ def test_a_child_forked_while_the_registry_is_in_use_can_use_it(tmp_path: Path) 
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with _walindex._files_lock:
+        with _walindex.files_lock:
             held.set()
             release.wait(10)
 

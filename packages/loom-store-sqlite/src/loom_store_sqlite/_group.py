@@ -21,11 +21,11 @@ from typing import Any, Final
 import attrs
 from loom_kernel.spi import StoreUnavailableError
 
-__all__ = ["GroupCommit", "PendingAppend", "Wake"]
+__all__ = ["LOOK_AGAIN", "GroupCommit", "PendingAppend", "Wake"]
 
 #: Seconds a queued append waits before it looks whether its turn came with its wake
 #: lost (an interrupt in the thread that was to wake it).
-_LOOK_AGAIN: Final = 0.5
+LOOK_AGAIN: Final = 0.5
 
 
 @attrs.define(eq=False)
@@ -68,13 +68,23 @@ class GroupCommit:
         self._queue: list[PendingAppend] = []
         self._leading = False
 
+    @property
+    def queued(self) -> int:
+        """How many appends wait in the queue now (for tests and tools)."""
+        return len(self._queue)
+
+    @property
+    def leading(self) -> bool:
+        """Whether an append holds the lead now (for tests and tools)."""
+        return self._leading
+
     def submit(self, append: PendingAppend) -> None:
         """Commit `append`, alone or with others; raise its own error, if any.
 
         An interrupt (KeyboardInterrupt, a signal handler raising) anywhere in here
         leaves no other append waiting for good: the lead this append holds, or was
         just handed, goes on (`_let_go`), and a queued append whose wake was lost finds
-        its turn, or its group's verdict, by looking every `_LOOK_AGAIN` seconds.
+        its turn, or its group's verdict, by looking every `LOOK_AGAIN` seconds.
         """
         try:
             with self._lock:
@@ -99,7 +109,7 @@ class GroupCommit:
         """Wait until a group decided `append` or it was handed the lead."""
         done = append._done
         assert done is not None
-        while not done.wait(_LOOK_AGAIN):
+        while not done.wait(LOOK_AGAIN):
             with self._lock:
                 if append._lead or append._decided:  # its wake was lost to an interrupt
                     return

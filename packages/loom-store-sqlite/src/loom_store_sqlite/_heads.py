@@ -9,7 +9,8 @@ from typing import Final
 #: last time this connection asked: the value changes exactly then.
 DATA_VERSION: Final = "PRAGMA data_version"
 
-_LIMIT: Final = 4096
+#: The most heads one connection keeps (`KnownHeads`).
+LIMIT: Final = 4096
 #: The most heads a store shares between its threads (a worker drives runs by the
 #: thousand, each with its own stream; the run index's partitions are a few more).
 _SHARED_LIMIT: Final = 16384
@@ -42,13 +43,17 @@ class KnownHeads:
         """Record a head read after `lookup`, or written by this connection's commit."""
         if self._version is None:
             return  # nothing anchors it yet
-        if len(self._heads) >= _LIMIT:
+        if len(self._heads) >= LIMIT:
             self._heads.clear()
         self._heads[stream] = head
 
     def forget(self, stream: str) -> None:
         """After a write to `stream` whose outcome this connection does not know."""
         self._heads.pop(stream, None)
+
+    def size(self) -> int:
+        """How many heads it holds now (never more than `LIMIT`)."""
+        return len(self._heads)
 
 
 class StampedHeads:

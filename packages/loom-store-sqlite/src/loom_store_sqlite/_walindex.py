@@ -34,7 +34,7 @@ import struct
 import threading
 from typing import Final
 
-__all__ = ["WalIndex", "let_go_of_unlinked"]
+__all__ = ["MOST_FILES", "WalIndex", "files_lock", "let_go_of_unlinked", "mapped_files"]
 
 _HEADER: Final = 48
 #: iVersion, the header's first field.
@@ -42,7 +42,7 @@ _VERSION_FIELD: Final = struct.Struct("=I")
 _VERSION: Final = 3007000  # the only WAL-index version SQLite has written
 #: The most `-shm` files one process keeps mapped; past it, a store opened on yet
 #: another file reads its heads from SQLite.
-_MOST_FILES: Final = 256
+MOST_FILES: Final = 256
 
 #: (device, inode) -> the descriptor and the map of one `-shm` file (None: shorter
 #: than the header when opened), never closed while the file is linked.
@@ -50,12 +50,13 @@ _files: dict[tuple[int, int], tuple[int, mmap.mmap | None]] = {}
 #: Maps whose descriptor something else closed (its number may be another file's now):
 #: kept open, never used, since the file they map may still be in use.
 _abandoned: list[mmap.mmap] = []
-_files_lock: Final = threading.Lock()
+#: Held while the registry (`_files`, `_abandoned`) is read or changed.
+files_lock: Final = threading.Lock()
 # A child forked while another thread held it would wait for it for ever.
 os.register_at_fork(
-    before=_files_lock.acquire,
-    after_in_parent=_files_lock.release,
-    after_in_child=_files_lock.release,
+    before=files_lock.acquire,
+    after_in_parent=files_lock.release,
+    after_in_child=files_lock.release,
 )
 _DESCRIPTORS: Final = "/proc/self/fd"
 
@@ -66,12 +67,12 @@ def _map_of(path: str) -> mmap.mmap | None:
         status = os.stat(path)  # by name: a descriptor opened only to look is one to close
     except OSError:
         return None
-    with _files_lock:
+    with files_lock:
         known = _files.get((status.st_dev, status.st_ino))
         if known is not None:
             return known[1]
         _let_go_of_unlinked()
-        if len(_files) >= _MOST_FILES:
+        if len(_files) >= MOST_FILES:
             return None
         try:
             descriptor = os.open(path, os.O_RDONLY)
@@ -88,12 +89,19 @@ def _map_of(path: str) -> mmap.mmap | None:
         return view if (opened.st_dev, opened.st_ino) == (status.st_dev, status.st_ino) else None
 
 
+def mapped_files() -> dict[tuple[int, int], int]:
+    """The `-shm` files this process keeps mapped, by (device, inode), each with the
+    descriptor kept open for it (for tests and tools)."""
+    with files_lock:
+        return {key: descriptor for key, (descriptor, _view) in _files.items()}
+
+
 def let_go_of_unlinked() -> None:
     """Close the maps of files SQLite has unlinked (as the last connection to a database
     anywhere closes) that no other descriptor of this process refers to: no
     connection of this process uses them, so no lock is lost. A store calls it as it
     closes, so the descriptors of a closed database do not pile up."""
-    with _files_lock:
+    with files_lock:
         _let_go_of_unlinked()
 
 

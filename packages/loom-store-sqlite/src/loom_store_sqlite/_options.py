@@ -1,0 +1,94 @@
+"""What a `sqlite:` store URL says: the database's path, percent-decoded, and the
+options in its query (`SqliteOptions`), each checked as it is read, so a URL that
+would be misread (a '#' cutting the path short, an option given twice, a timeout
+that is not a finite number of seconds) is refused with InvalidArgumentError before
+any file is touched."""
+
+from __future__ import annotations
+
+from math import isfinite
+from typing import Final
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import attrs
+from loom_kernel.spi import InvalidArgumentError
+
+__all__ = ["SqliteOptions", "parse_store_url"]
+
+_SYNCHRONOUS: Final = ("off", "normal", "full", "extra")
+
+
+@attrs.frozen
+class SqliteOptions:
+    """Options from the URL query.
+
+    Attributes:
+        synchronous: SQLite's `synchronous` pragma. `full` (the default) makes a
+            completed step survive power loss; `normal` survives a process crash but
+            may lose the last commits on power loss.
+        timeout: seconds a writer waits for another writer's lock before giving up
+            with StoreUnavailableError.
+    """
+
+    synchronous: str = "full"
+    timeout: float = 10.0
+
+    @classmethod
+    def parse(cls, query: str) -> SqliteOptions:
+        """Read `synchronous=` and `timeout=` from a URL query string.
+
+        Raises:
+            InvalidArgumentError: an unknown or repeated option, or a bad value.
+        """
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=False)
+        values = dict(pairs)
+        if len(values) != len(pairs):
+            names = [name for name, _ in pairs]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            raise InvalidArgumentError(f"sqlite store options given more than once: {repeated}")
+        unknown = set(values) - {"synchronous", "timeout"}
+        if unknown:
+            raise InvalidArgumentError(f"unknown sqlite store options: {sorted(unknown)}")
+        synchronous = values.get("synchronous", "full").lower()
+        if synchronous not in _SYNCHRONOUS:
+            raise InvalidArgumentError(
+                f"synchronous must be one of {_SYNCHRONOUS}, not {synchronous!r}"
+            )
+        try:
+            timeout = float(values.get("timeout", "10"))
+        except ValueError:
+            raise InvalidArgumentError(
+                f"timeout must be seconds, not {values['timeout']!r}"
+            ) from None
+        if not isfinite(timeout) or timeout < 0:
+            raise InvalidArgumentError(
+                f"timeout must be a finite number of seconds >= 0, not {values['timeout']!r}"
+            )
+        return cls(synchronous=synchronous, timeout=timeout)
+
+
+def parse_store_url(url: str) -> tuple[str, SqliteOptions]:
+    """The database path and the options of `sqlite:///absolute/path.db`,
+    `sqlite://relative/path.db` or `sqlite:///:memory:` (see `open_sqlite_store`).
+
+    Raises:
+        InvalidArgumentError: not a sqlite store URL, a fragment, no path, or bad options.
+    """
+    parts = urlsplit(url)
+    if parts.scheme != "sqlite":
+        raise InvalidArgumentError(f"not a sqlite store URL: {url!r}")
+    if "#" in url:
+        raise InvalidArgumentError(
+            f"a sqlite store URL has no fragment: '#' in {url!r} would cut the path short; "
+            "write it as %23 in a file name"
+        )
+    path = unquote(parts.netloc + parts.path, errors="strict")
+    if parts.netloc == "" and parts.path.startswith("/:memory:"):
+        path = ":memory:"
+    elif path.startswith("//"):  # sqlite:////abs/path, as SQLAlchemy spells it
+        path = "/" + path.lstrip("/")
+    if not path or path == "/":
+        raise InvalidArgumentError(
+            f"a sqlite store URL names a file: sqlite:///path/to/loom.db, not {url!r}"
+        )
+    return path, SqliteOptions.parse(parts.query)

@@ -1,0 +1,114 @@
+"""The store's own schema: created, upgraded in place, refused when newer, strict, its
+unique key the last line of defence, and a failed migration rolled back."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from loom_kernel.spi import NewRecord, SchemaError
+from loom_store_sqlite import SCHEMA_VERSION, open_sqlite_store
+from loom_store_sqlite.testing import raw_connection
+
+
+def _records(count: int) -> list[NewRecord]:
+    return [NewRecord("k", str(i).encode(), float(i)) for i in range(count)]
+
+
+def test_a_newer_store_schema_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "new.db"
+    open_sqlite_store(f"sqlite://{path}").close()
+    with sqlite3.connect(path) as connection:
+        connection.execute(
+            "UPDATE loom_meta SET value = ? WHERE key = 'schema_version'",
+            (str(SCHEMA_VERSION + 1),),
+        )
+    with pytest.raises(SchemaError, match="newer than this loom-store-sqlite"):
+        open_sqlite_store(f"sqlite://{path}")
+    # Refused on a read, before any write lock: even while another writer holds it.
+    writer = sqlite3.connect(path, isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")
+    try:
+        with pytest.raises(SchemaError, match="newer than this loom-store-sqlite"):
+            open_sqlite_store(f"sqlite://{path}?timeout=0")
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+
+
+def test_the_streams_table_is_strict(tmp_path: Path) -> None:
+    """A floor that is not an integer (a raw writer's mistake) is refused by SQLite,
+    never read back as a head."""
+    path = tmp_path / "strict.db"
+    open_sqlite_store(f"sqlite://{path}").close()
+    with sqlite3.connect(path) as connection, pytest.raises(sqlite3.IntegrityError):
+        connection.execute("INSERT INTO loom_streams (name, floor) VALUES ('s', 'ten')")
+
+
+def test_an_older_database_is_upgraded(tmp_path: Path) -> None:
+    path = tmp_path / "old.db"
+    with sqlite3.connect(path) as connection:  # a database from before the store existed
+        connection.execute("CREATE TABLE unrelated (x INTEGER)")
+    store = open_sqlite_store(f"sqlite://{path}")
+    store.append("s", 0, _records(2))
+    version = (
+        raw_connection(store)
+        .execute("SELECT value FROM loom_meta WHERE key = 'schema_version'")
+        .fetchone()[0]
+    )
+    assert int(version) == SCHEMA_VERSION
+
+
+def test_a_schema_one_database_is_upgraded_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "one.db"
+    first = open_sqlite_store(f"sqlite://{path}")
+    first.append("s", 0, _records(2))
+    first.close()
+    with sqlite3.connect(path) as connection:  # as loom-store-sqlite 1 left it
+        connection.execute("DROP INDEX loom_live_streams")
+        connection.execute("UPDATE loom_meta SET value = '1' WHERE key = 'schema_version'")
+    store = open_sqlite_store(f"sqlite://{path}")
+    assert len(store.read("s")) == 2
+    indexes = {row[1] for row in raw_connection(store).execute("PRAGMA index_list(loom_streams)")}
+    assert "loom_live_streams" in indexes
+    version = (
+        raw_connection(store)
+        .execute("SELECT value FROM loom_meta WHERE key = 'schema_version'")
+        .fetchone()[0]
+    )
+    assert int(version) == SCHEMA_VERSION
+
+
+def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
+    store = open_sqlite_store(f"sqlite://{tmp_path}/u.db")
+    store.append("s", 0, _records(1))
+    with pytest.raises(sqlite3.IntegrityError):
+        raw_connection(store).execute(
+            "INSERT INTO loom_records (stream, position, kind, payload, timestamp) "
+            "VALUES ('s', 1, 'k', x'00', 0.0)"
+        )
+
+
+def test_a_failed_migration_rolls_back_and_leaves_no_write_lock_held(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A migration that fails leaves the connection out of its transaction: another
+    connection can write at once, and nothing of the half-made schema is left."""
+    from loom_store_sqlite import _schema
+
+    def broken(_db: object) -> None:
+        raise sqlite3.OperationalError("disk I/O error (injected)")
+
+    monkeypatch.setitem(_schema.MIGRATIONS, 0, broken)
+    path = tmp_path / "half.db"
+    connection = sqlite3.connect(path, isolation_level=None)
+    with pytest.raises(sqlite3.OperationalError, match="injected"):
+        _schema.ensure_schema(connection, str(path))
+    assert not connection.in_transaction
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    other.execute("BEGIN IMMEDIATE")
+    assert other.execute("SELECT name FROM sqlite_master").fetchall() == []
+    other.execute("ROLLBACK")
+    other.close()
+    connection.close()
