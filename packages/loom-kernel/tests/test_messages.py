@@ -928,11 +928,12 @@ def test_the_inboxes_and_published_values_kept_parsed_are_bounded(
         engine.send(f"p{number}", "hello")  # the run reads its inbox
         engine.start("inbox.progress", 1, key=f"p{number}-progress")
         assert engine.get_event(f"p{number}-progress", "done") == 1
-    assert list(parts_of(engine).driver.inbox._parsed) == ["p2", "p3", "p4"], (
+    inboxes = parts_of(engine).driver.inbox._folds.kept()
+    assert inboxes == ["inbox/p2", "inbox/p3", "inbox/p4"], "the least recent dropped"
+    kept = parts_of(engine).driver.published._folds.kept()
+    assert kept == ["events/p2-progress", "events/p3-progress", "events/p4-progress"], (
         "the least recent dropped"
     )
-    kept = list(parts_of(engine).driver.published._read)
-    assert kept == ["p2-progress", "p3-progress", "p4-progress"], "the least recent dropped"
     assert engine.get_event("p0-progress", "done") == 1, "read again from the store"
 
 

@@ -22,6 +22,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any, Final
 
+from loom_kernel._coordination._streams import latest
 from loom_kernel._core import (
     EXECUTION_PREFIX,
     SNAPSHOT_PREFIX,
@@ -148,22 +149,16 @@ def _lost(stream: str, covered: int, floor: int) -> SchemaError:
 
 
 def _latest_snapshot(store: JournalStore, execution_id: str) -> tuple[int, ExecutionState] | None:
-    """(snapshot stream head, the state it holds), or None when never compacted."""
+    """(its position, the state it holds) of the latest snapshot, or None when the run
+    was never compacted."""
     try:
         stream = _snapshot_stream(execution_id)
     except InvalidIdError:
         return None  # an id an older Loom allowed, too long to name one: never compacted
-    for _ in range(_LOAD_ATTEMPTS):
-        head = store.head(stream)
-        if head == 0:
-            return None
-        try:
-            records = store.read(stream, head - 1, 1)
-        except TrimmedError:
-            continue  # a newer snapshot trimmed this one away meanwhile
-        if records:
-            return head, ExecutionState.from_snapshot(_snapshot_data(records[0], stream))
-    raise StoreUnavailableError(f"snapshots of {execution_id!r} kept changing; try again")
+    record = latest(store, stream)
+    if record is None:
+        return None
+    return record.position, ExecutionState.from_snapshot(_snapshot_data(record, stream))
 
 
 def _snapshot_data(record: Record, stream: str) -> dict[str, Any]:
@@ -204,13 +199,10 @@ def compact(store: JournalStore, state: ExecutionState, clock: Callable[[], floa
     stream = _snapshot_stream(state.id)
     payload = json.dumps(state.to_snapshot(), separators=(",", ":")).encode()
     while True:
-        head = store.head(stream)
-        if head:
-            try:
-                latest = store.read(stream, head - 1, 1)
-            except TrimmedError:
-                continue
-            covered = _covered(latest[0], stream)
+        last = latest(store, stream)
+        head = 0 if last is None else last.position
+        if last is not None:
+            covered = _covered(last, stream)
             if covered >= state.position:
                 break
         try:

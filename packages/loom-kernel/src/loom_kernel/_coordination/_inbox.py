@@ -14,14 +14,12 @@ appended since (positions never change once written).
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any, Final
 
 import attrs
 
-from loom_kernel._coordination._appends import append_anywhere
+from loom_kernel._coordination._streams import StreamFolds
 from loom_kernel._core import INBOX_PREFIX, NewRecord, Record, SchemaError, validate_stream_id
 from loom_kernel._replay import Message
 from loom_kernel._spi import JournalStore
@@ -35,19 +33,32 @@ _KEPT: Final = 1024
 
 @attrs.define
 class _Parsed:
+    """An inbox as parsed up to `head`."""
+
+    stream: str
     head: int = 0
     messages: list[Message] = attrs.Factory(list)  # first sends only: resends dropped
     keys: dict[str, int] = attrs.Factory(dict)  # key -> position of its first send
+
+    def copy(self) -> _Parsed:
+        return _Parsed(self.stream, self.head, list(self.messages), dict(self.keys))
+
+
+def _fold(parsed: _Parsed, record: Record) -> None:
+    message = _decode(record, parsed.stream)
+    if message.key is not None:
+        if message.key in parsed.keys:
+            return  # a resend
+        parsed.keys[message.key] = message.position
+    parsed.messages.append(message)
 
 
 class Inbox:
     """Reads and writes the inboxes of one store."""
 
     def __init__(self, store: JournalStore, clock: Callable[[], float]) -> None:
-        self._store = store
         self._clock = clock
-        self._lock = threading.Lock()
-        self._parsed: OrderedDict[str, _Parsed] = OrderedDict()
+        self._folds = StreamFolds(store, _Parsed, _fold, kept=_KEPT)
 
     @staticmethod
     def stream(execution_id: str) -> str:
@@ -55,53 +66,27 @@ class Inbox:
 
     def append(self, execution_id: str, topic: str | None, key: str | None, message: Any) -> int:
         """Append a message wherever the inbox's head is now; its position."""
-        stream = self.stream(execution_id)
         payload = json.dumps({"topic": topic, "key": key, "message": message}).encode()
         record = NewRecord(MESSAGE_KIND, payload, self._clock())
-        return append_anywhere(self._store, stream, [record], self._known_head(execution_id))
+        return self._folds.append(self.stream(execution_id), [record])
 
     def sent(self, execution_id: str, key: str) -> int | None:
         """The position of the first message sent with `key`, if any."""
-        return self._read(execution_id).keys.get(key)
+        stream = self.stream(execution_id)
+        with self._folds.holding(stream):
+            return self._folds.refresh(stream).keys.get(key)
 
     def next_for(
         self, execution_id: str, topics: Iterable[str | None], consumed: set[int]
     ) -> Message | None:
         """The first message on one of `topics` that is not in `consumed` (nor a resend)."""
         wanted = set(topics)
-        for message in self._read(execution_id).messages:
-            if message.topic in wanted and message.position not in consumed:
-                return message
-        return None
-
-    def _known_head(self, execution_id: str) -> int:
-        with self._lock:
-            parsed = self._parsed.get(execution_id)
-            return 0 if parsed is None else parsed.head
-
-    def _read(self, execution_id: str) -> _Parsed:
-        """The inbox as parsed so far, brought up to its head."""
         stream = self.stream(execution_id)
-        with self._lock:
-            before = self._parsed.get(execution_id) or _Parsed()
-            parsed = _Parsed(before.head, list(before.messages), dict(before.keys))
-        records = self._store.read(stream, parsed.head)
-        for record in records:
-            message = _decode(record, stream)
-            parsed.head = record.position
-            if message.key is not None:
-                if message.key in parsed.keys:
-                    continue  # a resend
-                parsed.keys[message.key] = message.position
-            parsed.messages.append(message)
-        with self._lock:
-            current = self._parsed.get(execution_id)
-            if current is None or current.head <= parsed.head:
-                self._parsed[execution_id] = parsed
-                self._parsed.move_to_end(execution_id)
-                while len(self._parsed) > _KEPT:
-                    self._parsed.popitem(last=False)
-        return parsed
+        with self._folds.holding(stream):
+            for message in self._folds.refresh(stream).messages:
+                if message.topic in wanted and message.position not in consumed:
+                    return message
+        return None
 
 
 def _decode(record: Record, stream: str) -> Message:

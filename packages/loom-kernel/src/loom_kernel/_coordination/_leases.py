@@ -31,12 +31,12 @@ from typing import Final
 
 import attrs
 
+from loom_kernel._coordination._streams import latest
 from loom_kernel._core import (
     ConflictError,
     LoomError,
     NewRecord,
     Record,
-    TrimmedError,
     validate_stream_id,
 )
 from loom_kernel._spi import JournalStore
@@ -64,8 +64,6 @@ MAX_LEASE: Final = 86_400.0
 WORKERS_PREFIX: Final = "workers/"
 _BEAT: Final = "loom.beat"
 _TRIM_EVERY: Final = 16
-#: Reads of a last record a racing trim may cut short, before giving up on it.
-_LAST_RECORD_ATTEMPTS: Final = 8
 #: Seconds a heartbeat thread stays after its engine's last drive (and waits at most).
 _LINGER: Final = 1.0
 
@@ -170,15 +168,10 @@ def last_record(store: JournalStore, stream: str) -> Record | None:
     now and then, a compaction a run's) means newer records: the head is read again,
     or an owner renewing its lease would look unseen.
     """
-    for _ in range(_LAST_RECORD_ATTEMPTS):
-        try:
-            head = store.head(stream)
-            return store.read(stream, head - 1)[-1] if head else None
-        except TrimmedError:
-            continue
-        except (LoomError, IndexError):
-            return None  # deleted meanwhile, or unreadable: the other stream still tells
-    return None
+    try:
+        return latest(store, stream)
+    except LoomError:
+        return None  # deleted meanwhile, or unreadable: the other stream still tells
 
 
 def _beat_lists(record: Record, execution_id: str) -> bool:

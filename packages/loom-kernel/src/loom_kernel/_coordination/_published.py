@@ -10,35 +10,58 @@ nothing.
 from __future__ import annotations
 
 import json
-import threading
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, Final
 
-from loom_kernel._coordination._appends import append_anywhere
-from loom_kernel._core import (
-    EVENTS_PREFIX,
-    NewRecord,
-    SchemaError,
-    validate_stream_id,
-)
+import attrs
+
+from loom_kernel._coordination._streams import StreamFolds
+from loom_kernel._core import EVENTS_PREFIX, NewRecord, Record, SchemaError, validate_stream_id
 from loom_kernel._spi import JournalStore
 
 __all__ = ["EVENTS_PREFIX", "Published"]
 
-
 EVENT_KIND: Final = "loom.event"
+#: Runs whose published values a reader keeps (the least recently used go first).
 _KEPT: Final = 1024
+
+
+@attrs.define
+class _Values:
+    """A run's published values as folded up to `head`: each key's latest."""
+
+    stream: str
+    head: int = 0
+    values: dict[str, Any] = attrs.Factory(dict)
+
+    def copy(self) -> _Values:
+        return _Values(self.stream, self.head, dict(self.values))
+
+
+def _fold(values: _Values, record: Record) -> None:
+    try:
+        if record.kind != EVENT_KIND:
+            raise ValueError(f"unknown kind {record.kind!r}")
+        data = json.loads(record.payload)
+        key = data["key"]
+        if not isinstance(key, str):
+            raise TypeError("the key is a str")
+        values.values[key] = data["value"]
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise SchemaError(
+            f"a damaged published value: {exc}",
+            kind=record.kind,
+            stream=values.stream,
+            position=record.position,
+        ) from None
 
 
 class Published:
     """Reads and writes the published values of one store's runs."""
 
     def __init__(self, store: JournalStore, clock: Callable[[], float]) -> None:
-        self._store = store
         self._clock = clock
-        self._lock = threading.Lock()
-        self._read: OrderedDict[str, tuple[int, dict[str, Any]]] = OrderedDict()
+        self._folds = StreamFolds(store, _Values, _fold, kept=_KEPT)
 
     @staticmethod
     def stream(execution_id: str) -> str:
@@ -46,40 +69,11 @@ class Published:
 
     def set(self, execution_id: str, key: str, value: Any) -> None:
         """Append `key`'s new value wherever the stream's head is now."""
-        stream = self.stream(execution_id)
         payload = json.dumps({"key": key, "value": value}).encode()
-        with self._lock:
-            head = self._read.get(execution_id, (0, {}))[0]
-        record = NewRecord(EVENT_KIND, payload, self._clock())
-        append_anywhere(self._store, stream, [record], head)
+        self._folds.append(
+            self.stream(execution_id), [NewRecord(EVENT_KIND, payload, self._clock())]
+        )
 
     def values(self, execution_id: str) -> dict[str, Any]:
         """Every key's latest value (read from where this reader last stopped)."""
-        stream = self.stream(execution_id)
-        with self._lock:
-            head, before = self._read.get(execution_id, (0, {}))
-        values = dict(before)
-        for record in self._store.read(stream, head):
-            try:
-                if record.kind != EVENT_KIND:
-                    raise ValueError(f"unknown kind {record.kind!r}")
-                data = json.loads(record.payload)
-                key = data["key"]
-                if not isinstance(key, str):
-                    raise TypeError("the key is a str")
-                values[key] = data["value"]
-            except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
-                raise SchemaError(
-                    f"a damaged published value: {exc}",
-                    kind=record.kind,
-                    stream=stream,
-                    position=record.position,
-                ) from None
-            head = record.position
-        with self._lock:
-            if self._read.get(execution_id, (0, {}))[0] <= head:
-                self._read[execution_id] = (head, values)
-                self._read.move_to_end(execution_id)
-                while len(self._read) > _KEPT:
-                    self._read.popitem(last=False)
-        return dict(values)
+        return self._folds.read(self.stream(execution_id)).values

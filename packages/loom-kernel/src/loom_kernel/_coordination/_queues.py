@@ -18,7 +18,8 @@ stream, `queues/<name>/<p>`, of records
 Within a partition every limit is exact. A queue of P partitions gives each partition
 its share of the concurrency cap and of the rate, so the queue as a whole never goes
 past either, and keeps a key's runs in one partition, so the per-key limit stays
-exact (see docs/queues.md).
+exact (see docs/queues.md). This module is the model: a queue, its limits, the fold of
+a partition and the pick; `_queue_book` reads and writes the partitions.
 """
 
 from __future__ import annotations
@@ -26,49 +27,47 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
-import logging
-import threading
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
 from typing import Any, Final
 
 import attrs
 
-from loom_kernel._coordination._appends import append_anywhere
 from loom_kernel._core import (
     MAX_ID_LENGTH,
-    ConflictError,
     InvalidArgumentError,
-    LoomError,
-    NewRecord,
     QueuePlace,
     Record,
     SchemaError,
-    StoreUnavailableError,
-    StreamDeletedError,
-    TrimmedError,
     finite_number,
     is_name,
     validate_stream_id,
 )
-from loom_kernel._spi import JournalStore
 
-__all__ = ["QUEUES_PREFIX", "Queue", "QueueBook", "QueueFold", "QueueView", "Rate", "pick"]
+__all__ = [
+    "ADD_KIND",
+    "CHECKPOINT_KIND",
+    "DONE_KIND",
+    "QUEUES_PREFIX",
+    "TAKE_KIND",
+    "Queue",
+    "QueueFold",
+    "QueueView",
+    "Rate",
+    "checkpoint_data",
+    "dump",
+    "fold_record",
+    "pick",
+]
 
 QUEUES_PREFIX: Final = "queues/"
-_ADD: Final = "loom.queue.add"
-_TAKE: Final = "loom.queue.take"
-_DONE: Final = "loom.queue.done"
-_CHECKPOINT: Final = "loom.queue.checkpoint"
-#: Records a partition holds past its checkpoint before a taker compacts it.
-_COMPACT_AT: Final = 64
-_READ_ATTEMPTS: Final = 8
+ADD_KIND: Final = "loom.queue.add"
+TAKE_KIND: Final = "loom.queue.take"
+DONE_KIND: Final = "loom.queue.done"
+CHECKPOINT_KIND: Final = "loom.queue.checkpoint"
 #: The widest priority: a 32-bit signed int, as DBOS allows.
 _PRIORITY_BOUND: Final = 2**31
 _MAX_PARTITIONS: Final = 256
-
-_log = logging.getLogger("loom")
 
 
 def _positive(name: str, value: object, *, optional: bool = True) -> None:
@@ -243,6 +242,8 @@ class QueueFold:
         admitted: when the admissions still inside the rate's window happened (by the
             takers' clocks), in order.
         since_checkpoint: records folded past the last checkpoint.
+        window: the rate's window in seconds (admissions older are forgotten), or
+            None for a queue with no rate.
     """
 
     stream: str
@@ -252,6 +253,7 @@ class QueueFold:
     admitted: list[float] = attrs.Factory(list)
     since_checkpoint: int = 0
     _line: list[tuple[int, int, str]] = attrs.Factory(list)  # the waiting runs' places, sorted
+    window: float | None = None
 
     def copy(self) -> QueueFold:
         return QueueFold(
@@ -262,6 +264,7 @@ class QueueFold:
             list(self.admitted),
             self.since_checkpoint,
             list(self._line),
+            self.window,
         )
 
     def wait(self, item: _Waiting) -> None:
@@ -348,7 +351,7 @@ def pick(
     return chosen
 
 
-def _dump(data: Any) -> bytes:
+def dump(data: Any) -> bytes:
     return json.dumps(data, separators=(",", ":")).encode()
 
 
@@ -370,15 +373,16 @@ def _waiting_of(data: Any) -> _Waiting:
     return _Waiting(execution_id, flow, priority, seq, key, code)
 
 
-def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
+def fold_record(fold: QueueFold, record: Record) -> None:
     """Fold one record of a partition into `fold` (in place).
 
     Raises:
         SchemaError: the record is damaged.
     """
+    window = fold.window
     try:
         data = json.loads(record.payload)
-        if record.kind == _ADD:
+        if record.kind == ADD_KIND:
             execution_id = str(data["id"])
             active = fold.active.get(execution_id)
             code = data.get("code", "")
@@ -392,7 +396,7 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
                 fold.waiting[execution_id] = attrs.evolve(fold.waiting[execution_id], code=code)
             else:
                 fold.wait(waiting)
-        elif record.kind == _TAKE:
+        elif record.kind == TAKE_KIND:
             by = str(data["by"])
             if window is not None:  # the window ends at this take, by its taker's clock
                 del fold.admitted[: bisect.bisect_right(fold.admitted, record.timestamp - window)]
@@ -404,7 +408,7 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
                     )
                     if window is not None:
                         bisect.insort(fold.admitted, record.timestamp)
-        elif record.kind == _DONE:
+        elif record.kind == DONE_KIND:
             execution_id = str(data["id"])
             active = fold.active.get(execution_id)
             if active is not None and active.take == int(data["take"]):
@@ -415,7 +419,7 @@ def _fold_record(fold: QueueFold, record: Record, window: float | None) -> None:
                     fold.wait(active.waiting)
                 elif active.again is not None:
                     fold.wait(active.again)
-        elif record.kind == _CHECKPOINT:
+        elif record.kind == CHECKPOINT_KIND:
             fold.waiting, fold._line = {}, []
             for waiting in map(_waiting_of, data["waiting"]):
                 fold.wait(waiting)
@@ -460,7 +464,7 @@ def _forget(admitted: list[float], at: float) -> None:
         del admitted[index]
 
 
-def _checkpoint_data(fold: QueueFold) -> dict[str, Any]:
+def checkpoint_data(fold: QueueFold) -> dict[str, Any]:
     return {
         "waiting": [_waiting_data(item) for item in fold.waiting.values()],
         "active": [
@@ -475,253 +479,3 @@ def _checkpoint_data(fold: QueueFold) -> dict[str, Any]:
         ],
         "admitted": fold.admitted,
     }
-
-
-class QueueBook:
-    """Reads and writes the queues of one engine, on its store."""
-
-    def __init__(
-        self, store: JournalStore, clock: Callable[[], float], queues: Iterable[Queue]
-    ) -> None:
-        self._store = store
-        self._clock = clock
-        self.queues: dict[str, Queue] = {}
-        if isinstance(queues, Queue) or not isinstance(queues, Iterable):
-            raise InvalidArgumentError(f"queues is a list of Queue objects, not {queues!r}")
-        for queue in queues:
-            if not isinstance(queue, Queue):
-                raise InvalidArgumentError(f"queues holds Queue objects, not {queue!r}")
-            if queue.name in self.queues:
-                raise InvalidArgumentError(f"two queues are named {queue.name!r}")
-            self.queues[queue.name] = queue
-        self._heads: dict[str, int] = {}  # stream -> its head after an append here
-        self._read: dict[str, QueueFold] = {}  # stream -> as last folded (live)
-        self._locks: dict[str, threading.RLock] = {}  # stream -> held while it is used here
-        self._locks_lock = threading.Lock()
-
-    def queue(self, name: str) -> Queue:
-        """The queue of that name.
-
-        Raises:
-            InvalidArgumentError: this engine has no such queue.
-        """
-        queue = self.queues.get(name) if isinstance(name, str) else None
-        if queue is None:
-            raise InvalidArgumentError(
-                f"no queue named {name!r} on this engine (Engine(..., queues=[Queue(...)]); "
-                f"known: {sorted(self.queues)})"
-            )
-        return queue
-
-    @staticmethod
-    def stream(name: str, partition: int) -> str:
-        return f"{QUEUES_PREFIX}{name}/{partition}"
-
-    # -- writing --------------------------------------------------------------
-
-    def add(self, place: QueuePlace, execution_id: str, flow: str, code: str) -> None:
-        """Have a run wait on its queue (a second add of a run waiting or driven is
-        folded away; one of a run being driven has it wait again once done); `code` is
-        the hash of the code it is pinned to, so workers without it leave it alone."""
-        data = {
-            "id": execution_id,
-            "flow": flow,
-            "priority": place.priority,
-            "key": place.key,
-            "code": code,
-        }
-        record = NewRecord(_ADD, _dump(data), self._clock())
-        self._add(self.stream(place.name, place.partition), record)
-
-    def done(
-        self,
-        name: str,
-        partition: int,
-        execution_id: str,
-        take: int,
-        *,
-        requeue: bool,
-        unused: bool = False,
-    ) -> None:
-        """Say that the run the take at `take` admitted is no longer driven (appended
-        wherever the head is); see `done_record`."""
-        record = self.done_record(execution_id, take, requeue=requeue, unused=unused)
-        self._add(self.stream(name, partition), record)
-
-    def done_record(
-        self, execution_id: str, take: int, *, requeue: bool, unused: bool = False
-    ) -> NewRecord:
-        """The record that says the run the take at `take` admitted is no longer driven;
-        with `requeue`, it waits again at its old place (its driver let it go running);
-        with `unused`, it was never driven, and its admission counts for no rate."""
-        data = {"id": execution_id, "take": take, "requeue": requeue, "unused": unused}
-        return NewRecord(_DONE, _dump(data), self._clock())
-
-    def take_record(self, ids: Sequence[str], by: str) -> NewRecord:
-        """The record that admits `ids` for worker `by`."""
-        return NewRecord(_TAKE, _dump({"ids": list(ids), "by": by}), self._clock())
-
-    def take(self, name: str, partition: int, fold: QueueFold, ids: Sequence[str], by: str) -> int:
-        """Admit `ids` for worker `by`, at the exact head of `fold`; the take's position
-        (see `append_at`).
-
-        Raises:
-            ConflictError: the partition moved since `fold` was read: fold again.
-        """
-        return self.append_at(name, partition, fold, [self.take_record(ids, by)])
-
-    def append_at(
-        self, name: str, partition: int, fold: QueueFold, records: Sequence[NewRecord]
-    ) -> int:
-        """Append `records` at the exact head of `fold`, and fold them into it; the last
-        one's position. Compacts the partition once it holds more records past its
-        checkpoint than a checkpoint would (and at least _COMPACT_AT), so a checkpoint
-        costs O(1) a record.
-
-        Raises:
-            ConflictError: the partition moved since `fold` was read: fold again.
-        """
-        stream = self.stream(name, partition)
-        with self._lock(stream):
-            first = fold.head + 1
-            position = self._store.append(stream, fold.head, records)
-            self._heads[stream] = position
-            window = self._window(name)
-            for offset, record in enumerate(records):
-                stored = Record(first + offset, record.kind, record.payload, record.timestamp)
-                _fold_record(fold, stored, window)
-            held = len(fold.waiting) + len(fold.active)
-            if fold.since_checkpoint >= max(_COMPACT_AT, held):
-                self._compact(name, partition)
-        return position
-
-    def _add(self, stream: str, record: NewRecord) -> None:
-        """Append one record wherever the stream's head is now."""
-        with self._lock(stream):
-            head = self._heads.get(stream, 0)
-            self._heads[stream] = append_anywhere(self._store, stream, [record], head)
-
-    def _compact(self, name: str, partition: int) -> None:
-        """Checkpoint the fold at the exact head read, then trim below it."""
-        try:
-            with self.holding(name, partition):
-                fold = self.refresh(name, partition)
-                record = NewRecord(_CHECKPOINT, _dump(_checkpoint_data(fold)), self._clock())
-                try:
-                    head = self._store.append(fold.stream, fold.head, [record])
-                except ConflictError:
-                    return  # it moved meanwhile: a later take compacts it
-                fold.head, fold.since_checkpoint = head, 0  # what the checkpoint holds
-                self._store.trim(fold.stream, head)
-        except LoomError as exc:  # it stays as it was; a later take compacts it
-            _log.warning("loom: queue %s/%d not compacted: %s", name, partition, exc)
-
-    # -- reading --------------------------------------------------------------
-
-    def _lock(self, stream: str) -> threading.RLock:
-        with self._locks_lock:
-            lock = self._locks.get(stream)
-            if lock is None:
-                lock = self._locks[stream] = threading.RLock()
-            return lock
-
-    def _window(self, name: str) -> float | None:
-        queue = self.queues.get(name)
-        return None if queue is None or queue.rate is None else queue.rate.per
-
-    @contextmanager
-    def holding(self, name: str, partition: int) -> Iterator[None]:
-        """Hold a partition: this book's other calls on it (from other threads) wait
-        until the block ends, so `refresh`'s fold stays as it is but for what the block
-        appends itself (its own takes never conflict with this process's)."""
-        with self._lock(self.stream(name, partition)):
-            yield
-
-    def refresh(self, name: str, partition: int) -> QueueFold:
-        """The partition as it is now, live (call it inside `holding`, and use it there
-        only): what was appended since this book last read it is read (one read) and
-        folded in place; a read that meets a trim reads again from the new floor.
-
-        Raises:
-            SchemaError: a record is damaged (`rewrite` mends it).
-        """
-        window = self._window(name)
-        stream = self.stream(name, partition)
-        fold = self._read.get(stream)
-        after = 0
-        for _ in range(_READ_ATTEMPTS):
-            start = fold.head if fold is not None else after
-            try:
-                records = self._store.read(stream, start)
-            except TrimmedError as exc:
-                after, fold = exc.floor, None
-                continue
-            except StreamDeletedError:
-                fold = self._read[stream] = QueueFold(stream)
-                return fold
-            if fold is None:
-                fold = QueueFold(stream, start)
-            try:
-                for record in records:
-                    _fold_record(fold, record, window)
-            except SchemaError:
-                self._read.pop(stream, None)  # folded in part: read afresh next time
-                raise
-            self._read[stream] = fold
-            return fold
-        raise StoreUnavailableError(f"{stream}: other takers kept compacting it while it was read")
-
-    def read(self, name: str, partition: int) -> QueueFold:
-        """A copy of the partition as it is now (see `refresh`), to keep.
-
-        Raises:
-            SchemaError: a record is damaged (`rewrite` mends it).
-        """
-        with self.holding(name, partition):
-            return self.refresh(name, partition).copy()
-
-    def rewrite(self, name: str, partition: int) -> None:
-        """Mend a partition with a damaged record: fold its readable records and
-        checkpoint that at the exact head read, which trims the damage off."""
-        window = self._window(name)
-        stream = self.stream(name, partition)
-        with self.holding(name, partition):
-            self._rewrite(stream, window)
-
-    def _rewrite(self, stream: str, window: float | None) -> None:
-        self._read.pop(stream, None)
-        for _ in range(_READ_ATTEMPTS):
-            fold = QueueFold(stream)
-            try:
-                records = self._store.read(stream, 0)
-            except TrimmedError as exc:
-                records = self._store.read(stream, exc.floor)
-            for record in records:
-                try:
-                    _fold_record(fold, record, window)
-                except SchemaError as exc:
-                    _log.warning("loom: dropping a damaged queue record: %s", exc)
-            checkpoint = NewRecord(_CHECKPOINT, _dump(_checkpoint_data(fold)), self._clock())
-            try:
-                head = self._store.append(stream, fold.head, [checkpoint])
-            except ConflictError:
-                continue
-            self._store.trim(stream, head)
-            return
-
-    def view(self, name: str) -> QueueView:
-        """What waits on a queue and what is driven, now.
-
-        Raises:
-            InvalidArgumentError: this engine has no such queue.
-            SchemaError: a partition holds a damaged record.
-        """
-        queue = self.queue(name)
-        waiting: list[str] = []
-        active: list[str] = []
-        for partition in range(queue.partitions):
-            with self.holding(name, partition):
-                fold = self.refresh(name, partition)
-                waiting.extend(item.execution_id for item in fold.in_order())
-                active.extend(fold.active)
-        return QueueView(name, waiting, active)

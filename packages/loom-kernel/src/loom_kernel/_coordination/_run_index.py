@@ -41,17 +41,8 @@ from typing import Any, Final
 
 import attrs
 
-from loom_kernel._coordination._appends import append_anywhere
-from loom_kernel._core import (
-    ConflictError,
-    LoomError,
-    NewRecord,
-    Record,
-    SchemaError,
-    Status,
-    StreamDeletedError,
-    TrimmedError,
-)
+from loom_kernel._coordination._streams import StreamFolds, retained
+from loom_kernel._core import ConflictError, LoomError, NewRecord, Record, SchemaError, Status
 from loom_kernel._spi import JournalStore
 
 __all__ = ["ENDED", "PARTITIONS", "OpenHint", "RunIndex", "partition_of"]
@@ -67,7 +58,6 @@ _CHECKPOINT: Final = "loom.run.checkpoint"
 _ENDED_KIND: Final = "loom.run.ended"
 #: Closed records a partition holds before a reader compacts it.
 _COMPACT_AT: Final = 32
-_READ_ATTEMPTS: Final = 8
 
 _log = logging.getLogger("loom")
 
@@ -110,12 +100,22 @@ class OpenHint:
     position: int = 0
 
 
-@attrs.frozen
+@attrs.define
 class _Partition:
+    """An open partition as folded up to `head`: the runs it holds open, and the runs
+    closed there since its checkpoint (id -> (id, status, flow))."""
+
     stream: str
-    head: int
-    open: dict[str, OpenHint]
-    closed: list[tuple[str, Status, str]]  # id, status, flow
+    head: int = 0
+    open: dict[str, OpenHint] = attrs.Factory(dict)
+    closed: dict[str, tuple[str, Status, str]] = attrs.Factory(dict)
+
+    def copy(self) -> _Partition:
+        return _Partition(self.stream, self.head, dict(self.open), dict(self.closed))
+
+
+def _fold(partition: _Partition, record: Record) -> None:
+    _fold_record(record, partition.stream, partition.open, partition.closed)
 
 
 def _dump(data: Any) -> bytes:
@@ -130,8 +130,7 @@ class RunIndex:
         self._clock = clock
         self._built = False
         self._looked = False  # whether a start here has checked for a fresh store
-        self._heads: dict[str, int] = {}  # stream -> its head after this index's last append
-        self._read: dict[str, _Partition] = {}  # stream -> the partition as last read
+        self._folds = StreamFolds(store, _Partition, _fold)
 
     # -- writing --------------------------------------------------------------
 
@@ -167,11 +166,8 @@ class RunIndex:
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_CLOSED, _dump(data), 0.0))
 
     def _add(self, stream: str, record: NewRecord) -> None:
-        """Append one record wherever the stream's head is now (guessed from the last
-        append here, so a quiet stream costs one request)."""
-        record = NewRecord(record.kind, record.payload, self._clock())
-        head = self._heads.get(stream, 0)
-        self._heads[stream] = append_anywhere(self._store, stream, [record], head)
+        """Append one record wherever the stream's head is now."""
+        self._folds.append(stream, [NewRecord(record.kind, record.payload, self._clock())])
 
     # -- the built marker -------------------------------------------------------
 
@@ -215,12 +211,12 @@ class RunIndex:
     def open_in(self, partition: str) -> tuple[int, list[OpenHint]]:
         """One partition's head as read, and the runs it holds open (compacting it when
         it holds many closed runs)."""
-        found = self._read_partition(partition)
-        if found is None:
-            return 0, []
-        if len(found.closed) >= _COMPACT_AT:
-            self._compact(found)
-        return found.head, list(found.open.values())
+        stream = _open_stream(partition)
+        with self._folds.holding(stream):
+            found = self._folds.refresh(stream)
+            if len(found.closed) >= _COMPACT_AT:
+                self._compact(found)
+            return found.head, list(found.open.values())
 
     def head(self, partition: str) -> int:
         """A partition's head: it moves whenever a run is opened or closed there."""
@@ -236,7 +232,7 @@ class RunIndex:
         omits runs ended but not yet moved out of their open partition."""
         for partition in self.partitions():
             stream = _ended_stream(status, partition)
-            for record in self._retained(stream):
+            for record in retained(self._store, stream) or []:
                 try:
                     runs = [
                         (str(run[0]), str(run[1])) for run in json.loads(record.payload)["runs"]
@@ -248,9 +244,7 @@ class RunIndex:
     def closed_runs(self) -> Iterator[tuple[str, Status, str]]:
         """(id, status, flow) of runs closed but not yet moved to their status streams."""
         for partition in self.partitions():
-            found = self._read_partition(partition)
-            if found is not None:
-                yield from found.closed
+            yield from self._folds.read(_open_stream(partition)).closed.values()
 
     def rebuild(
         self, open_runs: Iterable[OpenHint], ended: dict[str, tuple[str, Status, str]]
@@ -274,7 +268,9 @@ class RunIndex:
             stream = _open_stream(partition)
             while True:
                 head = self._store.head(stream)
-                opened, closed, damaged = _fold_readable(stream, self._retained(stream))
+                opened, closed, damaged = _fold_readable(
+                    stream, retained(self._store, stream) or []
+                )
                 if not damaged:
                     for execution_id, hint in hints.items():
                         if execution_id not in opened:
@@ -295,56 +291,14 @@ class RunIndex:
                 self._store.trim(stream, new_head)
                 break
 
-    def _retained(self, stream: str) -> list[Record]:
-        after = 0
-        for _ in range(_READ_ATTEMPTS):
-            try:
-                return self._store.read(stream, after)
-            except TrimmedError as exc:
-                after = exc.floor
-            except StreamDeletedError:
-                return []
-        return []
-
-    def _read_partition(self, partition: str) -> _Partition | None:
-        """A partition as read now. A partition only grows between checkpoints, so
-        only what was appended since this index last read it is read and folded, in
-        one read; a read that meets a trim (another reader's checkpoint) reads again
-        from the new floor."""
-        stream = _open_stream(partition)
-        after = 0
-        cached = self._read.get(stream)
-        for _ in range(_READ_ATTEMPTS):
-            start = cached.head if cached is not None else after
-            try:  # one read, no head first: on S3 each is a request
-                records = self._store.read(stream, start)
-            except TrimmedError as exc:
-                after, cached = exc.floor, None
-                continue
-            except StreamDeletedError:
-                return None
-            head = records[-1].position if records else start
-            if cached is not None and not records:
-                return cached
-            if cached is not None:
-                found = _fold_partition(stream, head, records, cached)
-            else:
-                found = _fold_partition(stream, head, records)
-            self._read[stream] = found
-            return found
-        return None  # other readers kept compacting it: they hold it now
-
     def _compact(self, found: _Partition) -> None:
-        """Move closed runs to their status streams, then checkpoint and trim."""
+        """Move closed runs to their status streams, then checkpoint and trim (a run
+        opened or closed meanwhile: compacted on a later read)."""
         try:
-            self.index_ended(found.closed)
+            self.index_ended(found.closed.values())
             hints = [_hint_data(hint) for hint in found.open.values()]
             record = NewRecord(_CHECKPOINT, _dump({"open": hints}), self._clock())
-            try:
-                head = self._store.append(found.stream, found.head, [record])
-            except ConflictError:
-                return  # a run opened or closed meanwhile: compacted on a later read
-            self._store.trim(found.stream, head)
+            self._folds.checkpoint(found.stream, found, record)
         except LoomError as exc:  # the partition stays as it was; a later read compacts it
             _log.warning("loom: run index %s not compacted: %s", found.stream, exc)
 
@@ -369,29 +323,20 @@ def _queue_of(data: dict[str, Any]) -> str | None:
     return queue
 
 
-def _fold_partition(
-    stream: str, head: int, records: list[Record], before: _Partition | None = None
-) -> _Partition:
-    """Fold a partition's records (onto what `before` held, when they follow it)."""
-    opened = dict(before.open) if before is not None else {}
-    closed = {run[0]: run for run in before.closed} if before is not None else {}
-    for record in records:
-        _fold_record(record, stream, opened, closed)
-    return _Partition(stream, head, opened, list(closed.values()))
-
-
 def _fold_readable(
     stream: str, records: list[Record]
 ) -> tuple[dict[str, OpenHint], dict[str, tuple[str, Status, str]], bool]:
     """Fold what can be read of a partition: (open runs, closed runs, whether any record
     was damaged). With a damaged record, it is skipped, and a checkpoint never empties
     what the records before it opened, so the open runs are a superset of the truth."""
+    found = _Partition(stream)
     try:
-        found = _fold_partition(stream, 0, records)
+        for record in records:
+            _fold(found, record)
     except SchemaError:
         pass
     else:
-        return found.open, {run[0]: run for run in found.closed}, False
+        return found.open, found.closed, False
     opened: dict[str, OpenHint] = {}
     closed: dict[str, tuple[str, Status, str]] = {}
     damaged = False

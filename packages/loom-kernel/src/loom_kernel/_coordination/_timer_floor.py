@@ -32,7 +32,8 @@ from typing import Final
 
 import attrs
 
-from loom_kernel._core import ConflictError, NewRecord, Record, SchemaError, TrimmedError
+from loom_kernel._coordination._streams import latest
+from loom_kernel._core import ConflictError, NewRecord, Record, SchemaError
 from loom_kernel._spi import JournalStore
 
 FLOOR_STREAM: Final = "timers-floor"
@@ -41,7 +42,6 @@ FLOOR_KIND: Final = "loom.timer.floor"
 #: for a month catches up over many polls instead of in one long one).
 SEALS_PER_POLL: Final = 60
 _TRIM_EVERY: Final = 64
-_READ_ATTEMPTS: Final = 8
 
 
 @attrs.frozen
@@ -109,18 +109,10 @@ class TimerFloor:
             SchemaError: the latest mark is damaged.
             LoomError: the store failed.
         """
-        store = self._store
-        for _ in range(_READ_ATTEMPTS):
-            head = store.head(FLOOR_STREAM)
-            if head == 0:
-                return None
-            try:
-                records = store.read(FLOOR_STREAM, head - 1, 1)
-            except TrimmedError:
-                continue  # trimmed past it meanwhile: a newer mark is there
-            if records:
-                self._remember(head, _parse(records[-1]))
-                return self._mark
+        last = latest(self._store, FLOOR_STREAM)
+        if last is None:
+            return None
+        self._remember(last.position, _parse(last))
         return self._mark
 
     def create(self, now_minute: int) -> FloorMark:
