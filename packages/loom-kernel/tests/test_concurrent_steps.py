@@ -318,3 +318,25 @@ def test_a_journaled_value_asked_in_another_task_is_refused(call: str) -> None:
     with pytest.raises(InvalidArgumentError, match="another task than the flow's own"):
         box.engine.start("values", key="v")
     assert [record[1] for record in box.store.read("ex/v")] == ["EXECUTION_STARTED"]
+
+
+def test_a_flow_that_looks_at_a_concurrent_step_after_its_own_decides_alike_on_replay() -> None:
+    import asyncio
+
+    async def work(name: str, delay: float) -> str:
+        await asyncio.sleep(delay)
+        return name
+
+    @flow(name="peek", version="1")
+    async def peek(ctx: AsyncContext, _input: Any) -> Any:
+        quick = asyncio.ensure_future(ctx.step("quick", work, "quick", 0.0))
+        await ctx.step("slower", work, "slower", 0.01)
+        branch = "done" if quick.done() else "pending"
+        await ctx.step(branch, lambda: branch)
+        await quick
+        await ctx.suspend("end")
+        return branch
+
+    box = sandbox(peek)
+    box.engine.start("peek", key="p")
+    assert box.new_engine().resume("p", "ok").status is Status.COMPLETED

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from counter_flow import counter
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
 from loom_kernel._coordination import SNAPSHOT_KIND
 from loom_kernel.spi import NewRecord, SchemaError
@@ -153,3 +154,44 @@ def test_compacting_over_a_snapshot_that_names_no_position_is_a_schema_error(
     with pytest.raises(SchemaError, match="snapshot names no position") as caught:
         engine.compact(run.id)  # its cached state: only the compaction reads the snapshot
     assert (caught.value.stream, caught.value.position) == ("snap/snapped", head + 1)
+
+
+@pytest.mark.usefixtures("flow_loop")
+@pytest.mark.parametrize("payload", [b"[1, 2]", b'"a step"', b"7"])
+def test_a_step_record_that_is_not_a_json_object_is_a_schema_error(payload: bytes) -> None:
+    from loom_kernel.spi import NewRecord, SchemaError
+
+    @flow(name="one_step", version="1")
+    def one_step(ctx: Context, _input: Any) -> Any:
+        return ctx.step("s", lambda: 1)
+
+    box = sandbox(one_step)
+    box.engine.start("one_step", key="j")
+    stream = "ex/j"
+    box.store.append(stream, box.store.head(stream), [NewRecord("STEP_COMPLETED", payload, 1.0)])
+    with pytest.raises(SchemaError):
+        box.new_engine().get("j")
+
+
+@pytest.mark.usefixtures("flow_loop")
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"index":"0","name":"s","result":1,"attempts":1}',
+        b'{"index":0,"name":7,"result":1,"attempts":1}',
+        b'{"index":0,"name":"s","result":1,"attempts":"1"}',
+    ],
+)
+def test_a_step_record_with_a_field_of_the_wrong_type_is_a_schema_error(data: bytes) -> None:
+    from loom_kernel import SchemaError
+    from loom_kernel.events import EVENT_SCHEMA, ExecutionStarted, encode_event
+    from loom_kernel.spi import NewRecord
+
+    store = MemoryStore()
+    start = encode_event(ExecutionStarted("counter", counter.code_hash, 0), 1.0)
+    step = NewRecord(
+        "STEP_COMPLETED", b'{"v":"' + EVENT_SCHEMA.encode() + b'","d":' + data + b"}", 1.0
+    )
+    store.append("ex/typed", 0, [start, step])
+    with pytest.raises(SchemaError):
+        Engine(store, [counter]).get("typed")

@@ -1,4 +1,5 @@
-"""The fold is pure and total: any prefix folds, and snapshot + tail equals the whole."""
+"""The fold is pure and total: any prefix folds, and snapshot + tail equals the whole;
+compaction keeps the run going, and only its latest snapshot."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from loom_kernel import Context, Engine, MemoryStore, SchemaError, TrimmedError, flow
 from loom_kernel.events import Event, ExecutionState, Status, decode_event, fold
-from loom_kernel.testing import FakeClock
+from loom_kernel.testing import FakeClock, sandbox
 
 payloads = st.none() | st.integers() | st.text(max_size=4) | st.lists(st.integers(), max_size=2)
 
@@ -119,3 +120,23 @@ def test_compaction_keeps_the_run_going() -> None:
     fresh = Engine(store, [long])  # no cache: it must start from the snapshot
     assert fresh.resume(ex.id, "two").result == [sum(range(50)), "one", "two"]
     assert fresh.history(ex.id)[0].position == covered, "the last covered record stays"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_second_compaction_drops_the_older_snapshot() -> None:
+    from loom_kernel import TrimmedError
+
+    @flow(name="parked", version="1")
+    def parked(ctx: Context, _input: Any) -> Any:
+        ctx.step("one", lambda: 1)
+        first = ctx.suspend("a")
+        return [first, ctx.suspend("b")]
+
+    box = sandbox(parked)
+    box.engine.start("parked", key="p")
+    box.engine.compact("p")
+    box.engine.resume("p", "x")
+    box.engine.compact("p")
+    with pytest.raises(TrimmedError):
+        box.store.read("snap/p", 0)
+    assert len(box.store.read("snap/p", box.store.head("snap/p") - 1)) == 1

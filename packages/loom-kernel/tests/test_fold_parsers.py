@@ -1,5 +1,6 @@
 """The fold's three ways to read a journal agree: typed msgspec structs for the steps
-(the `fast` extra), untyped msgspec for the rest, and the standard library's json alone."""
+(the `fast` extra), untyped msgspec for the rest, and the standard library's json alone,
+which is all the kernel needs; a step whose record leaves `attempts` out counts one."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from loom_kernel import Context, Engine, MemoryStore, flow
 from loom_kernel._core import (
     _codec,
     _fast_fold,
@@ -25,7 +27,7 @@ from loom_kernel.events import (
     StepCompleted,
     encode_event,
 )
-from loom_kernel.spi import Record, SchemaError
+from loom_kernel.spi import NewRecord, Record, SchemaError
 
 json_values = st.recursive(
     st.none()
@@ -102,3 +104,51 @@ def test_typed_untyped_and_json_fold_a_journal_alike(
     # repr, not ==: 2**80 == float(2**80), but a replay must give back the same type
     assert repr(by_msgspec) == repr(_fold(records, "untyped"))
     assert repr(by_msgspec) == repr(_fold(records, "json"))
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_journaled_step_without_attempts_counts_one() -> None:
+    """A completed step of the current schema whose data lacks `attempts` (a writer
+    that leaves the default out) is not the fast fold's exact shape: it is decoded,
+    and counts one attempt."""
+
+    @flow(name="one_step")
+    def one_step(ctx: Context, _input: Any) -> Any:
+        return ctx.step("a", lambda: 5)
+
+    written = MemoryStore()
+    Engine(written, [one_step], listeners=[]).start("one_step", key="x")
+    started, step, _completed = written.read("ex/x")
+    envelope = json.loads(step.payload)
+    del envelope["d"]["attempts"]
+    store = MemoryStore()
+    store.append(
+        "ex/x",
+        0,
+        [
+            NewRecord(started.kind, started.payload, started.timestamp),
+            NewRecord(step.kind, json.dumps(envelope).encode(), step.timestamp),
+        ],
+    )
+    frames = Engine(store, [one_step], listeners=[]).frames("x")
+    assert (frames[0].result, frames[0].attempts) == (5, 1)
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_the_kernel_alone_folds_without_msgspec(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+    import json
+    import sys
+
+    from loom_kernel._core import _fast_fold
+
+    monkeypatch.setitem(sys.modules, "msgspec", None)  # an import of it fails
+    spec = importlib.util.spec_from_file_location("_fold_without_msgspec", _fast_fold.__file__)
+    assert spec is not None
+    assert spec.loader is not None
+    alone = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(alone)
+    assert alone.decode_step_runs is None
+    assert alone.parse_many is json.loads
+
+    assert alone.step_runs([]) is None, "the general path"

@@ -4,27 +4,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import (
-    Context,
-    Engine,
-    MemoryStore,
-    NotSuspendedError,
-    RetryPolicy,
-    Status,
-    flow,
-)
-from loom_kernel.spi import JournalStore, NewRecord
+from loom_kernel import Context, Engine, MemoryStore, NotSuspendedError, RetryPolicy, Status, flow
 from loom_kernel.testing import FakeClock
 
 EngineFactory = Callable[..., Engine]
-
-FIXTURE = Path(__file__).parent / "fixtures" / "journal_1_15.json"
 
 
 @flow
@@ -63,54 +51,6 @@ def test_three_gate_completion(make_engine: EngineFactory) -> None:
     assert (done.status, done.result) == (Status.COMPLETED, ["x", "y", "z"])
     suspends = [h for h in engine.history(ex.id) if type(h.event).__name__ == "ExecutionSuspended"]
     assert len(suspends) == 3
-
-
-@flow(name="single_gate", version="1")
-def single_gate(ctx: Context, order: Any) -> Any:
-    quote = ctx.step("quote", lambda: {"total": 42})
-    approval = ctx.suspend("approval")
-    return {"order": order, "quote": quote, "approval": approval}
-
-
-def _load_fixture(store: JournalStore) -> dict[str, Any]:
-    fixture: dict[str, Any] = json.loads(FIXTURE.read_text())
-    stream = "ex/" + fixture["execution_id"]
-    records = [
-        NewRecord(r["kind"], json.dumps(r["payload"]).encode(), r["timestamp"])
-        for r in fixture["records"]
-    ]
-    store.append(stream, 0, records)
-    snapshot = json.dumps(fixture["snapshot"]).encode()
-    store.append("snap/" + fixture["execution_id"], 0, [NewRecord("loom.snapshot", snapshot, 0.0)])
-    store.trim(stream, 5)  # only the snapshot knows the resume now
-    return fixture
-
-
-def test_legacy_single_payload_fallback(clock: FakeClock) -> None:
-    """ADR 0057 regression 3: a 1.15 log folds `_resumePayload` as a one-entry list, and the
-    single-gate run resumes byte-identically to the same run journaled under 1.16."""
-    legacy_store = MemoryStore()
-    fixture = _load_fixture(legacy_store)
-    legacy = Engine(legacy_store, [single_gate], clock=clock)
-    state = legacy.state(fixture["execution_id"])
-    assert state.resume_payloads == [{"approved": True, "by": "ada"}]
-    assert legacy.recover() == [fixture["execution_id"]]
-    legacy_done = legacy.get(fixture["execution_id"])
-    assert legacy_done.status is Status.COMPLETED
-    assert legacy_done.result["approval"] == {"approved": True, "by": "ada"}
-
-    modern_store = MemoryStore()
-    modern = Engine(modern_store, [single_gate], clock=clock)
-    modern.start("single_gate", {"order": 7}, key="legacy-1")
-    modern.resume("legacy-1", {"approved": True, "by": "ada"})
-    # The recovering engine first claims the ownerless 1.15 run (docs/running.md);
-    # past that record, the run goes on byte for byte as under 1.16 and later.
-    legacy_tail = legacy_store.read("ex/legacy-1", 4)
-    modern_tail = modern_store.read("ex/legacy-1", 4)
-    assert legacy_tail[0].kind == "EXECUTION_CLAIMED"
-    assert [(r.kind, r.payload) for r in legacy_tail[1:]] == [
-        (r.kind, r.payload) for r in modern_tail
-    ]
 
 
 def test_a_chain_of_sleeps_completes(make_engine: EngineFactory, clock: FakeClock) -> None:

@@ -1,12 +1,14 @@
-"""Stream ids are validated in one place, before any store sees them."""
+"""Stream and execution ids are validated in one place, before any store sees them."""
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from loom_kernel import Engine
 from loom_kernel._core import ID_ALPHABET
 from loom_kernel.spi import MAX_ID_LENGTH, InvalidIdError, validate_prefix, validate_stream_id
 from loom_kernel.testing import BAD_IDS
@@ -115,3 +117,26 @@ def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start(
     assert len(many) == 20_000, "74 random bits: no two alike, within a millisecond too"
     now[0] = -5_000_000_000  # a clock before 1970 counts as 1970
     assert uuid.UUID(_starts.fresh_execution_id()).int >> 80 == 0
+
+
+@pytest.mark.usefixtures("flow_loop")
+@pytest.mark.parametrize("bad", [123, None, b"id", 1.5])
+def test_an_execution_id_that_is_not_a_str_is_an_invalid_id(bad: Any) -> None:
+    with pytest.raises(InvalidIdError, match="an execution id is a str"):
+        Engine.stream_of(bad)
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_the_id_limit_is_two_hundred_characters() -> None:
+    assert validate_stream_id("x" * 200) == "x" * 200
+    with pytest.raises(InvalidIdError, match="longer than 200"):
+        validate_stream_id("x" * 201)
+    assert validate_prefix("x" * 200) == "x" * 200
+    with pytest.raises(InvalidIdError):
+        validate_prefix("x" * 201)
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_an_unhashable_id_is_an_invalid_id_not_a_type_error() -> None:
+    with pytest.raises(InvalidIdError):
+        validate_stream_id(["ex", "1"])

@@ -718,3 +718,58 @@ def test_the_machine_part_of_a_worker_id_names_this_boot_and_pid_namespace() -> 
     host, found_boot, found_namespace = _machine().split(".")
     assert (found_boot, found_namespace) == (boot, namespace)
     assert host
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_looking_whether_another_process_lives_sends_it_no_signal() -> None:
+    import subprocess
+    import sys
+
+    from loom_kernel._coordination import abandoned_here, default_worker_id
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        machine = default_worker_id().partition(":")[0]
+        assert abandoned_here(f"{machine}:{child.pid}:nonce", "r") is False, "it lives"
+        with pytest.raises(subprocess.TimeoutExpired):  # the look did not signal it
+            child.wait(timeout=0.5)
+    finally:
+        child.kill()
+        child.wait()
+    assert abandoned_here(f"{machine}:{child.pid}:nonce", "r") is True, "it exited"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_workers_beats_are_trimmed_as_they_go() -> None:
+    from loom_kernel.spi import TrimmedError
+
+    store = MemoryStore()
+    engine = Engine(store, [], worker_id="beating", listeners=[])
+    for _ in range(40):
+        parts_of(engine).driver.heartbeat.beat()
+    assert store.head("workers/beating") == 40
+    with pytest.raises(TrimmedError):
+        store.read("workers/beating", 0)
+    (last,) = store.read("workers/beating", 39)
+    assert last.position == 40
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_beat_that_fails_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    import time
+
+    from loom_kernel import StoreUnavailableError
+    from loom_kernel._coordination import Heartbeat
+
+    class NoBeats(MemoryStore):
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream.startswith("workers/"):
+                raise StoreUnavailableError("the beat did not land (injected)")
+            return super()._append(stream, expected, records)
+
+    heartbeat = Heartbeat(NoBeats(), lambda: "w-failing", 0.15, FakeClock())
+    deadline = time.monotonic() + 10
+    with caplog.at_level("WARNING", logger="loom"), heartbeat.holding("r"):
+        while "was not renewed" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert "the lease of w-failing was not renewed: the beat did not land" in caplog.text

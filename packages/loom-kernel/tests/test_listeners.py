@@ -1,4 +1,5 @@
-"""Listeners: every queued delivery is made, even when one listener has a bug."""
+"""Listeners: every queued delivery is made, even when one listener has a bug, and a
+start returns the run as its listeners left it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, Execution, MemoryStore, Status, flow
+from loom_kernel.testing import sandbox
 
 
 @flow
@@ -34,3 +36,18 @@ def test_a_listener_bug_is_raised_after_every_queued_delivery_is_made() -> None:
         engine.start("waits", key="second")
     assert ("resumer", "first", "completed") in seen
     assert ("fragile", "first", "completed") in seen, "the queued delivery was made"
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_start_returns_the_run_as_its_listeners_left_it() -> None:
+    def approve_at_once(engine: Engine, execution: Any) -> None:
+        if execution.status is Status.SUSPENDED and execution.waiting_on == "auto":
+            engine.resume(execution.id, "yes")
+
+    @flow(name="auto_approved", version="1")
+    def auto_approved(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("auto")
+
+    box = sandbox(auto_approved, listeners=[approve_at_once])
+    run = box.engine.start("auto_approved")
+    assert (run.status, run.result) == (Status.COMPLETED, "yes")

@@ -1,8 +1,11 @@
-"""Misuse is refused at the call with the kernel's own error, and journals nothing."""
+"""Misuse is refused at the call with the kernel's own error, and journals nothing: a
+flow that swallows its park or its stop stays where it was, and a coroutine it never
+awaits is closed, not left to warn."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import Callable
 from datetime import timedelta
@@ -11,18 +14,9 @@ from typing import Any
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from loom_kernel import (
-    AsyncContext,
-    Context,
-    Engine,
-    MemoryStore,
-    Queue,
-    RetryPolicy,
-    Status,
-    flow,
-)
+from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Queue, RetryPolicy, Status, flow
 from loom_kernel.spi import InvalidArgumentError, NewRecord, StoreUnavailableError
-from loom_kernel.testing import FakeClock
+from loom_kernel.testing import FakeClock, sandbox
 
 #: Each test runs with a loop per drive and on one loop of another thread.
 pytestmark = pytest.mark.usefixtures("flow_loop")
@@ -374,3 +368,132 @@ def test_a_name_with_no_utf8_form_is_refused_before_anything_runs(
         engine.start("surrogates", key="s")
     assert ran == []
     assert [record.kind for record in store.read("ex/s")] == ["EXECUTION_STARTED"]
+
+
+# -- a park or a stop the flow swallows ------------------------------------------------
+
+
+def test_a_park_is_not_an_exception_a_flow_can_catch() -> None:
+    seen: list[str] = []
+
+    @flow(name="guarded", version="1")
+    def guarded(ctx: Context, _input: Any) -> Any:
+        try:
+            return ctx.suspend("go")
+        except Exception:
+            seen.append("caught")  # must never run: parking is not a failure
+            raise
+
+    box = sandbox(guarded)
+    assert box.engine.start("guarded", key="g").status is Status.SUSPENDED
+    assert seen == []
+
+
+@pytest.mark.parametrize(
+    "then",
+    [lambda ctx: ctx.suspend("second"), lambda ctx: ctx.patched("later")],
+    ids=["a gate", "patched"],
+)
+def test_a_call_after_a_swallowed_park_journals_nothing(then: Callable[[Context], Any]) -> None:
+    import contextlib
+
+    @flow(name="stubborn", version="1")
+    def stubborn(ctx: Context, _input: Any) -> Any:
+        with contextlib.suppress(BaseException):
+            ctx.suspend("first")
+        with contextlib.suppress(BaseException):
+            then(ctx)
+        return "went on"
+
+    box = sandbox(stubborn)
+    assert box.engine.start("stubborn", key="s").waiting_on == "first"
+    kinds = [record.kind for record in box.store.read("ex/s")]
+    assert kinds == ["EXECUTION_STARTED", "EXECUTION_SUSPENDED"]
+
+
+def test_a_flow_that_swallows_a_park_and_then_raises_stays_parked_not_failed() -> None:
+    @flow(name="swallower", version="1")
+    def swallower(ctx: Context, _input: Any) -> Any:
+        import contextlib
+
+        with contextlib.suppress(BaseException):  # the misuse under test
+            ctx.suspend("wait")
+        raise ValueError("went on past the park")
+
+    box = sandbox(swallower)
+    run = box.engine.start("swallower", key="sw")
+    assert (run.status, run.waiting_on) == (Status.SUSPENDED, "wait")
+
+
+def test_an_error_that_replaced_a_pass_ending_to_run_again_is_not_replaced_by_a_later_one() -> None:
+    """The first stop holds, except that an error replaces a pass ending to run again;
+    once it has, a later error (a flow that swallowed the stop) replaces nothing."""
+
+    @flow(name="two_errors", version="1")
+    def two_errors(ctx: Context, _input: Any) -> Any:
+        ctx._replay_again()  # as an async pass does, about to see concurrent steps end
+        with contextlib.suppress(BaseException):  # a flow swallowing its stop
+            ctx.step(123, lambda: 1)  # type: ignore[arg-type]
+        return ctx.step(456, lambda: 1)  # type: ignore[arg-type]
+
+    box = sandbox(two_errors, listeners=[])
+    with pytest.raises(InvalidArgumentError, match="not 123"):
+        box.engine.start("two_errors")
+
+
+@pytest.mark.parametrize("change", ["", 7, None])
+def test_a_change_id_must_be_a_non_empty_str(change: Any) -> None:
+    @flow(name="patchy", version="1")
+    def patchy(ctx: Context, _input: Any) -> Any:
+        return ctx.patched(change)
+
+    with pytest.raises(InvalidArgumentError, match="a change id is a non-empty str"):
+        sandbox(patchy).engine.start("patchy", key="p")
+
+
+# -- a coroutine never awaited ---------------------------------------------------------
+
+
+def test_a_coroutine_a_sync_step_returns_is_closed_not_left_to_warn() -> None:
+    async def forgotten() -> int:
+        return 1
+
+    @flow(name="returns_coroutine", version="1")
+    def returns_coroutine(ctx: Context, _input: Any) -> Any:
+        return ctx.step("oops", forgotten)
+
+    _refused_with_no_never_awaited_warning(
+        sandbox(returns_coroutine, listeners=[]).engine,
+        "returns_coroutine",
+        "returned an awaitable",
+    )
+
+
+def test_a_step_an_async_flow_never_awaited_is_closed_not_left_to_warn() -> None:
+
+    async def instant() -> int:
+        return 1
+
+    @flow(name="forgets_a_step", version="1")
+    async def forgets_a_step(ctx: AsyncContext, _input: Any) -> Any:
+        ctx.step("never", instant)  # type: ignore[unused-coroutine]
+        return "done"
+
+    _refused_with_no_never_awaited_warning(
+        sandbox(forgets_a_step, listeners=[]).engine,
+        "forgets_a_step",
+        "never awaited before the flow returned",
+    )
+
+
+def _refused_with_no_never_awaited_warning(engine: Engine, flow_name: str, match: str) -> None:
+    """Start `flow_name`: refused with `match`, and no coroutine left to warn when collected."""
+    import gc
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(InvalidArgumentError, match=match):
+            engine.start(flow_name)
+        gc.collect()
+    assert not [w for w in caught if "never awaited" in str(w.message)]

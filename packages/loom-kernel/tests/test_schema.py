@@ -234,3 +234,33 @@ def test_both_parsers_give_the_same_events_and_errors(
     broken = [*records, _record("EXECUTION_RESUMED", b"{not json", position=99)]
     with pytest.raises(SchemaError, match="position 99"):
         _codec.decode_events(broken, "exec/1")
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_decoding_no_records_gives_no_events() -> None:
+    from loom_kernel._core import decode_events, parse_envelopes
+
+    assert parse_envelopes([]) == []
+    assert decode_events([]) == []
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_record_holding_two_json_values_is_a_schema_error() -> None:
+    from loom_kernel._core import decode_events
+    from loom_kernel.spi import Record, SchemaError
+
+    two = b'{"v":"1.17.0","d":{"reason":null}},{"v":"1.17.0","d":{"reason":null}}'
+    with pytest.raises(SchemaError):
+        decode_events([Record(1, "EXECUTION_CANCELLED", two, 0.0)], "ex/two")
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_the_parsed_version_cache_stays_bounded() -> None:
+    from loom_kernel._core._codec import _versions, decode_event
+    from loom_kernel.spi import Record
+
+    for minor in range(200):
+        payload = b'{"v":"1.%d.0","d":{"reason":null}}' % minor
+        record = Record(1, "EXECUTION_CANCELLED", payload, 0.0)
+        decode_event(record, "ex/v")
+    assert len(_versions) <= 64

@@ -1,5 +1,5 @@
 """Timers whatever the clocks do: a sleep always parks and always wakes, and one damaged
-hint never stops the others."""
+hint, a stale one, or a bucket trimmed or deleted under a poll never stops the others."""
 
 from __future__ import annotations
 
@@ -238,3 +238,43 @@ def test_a_timer_woken_by_another_engine_meanwhile_is_not_counted_as_woken_here(
     assert here.fire_due_timers() == [], "woken once, by the other engine"
     assert here.get(run.id).result == "rested"
     assert TimerIndex(store, clock).buckets() == []
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_stale_timer_hint_wakes_nothing() -> None:
+    @flow(name="napper", version="1")
+    def napper(ctx: Context, _input: Any) -> Any:
+        ctx.sleep(60)
+        return ctx.suspend("human")
+
+    box = sandbox(napper)
+    box.engine.start("napper", key="n")
+    box.clock.advance(61)
+    assert box.engine.fire_due_timers() == ["n"]
+    assert box.engine.get("n").waiting_on == "human"
+    now = box.clock()
+    parts_of(box.engine).driver.timers.add("n", 0, now - 1)  # the timer gate, already woken
+    parts_of(box.engine).driver.timers.add("n", 1, now - 1)  # a human gate: no timer wakes it
+    assert box.engine.fire_due_timers() == []
+    assert box.engine.get("n").waiting_on == "human"
+
+
+class VanishingBucketStore(MemoryStore):
+    """Deletes a timer bucket between the listing that names it and the read of it."""
+
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
+        names = super()._streams(prefix, after, limit)
+        if prefix == "timers/" and names:
+            super()._delete(names[0])
+        return names
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_bucket_deleted_between_listing_and_reading_is_skipped() -> None:
+    store, clock = VanishingBucketStore(), FakeClock(6000.0)
+    engine = Engine(store, [nap], clock=clock, listeners=[])
+    engine.start("nap", 10, key="first")  # minute 100: deleted under the poll
+    engine.start("nap", 70, key="second")  # minute 101: fires
+    clock.advance(100)
+    assert engine.fire_due_timers() == ["second"]
+    assert engine.get("first").status is Status.SUSPENDED, "its hint is gone, not doubled"

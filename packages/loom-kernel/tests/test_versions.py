@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from counter_flow import counter
 from loom_kernel import (
     CodeVersionError,
     Context,
@@ -494,3 +495,12 @@ def test_a_version_with_a_colon_is_named_by_its_version() -> None:
     assert engine.resume_as("r", "2024:02").code_hash == "version:2024:02"
     with pytest.raises(UnknownFlowError, match="'version:2024:03'"):
         engine.resume_as("r", "2024:03")
+
+
+@pytest.mark.usefixtures("flow_loop")
+@pytest.mark.parametrize("to", ["", 5, 1.5])
+def test_a_version_that_is_neither_a_flow_nor_a_name_is_refused(to: Any) -> None:
+    box = sandbox(counter)
+    box.engine.start("counter", 0, key="versioned")
+    with pytest.raises(InvalidArgumentError, match="a version is a Flow"):
+        box.engine.replay_check("versioned", to=to)

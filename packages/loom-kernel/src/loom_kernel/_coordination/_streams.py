@@ -48,6 +48,16 @@ class Fold(Protocol):
 F = TypeVar("F", bound=Fold)
 
 
+class _Hold:
+    """A stream's lock, and how many callers hold or wait for it."""
+
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.users = 0
+
+
 class StreamFolds(Generic[F]):
     """The folds of one kind of coordination stream, on one store.
 
@@ -74,7 +84,7 @@ class StreamFolds(Generic[F]):
         self._kept = kept
         self._folds: OrderedDict[str, F] = OrderedDict()
         self._heads: OrderedDict[str, int] = OrderedDict()  # after this reader's last append
-        self._locks: dict[str, threading.RLock] = {}
+        self._holds: dict[str, _Hold] = {}  # of the streams kept, or held now
         self._lock = threading.Lock()  # over the three above
 
     @contextmanager
@@ -83,11 +93,18 @@ class StreamFolds(Generic[F]):
         until the block ends, so a fold `refresh` returned stays as it is but for what
         the block appends itself."""
         with self._lock:
-            lock = self._locks.get(stream)
-            if lock is None:
-                lock = self._locks[stream] = threading.RLock()
-        with lock:
-            yield
+            hold = self._holds.get(stream)
+            if hold is None:
+                hold = self._holds[stream] = _Hold()
+            hold.users += 1
+        try:
+            with hold.lock:
+                yield
+        finally:
+            with self._lock:
+                hold.users -= 1
+                if hold.users == 0 and stream not in self._folds:
+                    self._holds.pop(stream, None)  # its fold was let go meanwhile
 
     def refresh(self, stream: str) -> F:
         """The stream's fold as it is now, live (call it inside `holding`, and use it
@@ -201,7 +218,9 @@ class StreamFolds(Generic[F]):
                 while len(self._folds) > self._kept:
                     gone, _ = self._folds.popitem(last=False)
                     self._heads.pop(gone, None)
-                    self._locks.pop(gone, None)
+                    hold = self._holds.get(gone)
+                    if hold is not None and hold.users == 0:  # one held goes when let go
+                        self._holds.pop(gone)
 
     def _note_head(self, stream: str, head: int) -> None:
         with self._lock:

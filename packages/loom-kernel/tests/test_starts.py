@@ -1,0 +1,117 @@
+"""Starts by key (`_engine/_starts.py`): a key starts one run, whoever starts it and
+however many race for it; an engine whose start loses the race for the run's first
+record drives nothing; and a second start of the key writes no second hint to the run
+index."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from counter_flow import counter
+from engine_helpers import EngineFactory
+from loom_kernel import Context, Engine, MemoryStore, Status, flow
+from loom_kernel._engine import parts_of
+from loom_kernel.testing import sandbox
+
+
+def test_idempotent_start_returns_the_same_execution(make_engine: EngineFactory) -> None:
+    runs: list[Any] = []
+
+    @flow
+    def work(ctx: Context, value: Any) -> Any:
+        runs.append(value)
+        return value
+
+    engine = make_engine([work])
+    first = engine.start("work", 1, key="job-1")
+    second = engine.start("work", 2, key="job-1")
+    assert first.id == second.id == "job-1"
+    assert second.result == 1
+    assert runs == [1]
+
+
+def test_idempotent_start_under_a_thread_race(make_engine: EngineFactory) -> None:
+    started: list[str] = []
+    lock = threading.Lock()
+
+    @flow
+    def once(ctx: Context, _input: Any) -> str:
+        def mark() -> str:
+            with lock:
+                started.append("run")
+            return "ok"
+
+        return ctx.step("mark", mark)  # type: ignore[no-any-return]
+
+    engines = [make_engine([once]) for _ in range(8)]
+    barrier = threading.Barrier(len(engines))
+    ids: list[str] = []
+
+    def race(engine: Engine) -> None:
+        barrier.wait()
+        ids.append(engine.start("once", key="the-one").id)
+
+    threads = [threading.Thread(target=race, args=(engine,)) for engine in engines]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert ids == ["the-one"] * 8
+    assert started == ["run"]
+
+
+class _CostlyHeads(MemoryStore):
+    """A store whose head is a round trip (as on S3): no owner check before a step."""
+
+    head_is_cheap = False
+
+
+@pytest.mark.usefixtures("flow_loop")
+@pytest.mark.parametrize("store_type", [MemoryStore, _CostlyHeads])
+def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
+    store_type: type[MemoryStore],
+) -> None:
+    """Two engines start the same key at once; the second's head check saw no run, but
+    the first's start landed before its own: it returns the run the first started and
+    drives nothing (its steps ran once)."""
+    ran: list[str] = []
+
+    def once(tag: str) -> str:
+        ran.append(tag)
+        return tag
+
+    @flow(name="raced", version="1")
+    def raced(ctx: Context, tag: str) -> Any:
+        return ctx.step("once", once, tag)
+
+    store = store_type()
+    first = Engine(store, [raced], listeners=[])
+    second = Engine(store, [raced], listeners=[])
+    opened = parts_of(second).driver.runs.opened
+
+    def opened_after_the_first_start(*args: Any) -> None:
+        first.start("raced", "first", key="k")  # lands between the check and the append
+        opened(*args)
+
+    parts_of(second).driver.runs.opened = opened_after_the_first_start  # type: ignore[method-assign,assignment]
+    view = second.start("raced", "second", key="k")
+    assert view.status is Status.COMPLETED
+    assert view.result == "first"
+    assert ran == ["first"]
+    assert [record.kind for record in store.read("ex/k")].count("EXECUTION_STARTED") == 1
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_a_second_start_by_key_of_a_run_just_started_writes_no_second_hint() -> None:
+    from loom_kernel._coordination import partition_of
+
+    box = sandbox(counter)
+    box.engine.enqueue("counter", 0, key="once")  # no worker: its start is its only record
+    assert box.store.head("ex/once") == 1
+    hints = f"runs/open/{partition_of('once')}"
+    before = box.store.head(hints)
+    box.engine.enqueue("counter", 0, key="once")
+    box.engine.start("counter", 0, key="once")
+    assert box.store.head(hints) == before
