@@ -293,3 +293,72 @@ def test_get_event_async_waits_between_looks_on_the_loop_holding_no_thread() -> 
     assert asyncio.run(main()) == ["published"] * 5
     with pytest.raises(InvalidArgumentError, match="timeout"):
         asyncio.run(engine.get_event_async("p", "stage", timeout=-1))
+
+
+@flow(name="api.parks")
+def parks(ctx: Context, value: Any) -> Any:
+    ctx.step("noted", lambda: value)
+    ctx.set_event("seen", value)
+    return ctx.suspend("go")
+
+
+#: The calls that read or write the store: each has an `_async` twin (the rule in
+#: `_engine/_twins.py`); the calls that touch no store have none.
+STORE_CALLS = [
+    *("start", "enqueue", "dispatch", "resume", "send", "cancel", "fire_due_timers"),
+    *("recover", "get", "state", "frames", "history", "executions", "get_event"),
+    *("get_events", "queue", "replay_check", "resume_as", "compact"),
+]
+PURE_CALLS = ["register", "hosts", "newest", "stream_of", "handle", "add_listener"]
+
+
+def test_every_call_that_touches_the_store_has_an_async_twin_and_no_other_does() -> None:
+    for name in STORE_CALLS:
+        assert asyncio.iscoroutinefunction(getattr(Engine, f"{name}_async")), name
+    for name in PURE_CALLS:
+        assert not hasattr(Engine, f"{name}_async"), name
+    public = {name for name in dir(Engine) if not name.startswith("_")}
+    twins = {name.removesuffix("_async") for name in public if name.endswith("_async")}
+    assert twins == set(STORE_CALLS), "the rule, applied to all"
+
+    engine = Engine(MemoryStore(), [parks], listeners=[])
+
+    async def main() -> None:
+        loop_thread = threading.get_ident()
+        run = await engine.start_async("api.parks", 7, key="p")
+        assert run.waiting_on == "go"
+        assert (await engine.get_async("p")).id == "p"
+        assert (await engine.state_async("p")).input == 7
+        assert [frame.name for frame in (await engine.frames_async("p")).values()] == [
+            "noted",
+            "loom.event:seen",
+        ]
+        assert len(await engine.history_async("p")) == 4
+        listing = await engine.executions_async(status="suspended")
+        assert [execution.id for execution in listing] == ["p"], "a list, read on a thread"
+        assert await engine.get_events_async("p") == {"seen": 7}
+        assert await engine.get_event_async("p", "seen") == 7
+        await engine.replay_check_async("p")
+        assert await engine.compact_async("p") == 4
+        assert (await engine.resume_async("p", "yes")).result == "yes"
+        handle = await engine.enqueue_async("api.parks", 8, key="q")
+        assert (await engine.cancel_async(handle.id, "not needed")).status is Status.CANCELLED
+        assert await engine.recover_async() == []
+        assert await engine.fire_due_timers_async() == []
+        assert threading.get_ident() == loop_thread
+
+    asyncio.run(main())
+
+
+def test_an_async_twin_calls_a_subclasss_override() -> None:
+    calls: list[str] = []
+
+    class Audited(Engine):
+        def get(self, execution_id: str) -> Any:
+            calls.append(execution_id)
+            return super().get(execution_id)
+
+    engine = Audited(MemoryStore(), [parks], listeners=[])
+    engine.start("api.parks", 1, key="a")
+    asyncio.run(engine.get_async("a"))
+    assert calls == ["a"]

@@ -139,11 +139,34 @@ def test_step_retries_then_succeeds(make_engine: EngineFactory) -> None:
     def job(ctx: Context, _input: Any) -> Any:
         return ctx.step("flaky", flaky, retry=RetryPolicy(attempts=5, backoff=2, factor=3))
 
-    engine = make_engine([job], sleep=waits.append)
+    engine = make_engine([job])
+    engine.sleep = waits.append  # set after construction: the next drives wait with it
     ex = engine.start("job")
     assert ex.result == "ok"
     assert waits == [2.0, 6.0]
     assert engine.state(ex.id).steps[0].attempts == 3
+
+
+def test_the_default_retry_policy_set_after_construction_is_the_next_drives_own(
+    make_engine: EngineFactory,
+) -> None:
+    attempts: list[int] = []
+
+    def never() -> None:
+        attempts.append(1)
+        raise ConnectionError("down")
+
+    @flow
+    def stubborn(ctx: Context, _input: Any) -> Any:
+        return ctx.step("never", never)
+
+    engine = make_engine([stubborn])
+    engine.retry = RetryPolicy(attempts=7, backoff=0)
+    assert engine.retry.attempts == 7
+    assert engine.start("stubborn").status is Status.FAILED
+    assert len(attempts) == 7
+    with pytest.raises(InvalidArgumentError, match="retry is a RetryPolicy"):
+        engine.retry = 3  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("kind", ["sync", "async"])

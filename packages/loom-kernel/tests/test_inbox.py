@@ -78,3 +78,24 @@ def test_an_inbox_that_cannot_be_read_stops_the_drive_at_the_receive() -> None:
         engine.start("inbox.two", None, key="down")
     assert engine.get("down").status is Status.RUNNING, "stopped, not parked"
     assert [type(entry.event).__name__ for entry in engine.history("down")] == ["ExecutionStarted"]
+
+
+def test_an_inbox_trimmed_or_deleted_by_other_means_is_an_error_never_messages_gone() -> None:
+    """An inbox is never checkpointed: read from a trim floor, its messages below it
+    would be gone and their dedupe keys forgotten (a resend delivered again). A trim or
+    a deletion by something other than Loom is an error the reader sees."""
+    from loom_kernel.spi import StreamDeletedError, TrimmedError
+
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.two", "t", key="r")
+    for number, key in enumerate("abc"):
+        engine.send("r", f"m{number}", topic="other", key=key, drive=False)
+    store.trim("inbox/r", 3)
+    fresh = _engine(store)  # a reader that never saw the messages below the floor
+    with pytest.raises(TrimmedError):
+        fresh.send("r", "m0-again", topic="other", key="a")
+    store.delete("inbox/r")
+    for reader in (engine, _engine(store)):
+        with pytest.raises(StreamDeletedError):
+            reader.send("r", "again", topic="other", key="b")

@@ -127,3 +127,18 @@ def test_the_inboxes_and_published_values_kept_parsed_are_bounded(
         "the least recent dropped"
     )
     assert engine.get_event("p0-progress", "done") == 1, "read again from the store"
+
+
+def test_published_values_deleted_by_other_means_are_an_error_not_an_empty_dict() -> None:
+    from loom_kernel.spi import StreamDeletedError
+
+    store = MemoryStore()
+    engine = _engine(store)
+    engine.start("inbox.progress", 3, key="pr")
+    assert engine.get_events("pr") == {"done": 3}
+    store.delete("events/pr")
+    for reader in (engine, _engine(store)):
+        with pytest.raises(StreamDeletedError):
+            reader.get_events("pr")
+        with pytest.raises(StreamDeletedError):
+            reader.get_event("pr", "done", timeout=5)

@@ -212,3 +212,26 @@ def test_retained_reads_from_the_floor_and_none_once_deleted() -> None:
     assert [record.position for record in kept] == [3]
     store.delete("s")
     assert retained(store, "s") is None
+
+
+def test_a_fold_cut_short_by_an_interrupt_is_dropped_not_kept_half_made() -> None:
+    """An interrupt between two changes a record makes to a fold (a message's key noted,
+    the message not yet listed) would leave the kept fold half made, and every later
+    read would build on it. The fold is dropped: the next read starts afresh."""
+    store = MemoryStore()
+    interrupt = [True]
+
+    def halfway(fold: _Items, record: Record) -> None:
+        fold.items.append(-1)  # a first change
+        if interrupt[0] and json.loads(record.payload) == 2:
+            interrupt[0] = False
+            raise KeyboardInterrupt
+        fold.items[-1] = json.loads(record.payload)  # the second
+
+    folds = StreamFolds(store, _Items, halfway)
+    folds.append("s", [_item(1)])
+    assert folds.read("s").items == [1]
+    folds.append("s", [_item(2), _item(3)])
+    with pytest.raises(KeyboardInterrupt):
+        folds.read("s")
+    assert folds.read("s").items == [1, 2, 3], "read afresh, not on the half-made fold"

@@ -378,3 +378,33 @@ def test_a_worker_whose_signal_handlers_cannot_be_installed_raises_and_runs_noth
         runner.join(10)
     assert not went_on, "run() raised at once"
     assert [str(exc) for exc in raised] == ["signal handlers refused (injected)"]
+
+
+def test_a_poll_that_meets_a_store_fault_is_counted_and_the_worker_goes_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One transient fault reading the overdue timer bucket escaped the timer poll and
+    ended the worker's thread: the process lived on, and nothing drove its runs."""
+    from loom_kernel import StoreUnavailableError
+
+    blips = [1]
+
+    class Blips(MemoryStore):
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            if stream == "timers/-overdue" and blips[0]:
+                blips[0] -= 1
+                raise StoreUnavailableError("one blip")
+            return super()._read(stream, after, limit)
+
+    engine = _engine(Blips())
+    with caplog.at_level("WARNING", logger="loom"), Worker(engine, idle_poll=0.02) as worker:
+        deadline = time.monotonic() + 10
+        while blips != [0] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        handle = engine.enqueue("three", "after the blip")
+        assert handle.wait(timeout=10).status is Status.COMPLETED
+        assert worker._thread is not None
+        assert worker._thread.is_alive()
+    assert blips == [0]
+    assert worker.stats.failures >= 1
+    assert "timer buckets: StoreUnavailableError: one blip" in caplog.text

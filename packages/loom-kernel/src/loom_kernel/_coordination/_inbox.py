@@ -58,7 +58,7 @@ class Inbox:
 
     def __init__(self, store: JournalStore, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._folds = StreamFolds(store, _Parsed, _fold, kept=_KEPT)
+        self._folds = StreamFolds(store, _Parsed, _fold, kept=_KEPT, checkpointed=False)
 
     @staticmethod
     def stream(execution_id: str) -> str:

@@ -61,7 +61,7 @@ class Published:
 
     def __init__(self, store: JournalStore, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._folds = StreamFolds(store, _Values, _fold, kept=_KEPT)
+        self._folds = StreamFolds(store, _Values, _fold, kept=_KEPT, checkpointed=False)
 
     @staticmethod
     def stream(execution_id: str) -> str:

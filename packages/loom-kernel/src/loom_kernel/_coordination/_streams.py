@@ -24,7 +24,6 @@ from loom_kernel._core import (
     ConflictError,
     NewRecord,
     Record,
-    SchemaError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
@@ -68,6 +67,12 @@ class StreamFolds(Generic[F]):
         apply: folds one record in place; raises SchemaError for a damaged record.
         kept: how many streams' folds to keep (the least recently used go first);
             None keeps every one (the few partitions of an index or a queue).
+        checkpointed: whether the streams are compacted by checkpoints, so a fold may
+            start over from a stream's trim floor (which a checkpoint holds), and a
+            deleted stream folds as empty. A run's own streams (its inbox, its
+            published values) are not: a trim or a deletion of one is an error the
+            reader must see (TrimmedError, StreamDeletedError), never messages
+            silently gone.
     """
 
     def __init__(
@@ -77,11 +82,13 @@ class StreamFolds(Generic[F]):
         apply: Callable[[F, Record], None],
         *,
         kept: int | None = None,
+        checkpointed: bool = True,
     ) -> None:
         self._store = store
         self._start = start
         self._apply = apply
         self._kept = kept
+        self._checkpointed = checkpointed
         self._folds: OrderedDict[str, F] = OrderedDict()
         self._heads: OrderedDict[str, int] = OrderedDict()  # after this reader's last append
         self._holds: dict[str, _Hold] = {}  # of the streams kept, or held now
@@ -116,6 +123,8 @@ class StreamFolds(Generic[F]):
             SchemaError: a record is damaged (the fold kept is dropped: the next read
                 starts afresh).
             StoreUnavailableError: other readers kept trimming it while it was read.
+            TrimmedError, StreamDeletedError: a stream that is not `checkpointed` was
+                trimmed or deleted.
         """
         with self._lock:
             fold = self._folds.get(stream)
@@ -125,21 +134,19 @@ class StreamFolds(Generic[F]):
             try:
                 records = self._store.read(stream, start)
             except TrimmedError as exc:
+                if not self._checkpointed:
+                    raise
                 after, fold = exc.floor, None
                 continue
             except StreamDeletedError:
+                if not self._checkpointed:
+                    raise
                 fold = self._start(stream, 0)
                 self._keep(stream, fold)
                 return fold
             if fold is None:
                 fold = self._start(stream, start)
-            try:
-                for record in records:
-                    self._apply(fold, record)
-                    fold.head = record.position
-            except SchemaError:
-                self.forget(stream)  # folded in part: read afresh next time
-                raise
+            self._fold_in(stream, fold, records)
             self._keep(stream, fold)
             return fold
         raise StoreUnavailableError(f"{stream}: other writers kept compacting it while it was read")
@@ -177,11 +184,24 @@ class StreamFolds(Generic[F]):
         first = fold.head + 1
         position = self._store.append(stream, fold.head, records)
         self._note_head(stream, position)
-        for offset, record in enumerate(records):
-            stored = Record(first + offset, record.kind, record.payload, record.timestamp)
-            self._apply(fold, stored)
-            fold.head = stored.position
+        stored = [
+            Record(first + offset, record.kind, record.payload, record.timestamp)
+            for offset, record in enumerate(records)
+        ]
+        self._fold_in(stream, fold, stored)
         return position
+
+    def _fold_in(self, stream: str, fold: F, records: Sequence[Record]) -> None:
+        """Fold `records` into `fold`; a fold cut short (a damaged record, an
+        interrupt between two of its changes) is dropped: the next read starts afresh,
+        never from a fold that holds half a record."""
+        try:
+            for record in records:
+                self._apply(fold, record)
+                fold.head = record.position
+        except BaseException:
+            self.forget(stream)
+            raise
 
     def checkpoint(self, stream: str, fold: F, record: NewRecord) -> bool:
         """Append `record`, a checkpoint of `fold` (live, held), at its exact head, then

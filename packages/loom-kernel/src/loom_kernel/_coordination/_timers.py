@@ -204,11 +204,39 @@ class TimerIndex:
         Returns:
             The ids woken, and the errors met, in order.
         """
+        end = _bucket_of(now)  # a time that is not finite is refused before any read
         woken: list[str] = []
         failures: list[LoomError] = []
         floor = self._poll_floor(now, failures)
         listed: list[int] = []
         live: list[int] = []
+        try:
+            self._fire_buckets(now, floor, wake, (woken, failures, listed, live))
+        except LoomError as exc:  # listing or reading a bucket: the rest waits for a poll
+            _log.warning("timer buckets: %s: %s", type(exc).__name__, exc)
+            failures.append(exc)
+            return woken, failures  # the floor stays: it must not pass a bucket not read
+        try:
+            self._floor.advance(listed=listed, live=live, end=end)
+        except LoomError as exc:  # the floor stays where it was; the next poll moves it
+            _log.warning("timer floor: %s: %s", type(exc).__name__, exc)
+            failures.append(exc)
+        return woken, failures
+
+    def _fire_buckets(
+        self,
+        now: float,
+        floor: int | None,
+        wake: Wake,
+        found: tuple[list[str], list[LoomError], list[int], list[int]],
+    ) -> None:
+        """Offer the due buckets' hints to `wake` and settle each bucket; what was woken,
+        the errors met, the buckets listed and those still live go to `found`.
+
+        Raises:
+            LoomError: a bucket could not be listed or read.
+        """
+        woken, failures, listed, live = found
         for bucket in self._due(now, floor):
             first_open: int | None = None
             for hint in bucket.hints:
@@ -229,12 +257,6 @@ class TimerIndex:
                 listed.append(number)
                 if not retired:
                     live.append(number)
-        try:
-            self._floor.advance(listed=listed, live=live, end=_bucket_of(now))
-        except LoomError as exc:  # the floor stays where it was; the next poll moves it
-            _log.warning("timer floor: %s: %s", type(exc).__name__, exc)
-            failures.append(exc)
-        return woken, failures
 
     def _poll_floor(self, now: float, failures: list[LoomError]) -> int | None:
         """Where this poll lists from: the floor, or None for every bucket (no floor

@@ -104,10 +104,34 @@ class Driver:
         self._drives_lock = threading.Lock()
         self._finishes = threading.Condition()  # notified when a drive here ends a run
         self.finished_count = 0
-        self.host = Host(
-            engine,
-            store,
-            clock,
+        self.host = self._host_of(settings)
+
+    def configure(
+        self,
+        *,
+        sleep: Callable[[float], None] | None = None,
+        async_sleep: Callable[[float], Awaitable[None]] | None = None,
+        retry: RetryPolicy | None = None,
+    ) -> None:
+        """Change how the drives that begin from now on wait and retry (see `Engine`)."""
+        changes: dict[str, Any] = {}
+        if sleep is not None:
+            changes["sleep"] = sleep
+        if async_sleep is not None:
+            changes["async_sleep"] = async_sleep
+        if retry is not None:
+            if not isinstance(retry, RetryPolicy):
+                raise InvalidArgumentError(f"retry is a RetryPolicy, not {retry!r}")
+            changes["retry"] = retry
+        self.settings = attrs.evolve(self.settings, **changes)
+        self.host = self._host_of(self.settings)
+
+    def _host_of(self, settings: Settings) -> Host:
+        """What each drive that begins now runs against."""
+        return Host(
+            self.engine,
+            self.store,
+            self.clock,
             settings.sleep,
             settings.async_sleep,
             settings.retry,

@@ -168,6 +168,34 @@ class Engine:
         return self._parts.driver.clock
 
     @property
+    def sleep(self) -> Callable[[float], None]:
+        """How a sync step waits between its attempts (settable: drives that begin
+        from then on use the new one)."""
+        return self._parts.driver.settings.sleep
+
+    @sleep.setter
+    def sleep(self, sleep: Callable[[float], None]) -> None:
+        self._parts.driver.configure(sleep=sleep)
+
+    @property
+    def async_sleep(self) -> Callable[[float], Awaitable[None]]:
+        """How an async step waits between its attempts (settable, as `sleep`)."""
+        return self._parts.driver.settings.async_sleep
+
+    @async_sleep.setter
+    def async_sleep(self, async_sleep: Callable[[float], Awaitable[None]]) -> None:
+        self._parts.driver.configure(async_sleep=async_sleep)
+
+    @property
+    def retry(self) -> RetryPolicy:
+        """The default step retry policy (settable, as `sleep`)."""
+        return self._parts.driver.settings.retry
+
+    @retry.setter
+    def retry(self, retry: RetryPolicy) -> None:
+        self._parts.driver.configure(retry=retry)
+
+    @property
     def lease(self) -> float:
         """Seconds this engine may go without renewing its lease (see `Engine`)."""
         return self._parts.driver.lease

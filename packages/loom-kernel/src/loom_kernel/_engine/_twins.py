@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
-from functools import partial
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from loom_kernel._replay import in_a_thread, on_loop
@@ -32,9 +31,12 @@ def async_twin(
 ) -> Callable[Concatenate[S, P], Coroutine[Any, Any, R]]:
     """The `_async` twin of an Engine method (see the module's docstring)."""
 
+    name = call.__name__
+
     async def twin(self: S, /, *args: P.args, **kwargs: P.kwargs) -> R:
         loop = asyncio.get_running_loop()
-        return await in_a_thread(on_loop(loop, partial(call, self)), *args, **kwargs)
+        method: Callable[P, R] = getattr(self, name)  # a subclass's override, if any
+        return await in_a_thread(on_loop(loop, method), *args, **kwargs)
 
     twin.__name__ = f"{call.__name__}_async"
     twin.__qualname__ = f"{call.__qualname__}_async"

@@ -88,11 +88,11 @@ class Worker:
                 raise InvalidArgumentError(f"{name} is a number of seconds >= 0, not {value!r}")
         parts = parts_of(engine)
         book = parts.enqueueing.book
-        self.queues = list(book.queues) if queues is None else list(queues)
-        for name in self.queues:
+        self._queues = list(book.queues) if queues is None else list(queues)
+        for name in self._queues:
             book.queue(name)  # raises for a queue the engine lacks
         self.engine = engine
-        self.concurrency = concurrency
+        self._concurrency = concurrency
         default = _IDLE_POLL_CHEAP if engine.store.head_is_cheap else _IDLE_POLL_COSTLY
         self.idle_poll = default if idle_poll is None else float(idle_poll)
         self.grace = float(grace)
@@ -106,7 +106,7 @@ class Worker:
         self._visits = OpenRunVisits(parts, self._slots, self.stats)
         self._serving = QueueServing(
             parts,
-            self.queues,
+            self._queues,
             slots=self._slots,
             stats=self.stats,
             stopping=self._stopping,
@@ -116,6 +116,16 @@ class Worker:
         self._thread: threading.Thread | None = None
         self._threads_left = False  # threads its async flows started outlived its stop
         self._signals = 0
+
+    @property
+    def concurrency(self) -> int:
+        """How many runs it drives at once (set when it is made)."""
+        return self._concurrency
+
+    @property
+    def queues(self) -> list[str]:
+        """The names of the queues whose runs it admits (set when it is made)."""
+        return list(self._queues)
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -213,19 +223,24 @@ class Worker:
         while not self._stopping.is_set():
             now = time.monotonic()
             sweep = now >= next_sweep
-            if sweep and not visits.repair:
-                visits.repair = not visits.indexed()  # a store from before the run index
             if sweep:
                 next_sweep = now + sweep_every
-            if visits.repair and now >= next_repair:  # at once, then at most once a sweep
-                next_repair = now + sweep_every
-                visits.repair_index()
-            slots.let_go_handed()
-            busy = visits.visit_open(sweep=sweep)
-            if now >= next_timers:  # at most every `fastest` seconds, however busy
-                next_timers = now + fastest
-                busy += self._fire_timers()  # due already: before the queues' runs
-            busy += self._serving.serve(sweep=sweep)
+            busy = 0
+            try:
+                if sweep and not visits.repair:
+                    visits.repair = not visits.indexed()  # a store from before the index
+                if visits.repair and now >= next_repair:  # at once, then once a sweep
+                    next_repair = now + sweep_every
+                    visits.repair_index()
+                slots.let_go_handed()
+                busy += visits.visit_open(sweep=sweep)
+                if now >= next_timers:  # at most every `fastest` seconds, however busy
+                    next_timers = now + fastest
+                    busy += self._fire_timers()  # due already: before the queues' runs
+                busy += self._serving.serve(sweep=sweep)
+            except Exception:  # a poll that failed never ends the worker: the next tries
+                self.stats.failures += 1
+                logger.exception("loom: a poll of worker %s failed", self.engine.worker_id)
             if status is not None and now - shown >= _STATUS_EVERY:
                 shown = now
                 self._show(status)
