@@ -253,28 +253,78 @@ def test_replay_check_and_migrate_over_a_store(
     good = _module(tmp_path, "deploy_good", "2")
     bad = _module(tmp_path, "deploy_bad", "3", extra='ctx.step("fraud_check", lambda: 1)\n    ')
 
-    assert main(["replay-check", "--store", url, "--flows", good]) == 0
-    out = capsys.readouterr().out
-    assert "ok         a (order)" in out
-    assert "2 ok, 0 would diverge" in out
+    # Version 2 replays the runs pinned to version 1, but drives no run of version 1
+    # until it is migrated: a deploy gate that said ok here would strand them.
+    assert main(["replay-check", "--store", url, "--flows", good]) == 1
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "MIGRATE    a (order): pinned version:1, which these flows lack; it replays on " in out
+    assert "0 ok, 2 need a migrate, 0 would diverge, 0 could not be checked" in out
     assert "finished" not in out, "finished runs never run again: not checked"
+    assert f"loom migrate --store {url} --flows {good}" in captured.err, "the command that fixes it"
 
     assert main(["replay-check", "--store", url, "--flows", bad, "--limit", "1"]) == 1
     out = capsys.readouterr().out
     assert "DIVERGES   a (order, pinned version:1): step #0 recorded 'quote'" in out
     assert "'fraud_check'" in out
-    assert "0 ok, 1 would diverge" in out
+    assert "0 ok, 0 need a migrate, 1 would diverge" in out
 
     assert main(["migrate", "--store", url, "--flows", bad]) == 1
-    assert "0 ok, 2 would diverge" in capsys.readouterr().out
+    assert "0 ok, 0 need a migrate, 2 would diverge" in capsys.readouterr().out
     assert main(["migrate", "--store", url, "--flows", good, "--reason", "deploy 2"]) == 0
     assert "migrated   a (order): version:1 -> version:2" in capsys.readouterr().out
     with open_store(url) as reopened:
         assert {_engine_on(reopened).get(k).code_hash for k in ("a", "b")} == {"version:2"}
+    assert main(["replay-check", "--store", url, "--flows", good]) == 0
+    assert "2 ok, 0 need a migrate" in capsys.readouterr().out, "migrated: the deploy is safe"
     assert main(["replay-check", "--store", url, "--flows", "no_such_module:X"]) == 2
     assert main(["replay-check", "--store", url, "--flows", "nocolon"]) == 2
     assert main(["replay-check", "--store", url, "--flows", good, "--flow", "ordr"]) == 2
     assert "is --flow right?" in capsys.readouterr().err
+
+
+UNVERSIONED = """
+from loom_kernel import flow
+
+@flow(name="notify")
+def notify(ctx, _input):{comment}
+    ctx.step("send", lambda: 1)
+    return ctx.suspend("ack")
+
+FLOWS = [notify]
+"""
+
+
+def test_replay_check_says_a_run_pinned_to_edited_unversioned_code_needs_a_migrate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A comment added to an unversioned flow changes its code hash: the new code
+    replays the parked run but refuses to drive it (CodeVersionError) until it is
+    migrated. The deploy gate says so and fails, naming the command that fixes it."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(tmp_path))
+    url = f"sqlite:///{tmp_path}/loom.db"
+    (tmp_path / "notify_v1.py").write_text(UNVERSIONED.format(comment=""))
+    (tmp_path / "notify_v2.py").write_text(UNVERSIONED.format(comment="  # now commented"))
+    old = importlib.import_module("notify_v1").FLOWS
+    new = importlib.import_module("notify_v2").FLOWS
+    with open_store(url) as store:
+        _engine_on(store, *old).start("notify", key="notify-1")
+        with pytest.raises(CodeVersionError):
+            _engine_on(store, *new).resume("notify-1", "ok")
+    assert main(["replay-check", "--store", url, "--flows", "notify_v2:FLOWS"]) == 1
+    captured = capsys.readouterr()
+    assert "MIGRATE    notify-1 (notify): pinned sha256:" in captured.out
+    assert "0 ok, 1 need a migrate, 0 would diverge, 0 could not be checked" in captured.out
+    assert "loom migrate --store" in captured.err
+    assert main(["migrate", "--store", url, "--flows", "notify_v2:FLOWS"]) == 0
+    capsys.readouterr()
+    assert main(["replay-check", "--store", url, "--flows", "notify_v2:FLOWS"]) == 0
+    with open_store(url) as store:
+        assert _engine_on(store, *new).resume("notify-1", "ok").result == "ok"
+    for name in ("notify_v1", "notify_v2"):
+        sys.modules.pop(name, None)
 
 
 def test_replay_check_passes_runs_pinned_to_a_version_the_new_flows_keep(
@@ -309,11 +359,21 @@ def test_replay_check_fails_on_runs_the_new_code_would_strand_and_on_an_empty_st
     assert main(["replay-check", "--store", url, "--flows", "renamed:FLOWS"]) == 1
     out = capsys.readouterr().out
     assert "UNHOSTED   a: suspended run of flow 'order', which the new code" in out
-    assert "0 ok, 0 would diverge, 1 could not be checked" in out
+    assert "0 ok, 0 need a migrate, 0 would diverge, 1 could not be checked" in out
 
     typo = f"sqlite:///{tmp_path}/typo.db"
     good = _module(tmp_path, "deploy_same", "2")
-    assert main(["replay-check", "--store", typo, "--flows", good]) == 2
+    for command in ("replay-check", "migrate"):
+        assert main([command, "--store", typo, "--flows", good]) == 2
+        assert "no SQLite database at" in capsys.readouterr().err
+        assert not (tmp_path / "typo.db").exists(), f"{command} created the mistyped store"
+    for command in ("ls", "show"):
+        assert main([command, *(["x"] if command == "show" else []), "--store", typo]) == 1
+        assert "no SQLite database at" in capsys.readouterr().err
+        assert not (tmp_path / "typo.db").exists(), f"{command} created the mistyped store"
+    empty = f"sqlite:///{tmp_path}/empty.db"
+    open_store(empty).close()
+    assert main(["replay-check", "--store", empty, "--flows", good]) == 2
     assert "holds no runs at all" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["replay-check", "--store", url, "--flows", good, "--limit", "0"])

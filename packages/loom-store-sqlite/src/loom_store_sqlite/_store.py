@@ -17,6 +17,7 @@ from loom_kernel.spi import (
     JournalStore,
     Record,
     StoreFactory,
+    StoreMisconfiguredError,
     StreamDeletedError,
     TrimmedError,
 )
@@ -271,10 +272,24 @@ def open_sqlite_store(url: str) -> SqliteStore:
     return SqliteStore(*parse_store_url(url))
 
 
+def open_existing_sqlite_store(url: str) -> SqliteStore:
+    """`open_sqlite_store`, for a database that exists: a missing file is refused with
+    StoreMisconfiguredError, never created (a mistyped path in a command that reads)."""
+    path, options = parse_store_url(url)
+    if path != ":memory:" and not os.path.isfile(path):
+        raise StoreMisconfiguredError(
+            f"no SQLite database at {os.path.abspath(path)!r}: check the store URL "
+            f"({url!r}); this command reads an existing store and creates none"
+        )
+    return SqliteStore(path, options)
+
+
 def _self_check_url(scratch: str) -> str:
     """A database in `loom stores`' scratch directory to check the store with."""
     return "sqlite:///" + os.path.join(scratch, "check.db").lstrip("/")
 
 
 #: What the `loom.stores` entry point publishes for the `sqlite` scheme.
-sqlite_store_factory = StoreFactory(open_sqlite_store, self_check_url=_self_check_url)
+sqlite_store_factory = StoreFactory(
+    open_sqlite_store, self_check_url=_self_check_url, open_existing=open_existing_sqlite_store
+)

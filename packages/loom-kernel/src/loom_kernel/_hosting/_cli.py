@@ -90,7 +90,7 @@ def _inspect_command(args: argparse.Namespace) -> int:
         print(f"loom: {execution_id}: {type(exc).__name__}: {exc}", file=sys.stderr)
 
     try:
-        with open_store(args.store) as store:
+        with open_store(args.store, create=False) as store:
             engine = Engine(store, listeners=[])
             if args.command == "ls":
                 for execution in parts_of(engine).reading.listing(

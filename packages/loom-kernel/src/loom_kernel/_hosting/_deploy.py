@@ -98,14 +98,18 @@ def _candidates(
         yield execution_id, execution
 
 
-def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> int:
+#: What checking or migrating one run came to, and the line that says so.
+_Outcome = tuple[str, str]
+
+
+def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], _Outcome]) -> int:
     try:
         flows = load_flows(args.flows)
-        store = open_store(args.store)
+        store = open_store(args.store, create=False)
     except LoomError as exc:
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
-    counts = {"ok": 0, "diverged": 0, "failed": 0}
+    counts = {"ok": 0, "migrate": 0, "diverged": 0, "failed": 0}
     seen = [0]
     with store:
         engine = Engine(store, flows, listeners=[])
@@ -126,7 +130,7 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
                 print(f"ERROR      {execution_id}: {type(found).__name__}: {found}")
                 continue
             try:
-                line = act(engine, found)
+                outcome, line = act(engine, found)
             except NonDeterminismError as exc:
                 counts["diverged"] += 1
                 print(
@@ -139,7 +143,7 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
                 counts["failed"] += 1
                 print(f"ERROR      {found.id}: {type(exc).__name__}: {exc}")
                 continue
-            counts["ok"] += 1
+            counts[outcome] += 1
             print(line)
     if not seen[0]:
         print(
@@ -148,10 +152,17 @@ def _run(args: argparse.Namespace, act: Callable[[Engine, Execution], str]) -> i
         )
         return 2
     print(
-        f"{counts['ok']} ok, {counts['diverged']} would diverge, "
-        f"{counts['failed']} could not be checked"
+        f"{counts['ok']} ok, {counts['migrate']} need a migrate, {counts['diverged']} would "
+        f"diverge, {counts['failed']} could not be checked"
     )
-    return 1 if counts["diverged"] or counts["failed"] else 0
+    if counts["migrate"]:
+        print(
+            f"loom: the new code refuses {counts['migrate']} run(s) pinned to other code until "
+            f"they are moved to it: loom migrate --store {args.store} --flows {args.flows} "
+            "(or keep their version registered beside the new one)",
+            file=sys.stderr,
+        )
+    return 1 if counts["migrate"] or counts["diverged"] or counts["failed"] else 0
 
 
 def _known_flow(engine: Engine, name: str) -> bool:
@@ -164,27 +175,34 @@ def _known_flow(engine: Engine, name: str) -> bool:
         return True  # the listing below says what is wrong
 
 
-def _check(engine: Engine, execution: Execution) -> str:
+def _check(engine: Engine, execution: Execution) -> _Outcome:
+    """Whether the new code drives a live run as it is: its pinned code is the newest
+    (and its history replays on it), or kept registered beside it. A run pinned to
+    code the new flows lack is refused by them (CodeVersionError) until `loom migrate`
+    moves it, even when its history replays: that needs a migrate."""
     newest = engine.newest(execution.flow).code_hash
-    if execution.code_hash != newest and parts_of(engine).driver.flows.hosts_code(
-        execution.flow, execution.code_hash
-    ):
+    pinned = execution.code_hash
+    if pinned != newest and parts_of(engine).driver.flows.hosts_code(execution.flow, pinned):
         # Kept registered beside the new code (versioning.md, way 1): driven on its own.
-        return (
-            f"ok         {execution.id} ({execution.flow}): pinned {execution.code_hash}, "
-            "which these flows keep"
+        return "ok", (
+            f"ok         {execution.id} ({execution.flow}): pinned {pinned}, which these flows keep"
         )
     engine.replay_check(execution.id)
-    return f"ok         {execution.id} ({execution.flow})"
+    if pinned and pinned != newest:
+        return "migrate", (
+            f"MIGRATE    {execution.id} ({execution.flow}): pinned {pinned}, which these "
+            f"flows lack; it replays on {newest}: move it with loom migrate"
+        )
+    return "ok", f"ok         {execution.id} ({execution.flow})"
 
 
-def _migrator(reason: str | None) -> Callable[[Engine, Execution], str]:
-    def migrate(engine: Engine, execution: Execution) -> str:
+def _migrator(reason: str | None) -> Callable[[Engine, Execution], _Outcome]:
+    def migrate(engine: Engine, execution: Execution) -> _Outcome:
         moved = engine.resume_as(execution.id, engine.newest(execution.flow), reason=reason)
         if moved.code_hash == execution.code_hash:
-            return f"ok         {execution.id} ({execution.flow}): already on this code"
+            return "ok", f"ok         {execution.id} ({execution.flow}): already on this code"
         change = f"{execution.code_hash} -> {moved.code_hash}"
-        return f"migrated   {execution.id} ({execution.flow}): {change}"
+        return "ok", f"migrated   {execution.id} ({execution.flow}): {change}"
 
     return migrate
 

@@ -37,10 +37,15 @@ class StoreFactory:
         self_check_url: given a scratch directory, a URL at which `loom stores` can
             check the store with no configuration (a file there, say); None when the
             store needs configuration (credentials, a bucket).
+        open_existing: opens a URL of the store's scheme only when the store is there
+            already, else raises StoreMisconfiguredError saying what is missing (a
+            command that reads, or migrates, must not create a store at a mistyped
+            path); None for a store that is never created by opening it.
     """
 
     open: OpenStore
     self_check_url: Callable[[str], str] | None = None
+    open_existing: OpenStore | None = None
 
     def __call__(self, url: str) -> JournalStore:
         """Open `url`."""
@@ -103,17 +108,26 @@ def installed_stores() -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
-def open_store(url: str) -> JournalStore:
+def open_store(url: str, *, create: bool = True) -> JournalStore:
     """Open a store by URL, for example "memory://", "sqlite:///loom.db" or "s3://bucket/prefix".
+
+    Args:
+        url: the store's URL.
+        create: False to open only a store that exists (`StoreFactory.open_existing`):
+            a mistyped path is refused, never created.
 
     Raises:
         NotFoundError: no store is installed for the URL's scheme; the message names
             the installed schemes and the distribution to install.
         InvalidArgumentError: the URL is malformed for its store.
+        StoreMisconfiguredError: with `create=False`, there is no store at the URL.
     """
     if not isinstance(url, str) or "://" not in url:
         raise InvalidArgumentError(f"a store URL looks like scheme://..., not {url!r}")
-    return store_factory(url.split("://", 1)[0].lower())(url)
+    factory = store_factory(url.split("://", 1)[0].lower())
+    if not create and factory.open_existing is not None:
+        return factory.open_existing(url)
+    return factory(url)
 
 
 def store_factory(scheme: str) -> StoreFactory:
