@@ -6,10 +6,19 @@ value is a schema error naming where; the inboxes and values kept parsed are bou
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
-from loom_kernel import Context, Engine, InvalidArgumentError, MemoryStore, Status, flow
+from loom_kernel import (
+    Context,
+    Engine,
+    ExecutionNotFoundError,
+    InvalidArgumentError,
+    MemoryStore,
+    Status,
+    flow,
+)
 from loom_kernel._engine import parts_of
 from loom_kernel.spi import NewRecord, SchemaError
 from message_helpers import FLOWS, _engine
@@ -18,7 +27,6 @@ from message_helpers import FLOWS, _engine
 def test_set_event_publishes_the_latest_value_and_a_replay_publishes_nothing() -> None:
     store = MemoryStore()
     engine = _engine(store)
-    assert engine.get_event("nothing-yet", "done") is None
     engine.start("inbox.progress", 3, key="pr")
     assert engine.get_event("pr", "done") == 3
     assert engine.get_events("pr") == {"done": 3}
@@ -26,6 +34,18 @@ def test_set_event_publishes_the_latest_value_and_a_replay_publishes_nothing() -
     _engine(store).resume("pr", None)  # a replay in a new engine
     assert store.head("events/pr") == 3
     assert engine.get("pr").result == "finished"
+
+
+def test_an_unknown_run_is_not_found_at_once_not_waited_for() -> None:
+    """`get_event` on a run that does not exist used to wait its whole timeout and
+    return None, as if the run had published nothing."""
+    engine = _engine(MemoryStore())
+    began = time.monotonic()
+    with pytest.raises(ExecutionNotFoundError, match="no-such-run"):
+        engine.get_event("no-such-run", "done", timeout=30)
+    assert time.monotonic() - began < 10, "not after its timeout"
+    with pytest.raises(ExecutionNotFoundError):
+        engine.get_events("no-such-run")
 
 
 def test_get_event_waits_for_a_value_or_gives_up() -> None:

@@ -509,3 +509,42 @@ def test_a_slot_that_frees_as_the_worker_stops_admits_nothing_more_from_its_queu
     second = Engine(store, [held], listeners=[], queues=[queue])
     with Worker(second, idle_poll=0.02):
         assert handles[1].result(timeout=10) == "b"
+
+
+def test_a_worker_restarted_under_its_id_takes_back_at_once_what_its_last_process_held() -> None:
+    """A worker restarted with the same `--worker-id` (a pod) finds the queue place
+    and the run its killed process held under that id: it takes both back at once,
+    not once half a lease has passed by the clocks (the clock here never moves)."""
+    store, clock = MemoryStore(), FakeClock()
+    queue = Queue("q", concurrency=1)
+    killed = _engine(store, queue, worker_id="pod-1", clock=clock)
+    handle = killed.enqueue("busy", {"tag": "held", "s": 0.0}, queue="q")
+    book = parts_of(killed).enqueueing.book
+    with book.holding("q", 0):
+        book.take("q", 0, book.refresh("q", 0), [handle.id], "pod-1")
+    state = parts_of(killed).driver.checkout(handle.id)
+    assert parts_of(killed).driver.take_over(state), "claimed: then the process was killed"
+    assert (killed.queue("q").active, killed.get(handle.id).owner) == ([handle.id], "pod-1")
+
+    restarted = _engine(store, queue, worker_id="pod-1", clock=clock)
+    with Worker(restarted, idle_poll=0.02):
+        assert restarted.handle(handle.id).result(timeout=10) == "held"
+    assert restarted.queue("q").active == []
+
+
+def test_a_worker_keeps_the_places_it_holds_itself_under_its_own_id() -> None:
+    """The same rule never takes from a worker what this very process admitted: a run
+    it admitted, not yet in a slot, keeps its place through a sweep."""
+    store, clock = MemoryStore(), FakeClock()
+    engine = _engine(store, Queue("q"), worker_id="pod-1", clock=clock)
+    serving, _slots = _serving(engine)
+    handle = engine.enqueue("parks", "p", queue="q")
+    book = parts_of(engine).enqueueing.book
+    queue = book.queues["q"]
+    admitted = serving._admit(queue, 0, 1)  # taken by this process; no slot drives it yet
+    assert [task.execution_id for task in admitted] == [handle.id]
+    assert serving._reap(queue, 0, book.read("q", 0)) is False, "its own place is kept"
+    assert engine.queue("q").active == [handle.id]
+    assert admitted[0].let_go is not None
+    admitted[0].let_go()
+    assert engine.queue("q").waiting == [handle.id], "given back when let go"

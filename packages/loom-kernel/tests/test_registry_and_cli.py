@@ -142,7 +142,52 @@ def test_loom_ls_filters_by_status_and_flow(capsys: pytest.CaptureFixture[str]) 
 
 def test_loom_worker_refuses_flows_it_cannot_load(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["worker", "--store", "memory://w", "--flows", "no_such_module:FLOWS"]) == 1
-    assert "cannot load flows" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "cannot load flows" in err
+    assert "no module named 'no_such_module' in the current directory" in err
+    assert "name the module by its package path" in err, "and how to fix the path"
+
+
+def test_flows_are_looked_for_in_the_current_directory_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`loom worker --flows flows:FLOWS` run where flows.py is, as uvicorn and celery
+    are: the module is found there, with no PYTHONPATH."""
+    import sys
+
+    from loom_kernel._hosting._deploy import load_flows
+
+    (tmp_path / "cwd_flows.py").write_text(
+        "from loom_kernel import flow\n"
+        "@flow(name='here')\n"
+        "def here(ctx, _input):\n"
+        "    return 1\n"
+        "FLOWS = [here]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    try:
+        assert [f.name for f in load_flows("cwd_flows:FLOWS")] == ["here"]
+    finally:
+        sys.modules.pop("cwd_flows", None)
+
+
+def test_something_that_is_not_a_flow_is_refused_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from loom_kernel._hosting._deploy import load_flows
+
+    with pytest.raises(InvalidArgumentError, match=r"names posixpath\.join, which is not a flow"):
+        load_flows("os.path:join")
+    (tmp_path / "no_flows_here.py").write_text("FLOWS: list[object] = []\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        with pytest.raises(InvalidArgumentError, match="empty list: it names no flow"):
+            load_flows("no_flows_here:FLOWS")
+    finally:
+        sys.modules.pop("no_flows_here", None)
 
 
 def test_loom_ls_goes_on_past_a_damaged_run_and_says_it(
@@ -174,7 +219,8 @@ def test_loom_refuses_flows_whose_module_fails_to_import_without_a_traceback(
         ("raises_at_import:FLOWS", "RuntimeError: no config"),
         ("bad_syntax:FLOWS", "SyntaxError"),
         (".relative:FLOWS", "cannot load flows"),
-        ("os:getcwd", "@flow needs a Python function"),
+        ("os:getcwd", "which is not a flow"),
+        ("os.path:join", "names posixpath.join, which is not a flow"),
     ):
         assert main(["worker", "--store", "memory://w", "--flows", spec]) == 1
         assert said in capsys.readouterr().err

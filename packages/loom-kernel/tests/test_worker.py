@@ -28,6 +28,34 @@ def test_bad_arguments_are_refused() -> None:
         engine.enqueue("three", "x").result(timeout=-1)
 
 
+def test_an_idle_poll_of_nothing_is_refused_and_a_tiny_one_does_not_spin(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`idle_poll=0` made the poll loop wait for nothing: a core spun while idle."""
+    from loom_kernel._hosting._cli import main
+
+    engine = _engine(MemoryStore())
+    for nothing in (0, 0.0, -1):
+        with pytest.raises(InvalidArgumentError, match="idle_poll is a number of seconds above 0"):
+            Worker(engine, idle_poll=nothing)
+    with pytest.raises(SystemExit):
+        main(["worker", "--store", "memory://", "--flows", "m:F", "--idle-poll", "0"])
+    assert "--idle-poll is a number of seconds above 0" in capsys.readouterr().err
+
+    class CountsPolls(MemoryStore):
+        polls = 0
+
+        def _head(self, stream: str) -> int:
+            if stream == "runs/open/0":
+                CountsPolls.polls += 1
+            return super()._head(stream)
+
+    tiny = Worker(_engine(CountsPolls()), idle_poll=1e-9)
+    with tiny:
+        time.sleep(0.5)
+    assert CountsPolls.polls < 200, f"{CountsPolls.polls} polls in half a second: it spun"
+
+
 def test_a_worker_started_twice_is_refused() -> None:
     worker = Worker(_engine(MemoryStore()), idle_poll=0.02).start()
     try:
@@ -95,6 +123,7 @@ def test_an_idle_worker_doubles_its_pause_between_polls_up_to_idle_poll(
     from loom_kernel._hosting import _worker
 
     monkeypatch.setattr(_worker, "_FASTEST_POLL", 0.001)
+    monkeypatch.setattr(_worker, "_SHORTEST_POLL", 0.001)
     worker = Worker(_engine(MemoryStore()), idle_poll=0.02)
     waits: list[float] = []
 

@@ -144,23 +144,56 @@ def to_json_text(value: Any, what: str) -> str:
     """The JSON text of a value, through the kernel's converter (attrs, dataclasses...).
 
     Raises:
-        InvalidArgumentError: the value has no JSON form.
+        InvalidArgumentError: the value has no JSON form, or holds a dict key that is
+            not a str (JSON would turn `{1: "x"}` into `{"1": "x"}` behind its back).
     """
     if type(value) in PLAIN_TYPES:
         # Plain JSON needs no trip through the converter (measured: its walk was the
         # largest cost of a step's own work); anything it cannot dump goes the long way.
         try:
-            return dump_json(value)
+            text = dump_json(value)
         except InvalidArgumentError:
             pass
+        else:
+            _refuse_other_keys(value, what)
+            return text
     try:
         data = CONVERTER.unstructure(value)
     except Exception as exc:
         raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
     try:
-        return dump_json(data)
+        text = dump_json(data)
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
+    _refuse_other_keys(data, what)
+    return text
+
+
+_CONTAINERS: Final = frozenset({dict, list, tuple})
+
+
+def _refuse_other_keys(value: Any, what: str) -> None:
+    """Refuse a dict key that is not a str, anywhere in `value` (JSON data, dumped)."""
+    if type(value) not in _CONTAINERS:
+        return
+    stack = [value]
+    pop, push = stack.pop, stack.append
+    while stack:
+        item = pop()
+        if type(item) is dict:
+            for key, inner in item.items():
+                if type(key) is not str:
+                    raise InvalidArgumentError(
+                        f"{what} is not JSON: a dict key is {key!r} "
+                        f"({type(key).__name__}), and JSON's keys are str (it would come "
+                        "back as a str, a different key); use str keys"
+                    )
+                if type(inner) in _CONTAINERS:
+                    push(inner)
+        else:
+            for inner in item:
+                if type(inner) in _CONTAINERS:
+                    push(inner)
 
 
 def to_json(value: Any, what: str) -> Any:

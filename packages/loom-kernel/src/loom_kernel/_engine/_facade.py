@@ -525,13 +525,18 @@ class Engine:
                 wait ends early once the run has finished.
 
         Raises:
+            ExecutionNotFoundError: there is no such run (nothing to wait for).
             InvalidArgumentError: the timeout is not a number of seconds >= 0.
             InvalidIdError: the id is not a valid execution id.
         """
         return self._parts.reading.get_event(execution_id, key, timeout)
 
     def get_events(self, execution_id: str) -> dict[str, Any]:
-        """Every key a run has published, with its latest value (`ctx.set_event`)."""
+        """Every key a run has published, with its latest value (`ctx.set_event`).
+
+        Raises:
+            ExecutionNotFoundError: there is no such run.
+        """
         return self._parts.reading.get_events(execution_id)
 
     def queue(self, name: str) -> QueueView:

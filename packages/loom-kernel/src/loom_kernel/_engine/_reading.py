@@ -144,6 +144,7 @@ class Reading:
             raise InvalidArgumentError(event_key_refusal(key))
         if timeout is not None and (not finite_number(timeout) or timeout < 0):
             raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
+        self._driver.view(execution_id, _exists)  # an unknown run is no run to wait for
         return EventLooks(self._driver, execution_id, key, timeout)
 
     def get_event(self, execution_id: str, key: str, timeout: float | None) -> Any:
@@ -157,7 +158,7 @@ class Reading:
 
     def get_events(self, execution_id: str) -> dict[str, Any]:
         """See `Engine.get_events`."""
-        stream_of(execution_id)
+        self._driver.view(execution_id, _exists)
         return self._driver.published.values(execution_id)
 
 
@@ -186,6 +187,10 @@ class EventLooks:
         pause = min(self._pause, left)
         self._pause = min(self._pause * 2, 0.25)
         return pause, None
+
+
+def _exists(_state: ExecutionState) -> None:
+    """A look at a run that only says it exists (its checkout raises if it does not)."""
 
 
 def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset[Status] | None:

@@ -172,11 +172,29 @@ def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
     )
     worker.add_argument(
         "--idle-poll",
-        type=float,
+        type=_seconds_above_zero,
         default=None,
-        help="longest wait between polls when idle (default: 1 s; 60 s on S3)",
+        help="longest wait between polls when idle, in seconds above 0 (default: 1 s; 60 s on S3)",
     )
-    worker.add_argument("--worker-id", default=None, help="this worker's id (default: made up)")
+    worker.add_argument(
+        "--worker-id",
+        default=None,
+        help="this worker's id in the journal: the owner named by the runs it drives and the "
+        "queue places it holds (default: made up for each process). Give a worker restarted "
+        "in place (a pod, a systemd unit) the same id each time: at its restart it takes back "
+        "at once what its earlier process held, instead of a lease later. At most one running "
+        "worker may have a given id",
+    )
+
+
+def _seconds_above_zero(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds > 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(f"--idle-poll is a number of seconds above 0, not {text}")
+    return seconds
 
 
 def _lint_command(paths: Sequence[str]) -> int:

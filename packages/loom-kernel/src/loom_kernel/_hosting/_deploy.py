@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -21,33 +23,72 @@ __all__ = ["add_deploy_commands", "load_flows"]
 def _load(spec: str, option: str, example: str) -> list[Any]:
     """The object `module:attribute` names, as a list (a list, tuple or set is spread).
 
-    The module is imported, never evaluated from text.
+    The module is imported, never evaluated from text, looked for first in the current
+    directory (as uvicorn and celery do), then on `sys.path`.
     """
     module_name, _, attribute = spec.partition(":")
     if not module_name or not attribute:
         raise InvalidArgumentError(f"{option} takes module:attribute ({example}), not {spec!r}")
+    what = option.removeprefix("--")
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
     try:
         value: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not module_name.startswith(exc.name):
+            raise _cannot_load(what, spec, exc) from exc  # the module itself imports it
+        raise InvalidArgumentError(
+            f"cannot load {what} from {spec!r}: no module named {exc.name!r} in the current "
+            f"directory ({here}) or on the module path: run loom where {module_name}.py "
+            f"(or its package) is, name the module by its package path ({example}), or "
+            "add its directory to PYTHONPATH"
+        ) from exc
+    except Exception as exc:  # anything its import raised: a SyntaxError, an error of its own
+        raise _cannot_load(what, spec, exc) from exc
+    try:
         for part in attribute.split("."):
             value = getattr(value, part)
-    except Exception as exc:  # anything its import raised: a SyntaxError, an error of its own
-        what = option.removeprefix("--")
-        raise InvalidArgumentError(
-            f"cannot load {what} from {spec!r}: {type(exc).__name__}: {exc}"
-        ) from exc
+    except AttributeError as exc:
+        raise _cannot_load(what, spec, exc) from exc
     return list(value) if isinstance(value, list | tuple | set | frozenset) else [value]
 
 
+def _cannot_load(what: str, spec: str, exc: Exception) -> InvalidArgumentError:
+    return InvalidArgumentError(f"cannot load {what} from {spec!r}: {type(exc).__name__}: {exc}")
+
+
 def load_flows(spec: str) -> list[Flow]:
-    """The flows named by `module:attribute` (a Flow, a function, or a list of them).
+    """The flows named by `module:attribute`: a Flow, a plain function of (ctx, input)
+    defined in that module, or a list of them.
 
     Raises:
-        InvalidArgumentError: the spec is malformed, or names nothing that is a flow.
+        InvalidArgumentError: the spec is malformed, or names something that is not a
+            flow (`os.path:join`, say).
     """
     items = _load(spec, "--flows", "myapp.flows:FLOWS")
-    if not items or not all(isinstance(item, Flow) or callable(item) for item in items):
-        raise InvalidArgumentError(f"{spec!r} is not a flow or a list of flows")
+    if not items:
+        raise InvalidArgumentError(f"{spec!r} is an empty list: it names no flow")
+    for item in items:
+        if not isinstance(item, Flow) and not _looks_like_a_flow(item):
+            name = getattr(item, "__qualname__", None) or type(item).__name__
+            where = getattr(item, "__module__", None)
+            shown = f"{where}.{name}" if where else name
+            raise InvalidArgumentError(
+                f"{spec!r} names {shown}, which is not a flow: a flow is a function of "
+                "(ctx, input), best decorated with @flow (from loom_kernel import flow)"
+            )
     return [item if isinstance(item, Flow) else flow(item) for item in items]
+
+
+def _looks_like_a_flow(item: object) -> bool:
+    """A plain function that can be a flow: a Python function (not a builtin or a class)
+    taking exactly two positional parameters, ctx and the input."""
+    if not inspect.isfunction(item):
+        return False
+    parameters = list(inspect.signature(item).parameters.values())
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return len(parameters) == 2 and all(p.kind in positional for p in parameters)
 
 
 def load_queues(spec: str) -> list[Queue]:

@@ -26,6 +26,13 @@ logger = logging.getLogger("loom")
 #: Takes one poll tries on a queue partition that other workers keep moving.
 _TAKE_ATTEMPTS: Final = 4
 
+#: The admissions this process made that are not done yet: (worker id, partition
+#: stream, position of the take). An admission by a worker id of this process that is
+#: not here was made by an earlier process under the same id (ids are unique among
+#: the processes alive): that process is gone, and its places are given back at once.
+_admitted_here: set[tuple[str, str, int]] = set()
+_admitted_lock = threading.Lock()
+
 
 class QueueServing:
     """Serves the queues one worker admits runs from."""
@@ -118,14 +125,14 @@ class QueueServing:
                     take = book.take(queue.name, partition, fold, chosen, driver.worker_id)
                 except ConflictError:  # another process admitted or added: fold again
                     continue
+                with _admitted_lock:
+                    _admitted_here.add((driver.worker_id, fold.stream, take))
                 return [self._queued_task(queue, partition, run, take) for run in chosen]
         return []
 
     def _queued_task(self, queue: Queue, partition: int, execution_id: str, take: int) -> Task:
         drive = partial(self._drive_queued, queue, partition, execution_id, take)
-        let_go = partial(
-            self._give_back, queue.name, partition, execution_id, take, requeue=True, unused=True
-        )
+        let_go = partial(self._let_go, queue.name, partition, execution_id, take)
         return Task(execution_id, drive, let_go, since=time.monotonic())
 
     def _drive_queued(
@@ -148,6 +155,7 @@ class QueueServing:
             requeue = outcome in (QueuedDrive.LEFT_RUNNING, QueuedDrive.NOT_NOW)
             unused = outcome in (QueuedDrive.NOT_NOW, QueuedDrive.VOID)
             self._finish(queue, partition, execution_id, take, requeue=requeue, unused=unused)
+            self._forget_admission(queue.name, partition, take)
 
     def _finish(
         self,
@@ -202,6 +210,17 @@ class QueueServing:
                     return admitted
         return []
 
+    def _let_go(self, name: str, partition: int, execution_id: str, take: int) -> None:
+        """Give back the admission of a run this worker will not drive after all."""
+        self._give_back(name, partition, execution_id, take, requeue=True, unused=True)
+        self._forget_admission(name, partition, take)
+
+    def _forget_admission(self, name: str, partition: int, take: int) -> None:
+        """A take of this process whose runs are all done (or given back)."""
+        stream = self._book.stream(name, partition)
+        with _admitted_lock:
+            _admitted_here.discard((self._parts.driver.worker_id, stream, take))
+
     def _give_back(
         self,
         name: str,
@@ -224,13 +243,19 @@ class QueueServing:
         driver = self._parts.driver
         horizon = driver.clock() - driver.lease / 2
         reaped = False
+        me = driver.worker_id
         for execution_id, active in fold.active.items():
             # Its taker has had half a lease to claim it, by the clocks; or its taker
-            # is a process of this machine that has exited, whatever the clocks say.
+            # is a process of this machine that has exited, whatever the clocks say;
+            # or it is this worker's id, under which an earlier process took it.
+            if active.by == me and self._slots.busy_with(execution_id):
+                continue
             if active.at > horizon and not exited_here(active.by):
-                continue
-            if active.by == driver.worker_id and self._slots.busy_with(execution_id):
-                continue
+                if active.by != me:
+                    continue
+                with _admitted_lock:
+                    if (me, fold.stream, active.take) in _admitted_here:
+                        continue
             try:
                 requeue = self._parts.enqueueing.queued_stale(execution_id, active.by)
             except SchemaError as exc:  # a run that cannot be read holds no place

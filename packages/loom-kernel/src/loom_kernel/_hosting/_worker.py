@@ -49,6 +49,9 @@ _FASTEST_POLL_COSTLY: Final = 1.0
 _IDLE_POLL_CHEAP: Final = 1.0
 _IDLE_POLL_COSTLY: Final = 60.0
 _STATUS_EVERY: Final = 1.0
+#: The shortest wait between two polls, whatever `idle_poll` says (a wait of nothing
+#: would spin a core).
+_SHORTEST_POLL: Final = 0.01
 
 
 class Worker:
@@ -83,9 +86,13 @@ class Worker:
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidArgumentError(f"concurrency is an int of 1 or more, not {concurrency!r}")
-        for name, value in (("idle_poll", idle_poll), ("grace", grace)):
-            if value is not None and (not finite_number(value) or value < 0):
-                raise InvalidArgumentError(f"{name} is a number of seconds >= 0, not {value!r}")
+        if grace is None or not finite_number(grace) or grace < 0:
+            raise InvalidArgumentError(f"grace is a number of seconds >= 0, not {grace!r}")
+        if idle_poll is not None and (not finite_number(idle_poll) or idle_poll <= 0):
+            raise InvalidArgumentError(
+                f"idle_poll is a number of seconds above 0, not {idle_poll!r} (a worker "
+                f"polls at most every {_SHORTEST_POLL} s whatever it is given: 0 would spin)"
+            )
         parts = parts_of(engine)
         book = parts.enqueueing.book
         self._queues = list(book.queues) if queues is None else list(queues)
@@ -217,7 +224,7 @@ class Worker:
         sweep_every = self.engine.lease / 2
         next_sweep = next_timers = next_repair = 0.0
         fastest = _FASTEST_POLL if self.engine.store.head_is_cheap else _FASTEST_POLL_COSTLY
-        fastest = min(fastest, self.idle_poll)
+        fastest = max(min(fastest, self.idle_poll), _SHORTEST_POLL)
         pause = fastest
         shown = 0.0
         while not self._stopping.is_set():
