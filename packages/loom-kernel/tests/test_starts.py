@@ -115,3 +115,37 @@ def test_a_second_start_by_key_of_a_run_just_started_writes_no_second_hint() -> 
     box.engine.enqueue("counter", 0, key="once")
     box.engine.start("counter", 0, key="once")
     assert box.store.head(hints) == before
+
+
+@flow(name="order_approval", version="3")
+def order_approval(ctx: Context, order: dict[str, int]) -> Any:
+    return ctx.step("approve", lambda: {"approved": order["n"]})
+
+
+def test_a_process_with_no_flow_code_starts_runs_by_name_that_a_worker_completes() -> None:
+    """A web tier starts runs by name without importing the flow (as DBOS's and
+    Temporal's clients do): each run waits for a worker that has the code, and is
+    pinned at its first drive to that worker's newest version."""
+    from loom_kernel import InvalidArgumentError, Queue, UnknownFlowError, Worker
+
+    store = MemoryStore()
+    web = Engine(store, [], listeners=[], queues=[Queue("q")])
+    handles = [web.enqueue("order_approval", {"n": n}, key=f"o{n}") for n in range(3)]
+    handles.append(web.enqueue("order_approval", {"n": 9}, queue="q"))
+    handles.append(web.dispatch("order_approval", {"n": 7}, key="child"))
+    assert web.enqueue("order_approval", {"n": 5}, key="o0") == handles[0], "K9: one run a key"
+    assert {web.get(handle.id).code_hash for handle in handles} == {""}, "pinned to no code yet"
+    with pytest.raises(UnknownFlowError):
+        web.start("order_approval", {"n": 1})  # inline: this process cannot drive it
+    with pytest.raises(InvalidArgumentError, match="invalid flow name"):
+        web.enqueue("order approval!", {"n": 1})
+    worker = Engine(store, [order_approval], listeners=[], queues=[Queue("q")])
+    with Worker(worker, idle_poll=0.02):
+        results = [web.handle(handle.id).result(timeout=10) for handle in handles]
+    assert results == [{"approved": n} for n in (0, 1, 2, 9, 7)]
+    for handle in handles:
+        state = worker.state(handle.id)
+        assert state.code_hash == "version:3"
+        assert state.variables["_migrations"] == [
+            {"from": "", "to": "version:3", "reason": "pinned at its first drive"}
+        ]

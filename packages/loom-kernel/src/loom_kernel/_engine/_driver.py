@@ -34,6 +34,7 @@ from loom_kernel._core import (
     ConflictError,
     Event,
     ExecutionClaimed,
+    ExecutionMigrated,
     ExecutionState,
     InvalidArgumentError,
     LoomError,
@@ -224,7 +225,11 @@ class Driver:
         if state.status is not Status.RUNNING:
             return
         control = control or DriveControl()
-        ending = yield from run_flow(self.flows.pinned(state), self.host, state, control)
+        definition = self.flows.pinned(state)
+        if not state.code_hash:  # started by name, with no code: pinned at its first drive
+            pin = ExecutionMigrated("", definition.code_hash, "pinned at its first drive")
+            self.append(state, [pin], control)
+        ending = yield from run_flow(definition, self.host, state, control)
         if ending is not None:
             self.append(state, [ending], control)
         elif control.pending:  # parked without new work: the resume still happened

@@ -132,7 +132,9 @@ class Enqueueing:
         it wait there for a worker."""
         driver = self._driver
         queue, priority, queue_key = where
-        execution_id, event = self._starts.new_start(flow_name, input, key, parent, None)
+        execution_id, event = self._starts.new_start(
+            flow_name, input, key, parent, None, unhosted=True
+        )
         place = queue.place(execution_id, priority, queue_key)
         event = attrs.evolve(event, queue=place)
         with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
@@ -155,14 +157,17 @@ class Enqueueing:
         inline_otherwise: bool,
     ) -> RunHandle:
         driver, starts = self._driver, self._starts
-        slots = list(self.slots)
-        if inline_otherwise and not slots:
+        # Without the flow's code here, neither this engine's workers nor an inline
+        # start can drive it: the run waits for a worker that has it.
+        hosted = not isinstance(flow_name, str) or driver.flows.hosts(flow_name)
+        slots = list(self.slots) if hosted else []
+        if inline_otherwise and hosted and not slots:
             return RunHandle(driver, starts.start(flow_name, input, key, parent).id)
-        execution_id, event = starts.new_start(flow_name, input, key, parent, None)
+        execution_id, event = starts.new_start(flow_name, input, key, parent, None, unhosted=True)
         taker = next((s for s in slots if s.reserve(execution_id, queue=False)), None)
         if taker is None:  # no free slot anywhere here: a place in a worker's queue
             taker = next((s for s in slots if s.reserve(execution_id, queue=True)), None)
-        if taker is None and inline_otherwise:
+        if taker is None and inline_otherwise and hosted:
             return RunHandle(driver, starts.start(flow_name, input, key, parent).id)
         if taker is not None:  # the run starts as this engine's own
             event = attrs.evolve(event, by=driver.worker_id)

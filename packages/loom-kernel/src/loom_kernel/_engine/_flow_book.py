@@ -79,7 +79,8 @@ class FlowBook:
         return True
 
     def pinned(self, state: ExecutionState) -> Flow:
-        """The code a run is pinned to (K11).
+        """The code a run is pinned to (K11); the newest version for a run started by
+        name with no code (code hash ""), which its first drive pins to it.
 
         Raises:
             UnknownFlowError: no version of its flow is registered.
@@ -89,6 +90,8 @@ class FlowBook:
         if not versions:
             self.newest(state.flow)  # raises UnknownFlowError, naming what is registered
         assert versions is not None
+        if not state.code_hash:
+            return self.newest(state.flow)
         found = versions.get(state.code_hash)
         if found is None:
             raise CodeVersionError(state.id, state.flow, state.code_hash, sorted(versions))

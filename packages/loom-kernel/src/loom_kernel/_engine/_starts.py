@@ -21,7 +21,7 @@ from loom_kernel._core import (
 )
 from loom_kernel._engine._driver import Driver
 from loom_kernel._engine._views import Execution
-from loom_kernel._replay import Flow
+from loom_kernel._replay import Flow, check_flow_name
 
 __all__ = ["Starts", "fresh_execution_id"]
 
@@ -47,14 +47,37 @@ class Starts:
         return driver.settled(execution)
 
     def new_start(
-        self, flow_name: str | Flow, input: Any, key: str | None, parent: str | None, by: str | None
+        self,
+        flow_name: str | Flow,
+        input: Any,
+        key: str | None,
+        parent: str | None,
+        by: str | None,
+        *,
+        unhosted: bool = False,
     ) -> tuple[str, ExecutionStarted]:
-        """The id and the EXECUTION_STARTED of a new run (nothing journaled yet)."""
-        definition = self._driver.flows.newest(flow_name)
+        """The id and the EXECUTION_STARTED of a new run (nothing journaled yet).
+
+        With `unhosted`, a flow name this engine hosts no code of starts a run pinned to
+        no code yet (code hash ""): a process that only starts runs (a web tier) needs no
+        flow code, and the first worker that drives the run pins it to its newest
+        version of the flow (see `Driver.drive`).
+
+        Raises:
+            UnknownFlowError: no such flow is registered (and `unhosted` is false, or
+                the flow was given as a Flow this engine lacks).
+            InvalidArgumentError: the name is not a valid flow name, or the input is
+                not JSON.
+        """
+        flows = self._driver.flows
+        if unhosted and isinstance(flow_name, str) and not flows.hosts(flow_name):
+            name, code = check_flow_name(flow_name), ""
+        else:
+            definition = flows.newest(flow_name)
+            name, code = definition.name, definition.code_hash
         data = to_json(input, "the flow input")
         execution_id = new_execution_id(key) if key is not None else fresh_execution_id()
-        started = ExecutionStarted(definition.name, definition.code_hash, data, key, parent, by)
-        return execution_id, started
+        return execution_id, ExecutionStarted(name, code, data, key, parent, by)
 
     def append_start(self, event: ExecutionStarted, execution_id: str) -> bool:
         """Index the run (the hint first), then journal its start. False when a run

@@ -16,7 +16,7 @@ from loom_kernel._replay._driving import (
     replay_check,
     run_flow,
 )
-from loom_kernel._replay._flows import Flow, RetryPolicy, code_hash, flow
+from loom_kernel._replay._flows import Flow, RetryPolicy, check_flow_name, code_hash, flow
 from loom_kernel._replay._host import RELEASE, DriveControl, Host, Unwind
 from loom_kernel._replay._servant import FLOW_LOOP, LoopStoppedError, LoopThread, Outcome, Servant
 from loom_kernel._replay._threads import CallThreads, call_threads, in_a_thread, let_go
@@ -55,6 +55,7 @@ __all__ = [
     "Unwind",
     "awaitable_sleep",
     "call_threads",
+    "check_flow_name",
     "code_hash",
     "consumed_positions",
     "drive_here",

@@ -14,7 +14,7 @@ import attrs
 
 from loom_kernel._core import InvalidArgumentError, finite_number
 
-__all__ = ["Flow", "RetryPolicy", "code_hash", "flow"]
+__all__ = ["Flow", "RetryPolicy", "check_flow_name", "code_hash", "flow"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,99}")
 
@@ -119,12 +119,21 @@ class Flow:
         return self.fn(*args, **kwargs)
 
 
+def check_flow_name(name: object) -> str:
+    """A flow's name, checked (what runs are started by and journaled under).
+
+    Raises:
+        InvalidArgumentError: it is not a valid flow name.
+    """
+    if not isinstance(name, str) or _NAME.fullmatch(name) is None:
+        raise InvalidArgumentError(f"invalid flow name {name!r}")
+    return name
+
+
 def _make(fn: Callable[..., Any], name: str | None, version: str | None) -> Flow:
     if not callable(fn) or not hasattr(fn, "__code__"):
         raise InvalidArgumentError(f"@flow needs a Python function, not {fn!r}")
-    flow_name = name or fn.__name__
-    if _NAME.fullmatch(flow_name) is None:
-        raise InvalidArgumentError(f"invalid flow name {flow_name!r}")
+    flow_name = check_flow_name(name or fn.__name__)
     if version is not None and (not isinstance(version, str) or not version):
         raise InvalidArgumentError(f"a flow version is a non-empty str, not {version!r}")
     return Flow(
