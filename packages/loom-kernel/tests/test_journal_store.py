@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import MemoryStore
-from loom_kernel.spi import InvalidArgumentError
+from loom_kernel.spi import InvalidArgumentError, NewRecord
 
 pytestmark = pytest.mark.usefixtures("flow_loop")
 
@@ -67,3 +67,27 @@ def test_a_deleted_stream_error_says_what_happened() -> None:
         "stream 'orders/7' was deleted at head 3; a deleted stream's name is retired and "
         "its positions are never reused"
     )
+
+
+def test_a_record_over_the_stores_stated_limit_is_refused_writing_nothing() -> None:
+    """Each store states its largest record (`max_record_bytes`); a larger one is bad
+    input, refused before anything is written, never a fault to retry."""
+    from loom_kernel import Context, Engine, flow
+
+    class Small(MemoryStore):
+        max_record_bytes = 512
+
+    store = Small()
+    with pytest.raises(InvalidArgumentError, match="over Small's limit of 512 bytes a record"):
+        store.append("s", 0, [NewRecord("k", b"ok", 1.0), NewRecord("k", b"x" * 513, 1.0)])
+    assert store.head("s") == 0, "nothing of the batch was written"
+    assert store.append("s", 0, [NewRecord("k", b"x" * 512, 1.0)]) == 1
+
+    @flow(name="big")
+    def big(ctx: Context, _input: None) -> str:
+        return str(ctx.step("result", lambda: "y" * 1000))
+
+    engine = Engine(store, [big], listeners=[])
+    with pytest.raises(InvalidArgumentError, match="limit of 512 bytes"):
+        engine.start("big", key="b")
+    assert [entry.event.KIND for entry in engine.history("b")] == ["EXECUTION_STARTED"]

@@ -259,3 +259,25 @@ def test_a_forked_child_never_makes_a_commit_id_its_parent_makes() -> None:
     done = subprocess.run(child, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "3 3 0 False"
+
+
+def test_a_record_over_sqlites_limit_is_refused_as_bad_input_not_a_fault(
+    tmp_path: Path,
+) -> None:
+    """A payload over SQLite's length limit was reported as StoreUnavailableError, 'retry
+    it', though no retry can take it. The store states the limit, the SPI refuses a
+    larger record first, and SQLite's own refusal (SQLITE_TOOBIG) is InvalidArgumentError
+    too, with nothing written."""
+    from loom_kernel.spi import InvalidArgumentError
+    from loom_store_sqlite.testing import raw_connection
+
+    store = open_sqlite_store(f"sqlite:///{tmp_path}/big.db")
+    try:
+        assert store.max_record_bytes == 1_000_000_000 - 4096, "SQLite's limit, less a row's room"
+        raw_connection(store).setlimit(sqlite3.SQLITE_LIMIT_LENGTH, 1000)  # this thread's
+        with pytest.raises(InvalidArgumentError, match="over SQLite's limit"):
+            store.append("s", 0, [NewRecord("k", b"x" * 2000, 1.0)])
+        assert store.head("s") == 0, "nothing written"
+        assert store.append("s", 0, [NewRecord("k", b"x" * 100, 1.0)]) == 1, "the store goes on"
+    finally:
+        store.close()

@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
-from typing import Any
+from typing import Any, Final
 
 import attrs
 import boto3
@@ -86,6 +86,10 @@ class _Known:
     learned: float  # time.monotonic()
 
 
+#: The largest object one S3 PUT may write: 5 GiB.
+_LARGEST_PUT: Final = 5 * 1024**3
+
+
 class S3Store(FaultInjection, JournalStore):
     """Streams in an S3 bucket under a prefix; safe for many processes on many machines.
 
@@ -103,6 +107,9 @@ class S3Store(FaultInjection, JournalStore):
     """
 
     head_is_cheap = False  # a head is a LIST and a GET: the engine skips its pre-step look
+    #: S3's largest single PUT is 5 GiB; an append is one object (a header line, then
+    #: its payloads), so a MiB is kept for the header.
+    max_record_bytes = _LARGEST_PUT - 1024 * 1024
 
     def __init__(
         self,
@@ -255,6 +262,12 @@ class S3Store(FaultInjection, JournalStore):
                 raise ConflictError(stream, expected, scan.head)
         commit = uuid.uuid4().hex
         body = encode_batch(commit, expected, records)
+        if len(body) > _LARGEST_PUT:
+            raise InvalidArgumentError(
+                f"an append of {len(records)} records is {len(body):,} bytes, over S3's "
+                f"largest object of {_LARGEST_PUT:,}: nothing was written; append fewer "
+                "records at once"
+            )
         key = self._layout.batch_key(stream, expected)
         try:
             outcome = self._transport.put_new(key, body, commit, lose_reply=lose_reply)

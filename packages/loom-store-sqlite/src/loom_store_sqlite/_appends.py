@@ -17,6 +17,7 @@ from loom_kernel.spi import (
     AmbiguousWriteError,
     ConflictError,
     FaultInjection,
+    InvalidArgumentError,
     NewRecord,
     StoreUnavailableError,
     StreamDeletedError,
@@ -134,7 +135,21 @@ class Appends(Transactions, FaultInjection):
                 raise AmbiguousWriteError
         except (AmbiguousWriteError, StoreUnavailableError) as exc:
             return self._confirm(stream, expected, len(records), txn, exc)
+        except InvalidArgumentError:  # a record SQLite refused as too big: nothing landed
+            self._refuse_if_deleted(stream)
+            raise
         return expected + len(records)
+
+    def _refuse_if_deleted(self, stream: str) -> None:
+        """Raise StreamDeletedError for a deleted stream (what an append to it meets
+        first, whatever else is wrong with the append)."""
+        try:
+            with self._transaction() as connection:
+                row = self._stream_row(connection, stream)
+        except sqlite3.Error as exc:
+            raise store_error(f"cannot read the state of {stream!r}", exc) from exc
+        if row is not None and row[2]:
+            raise StreamDeletedError(stream, row[0])
 
     def _commit_group(self, batch: list[PendingAppend]) -> None:
         """One transaction for a group of appends (see `GroupCommit`): each append's

@@ -5,7 +5,12 @@ from __future__ import annotations
 import sqlite3
 from typing import Final
 
-from loom_kernel import LoomError, StoreMisconfiguredError, StoreUnavailableError
+from loom_kernel import (
+    InvalidArgumentError,
+    LoomError,
+    StoreMisconfiguredError,
+    StoreUnavailableError,
+)
 
 __all__ = ["store_error"]
 
@@ -20,14 +25,24 @@ _PERMANENT: Final = {
 }
 
 
+#: SQLITE_TOOBIG: a string or blob over the connection's length limit.
+_TOOBIG: Final = 18
+
+
 def store_error(what: str, exc: sqlite3.Error) -> LoomError:
     """The kernel error for a sqlite3 failure while doing `what`.
 
     A refusal that lasts (permissions, a read-only or damaged file, no such
-    directory) is StoreMisconfiguredError, with the remedy; anything else (a lock
-    held too long, an I/O error, a full disk) is StoreUnavailableError.
+    directory) is StoreMisconfiguredError, with the remedy; a value too big for
+    SQLite is InvalidArgumentError; anything else (a lock held too long, an I/O
+    error, a full disk) is StoreUnavailableError.
     """
     code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int) and code & 0xFF == _TOOBIG:
+        return InvalidArgumentError(
+            f"{what}: {exc}: a record is over SQLite's limit on a string or blob (the "
+            "store's max_record_bytes); nothing was written, and no retry can take it"
+        )
     remedy = _PERMANENT.get(code & 0xFF) if isinstance(code, int) else None
     if remedy is not None:
         return StoreMisconfiguredError(f"{what}: {exc} ({remedy})")

@@ -92,6 +92,10 @@ class SqliteStore(Appends, JournalStore):
         self._last_leader = 0  # the thread that led the last group (`_witness`)
         self._crowded_until = 0.0
         self._keeper = self._connect()  # holds a shared in-memory database open
+        # SQLite's limit on a string or a blob, and on a row: room is kept for the
+        # row's other columns (the stream, the kind, the commit id).
+        limit = self._keeper.getlimit(sqlite3.SQLITE_LIMIT_LENGTH) - _ROW_ROOM
+        self.max_record_bytes = max(limit, 0)
         try:
             ensure_schema(self._keeper, path)
         except sqlite3.Error as exc:
@@ -260,6 +264,10 @@ class SqliteStore(Appends, JournalStore):
                 )
         except sqlite3.Error as exc:
             raise store_error(f"cannot delete {stream!r}", exc) from exc
+
+
+#: Bytes of a row kept for its columns besides the payload, under SQLite's length limit.
+_ROW_ROOM: Final = 4096
 
 
 def open_sqlite_store(url: str) -> SqliteStore:

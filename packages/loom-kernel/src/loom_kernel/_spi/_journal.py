@@ -64,6 +64,10 @@ class JournalStore(abc.ABC):
     """
 
     head_is_cheap: ClassVar[bool] = True
+    #: The largest payload one record may have, in bytes, or None for no limit: each
+    #: store states its own (SQLite's string and blob limit, S3's largest single PUT).
+    #: `append` refuses a larger record with InvalidArgumentError, writing nothing.
+    max_record_bytes: int | None = None
 
     def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
         """Append records atomically where the stream's head is exactly `expected`.
@@ -81,7 +85,8 @@ class JournalStore(abc.ABC):
             StreamDeletedError: the stream was deleted; nothing was written.
             StoreUnavailableError: a transient fault; the write did not land or
                 could not be confirmed (re-read before retrying).
-            InvalidIdError, InvalidArgumentError: bad arguments; nothing was written.
+            InvalidIdError, InvalidArgumentError: bad arguments (a record over the
+                store's `max_record_bytes`, say); nothing was written.
         """
         APPENDS.asked += 1
         validate_stream_id(stream)
@@ -90,10 +95,18 @@ class JournalStore(abc.ABC):
         batch = tuple(records)
         if not batch:
             raise InvalidArgumentError("append needs at least one record")
+        limit = self.max_record_bytes
         for record in batch:
             if not isinstance(record, NewRecord):
                 raise InvalidArgumentError(
                     f"append takes NewRecord instances, not {type(record).__name__}"
+                )
+            if limit is not None and len(record.payload) > limit:
+                raise InvalidArgumentError(
+                    f"a {record.kind} record of {len(record.payload):,} bytes is over "
+                    f"{type(self).__name__}'s limit of {limit:,} bytes a record: nothing was "
+                    "written, and no retry can take it (keep payloads that large out of "
+                    "the journal)"
                 )
         return self._append(stream, expected, batch)
 
