@@ -13,6 +13,7 @@ from counter_flow import counter
 from engine_helpers import EngineFactory
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
 from loom_kernel._engine import parts_of
+from loom_kernel.events import ExecutionClaimed
 from loom_kernel.testing import sandbox
 
 
@@ -149,3 +150,35 @@ def test_a_process_with_no_flow_code_starts_runs_by_name_that_a_worker_completes
         assert state.variables["_migrations"] == [
             {"from": "", "to": "version:3", "reason": "pinned at its first drive"}
         ]
+
+
+def test_a_start_another_worker_took_over_mid_drive_says_so_in_its_view(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """This engine's lease lapsed during its drive and another worker claimed the run:
+    the drive stops at its next append, and `start` returns the run's view as it is,
+    running and owned by the other worker (with when it was seen), not a silent RUNNING
+    that looks like this engine's own."""
+    from loom_kernel.testing import FakeClock
+
+    store, clock = MemoryStore(), FakeClock()
+    other = Engine(store, [], listeners=[], worker_id="other", clock=clock)
+
+    @flow(name="fenced")
+    def fenced(ctx: Context, _input: None) -> str:
+        def taken_meanwhile() -> str:
+            driver = parts_of(other).driver
+            state = driver.checkout("f")
+            clock.advance(3600)  # this engine's lease lapses
+            driver.append(state, [ExecutionClaimed("other", state.owner)])
+            return "done"
+
+        ctx.step("taken", taken_meanwhile)
+        return "finished"
+
+    engine = Engine(store, [fenced], listeners=[], worker_id="here", clock=clock)
+    with caplog.at_level("WARNING", logger="loom"):
+        view = engine.start("fenced", key="f")
+    assert (view.status, view.owner) == (Status.RUNNING, "other")
+    assert view.owner_seen_at is not None
+    assert "f: other took this run over during its drive here" in caplog.text

@@ -256,6 +256,7 @@ class Driver:
         control = control or DriveControl()
         with self._drives_lock:
             self._drives[state.id] = control
+        fenced = False
         try:
             with self.heartbeat.holding(state.id):
                 yield from self.drive(state, control)
@@ -263,12 +264,22 @@ class Driver:
             if control.pending:
                 raise  # the resume itself lost the race: the caller's payload went nowhere
             state = load(self.store, state.id, None)
+            fenced = state.status is Status.RUNNING and state.owner != self.worker_id
         finally:
             with self._drives_lock:
                 if self._drives.get(state.id) is control:
                     del self._drives[state.id]
         execution = Execution.of(state)
         self.cache.give_back(state)
+        if fenced:  # the view says so: running, owned by the worker that took it over
+            logger.warning(
+                "loom: %s: %s took this run over during its drive here (this engine's "
+                "lease lapsed?); it goes on there",
+                execution.id,
+                execution.owner,
+            )
+            seen = sighting(self.store, str(execution.owner), execution.id, stream_of(state.id))
+            execution = attrs.evolve(execution, owner_seen_at=seen.seen_at)
         return execution
 
     def stop(self, execution_id: str) -> None:

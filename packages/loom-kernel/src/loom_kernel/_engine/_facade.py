@@ -270,6 +270,11 @@ class Engine:
     ) -> Execution:
         """Start an execution and run it until it parks or ends.
 
+        Returns the run's view then. If another worker took the run over during the
+        drive (this engine's lease lapsed: a frozen process, say), the drive stops
+        at its next append, and the view says so: status running, `owner` naming
+        the worker that took it over, `owner_seen_at` set (and a warning is logged).
+
         Args:
             flow_name: a registered flow's name, or the Flow itself.
             input: the flow's input; must have a JSON form.
