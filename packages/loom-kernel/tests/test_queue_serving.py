@@ -548,3 +548,23 @@ def test_a_worker_keeps_the_places_it_holds_itself_under_its_own_id() -> None:
     assert admitted[0].let_go is not None
     admitted[0].let_go()
     assert engine.queue("q").waiting == [handle.id], "given back when let go"
+
+
+def test_two_workers_on_a_capped_queue_both_drive_its_runs_not_one_standing_by() -> None:
+    """The first worker took every place of the cap and, as each run ended, the next
+    at once: the second worker drove nothing until the first was killed. A worker
+    left without runs says it is there (a take of no run), and the runs are shared."""
+    store = MemoryStore()
+    queue = Queue("q", concurrency=2)
+    web = _engine(store, queue)
+    handles = [web.enqueue("busy", {"tag": f"t{n}", "s": 0.05}, queue="q") for n in range(16)]
+    engines = [_engine(store, queue, worker_id=name) for name in ("first", "second")]
+    workers = [Worker(engine, concurrency=2, idle_poll=0.02) for engine in engines]
+    with workers[0]:
+        _wait(lambda: len(web.queue("q").active) == 2)  # the first holds the whole cap
+        with workers[1]:
+            for handle in handles:
+                handle.result(timeout=30)
+    driven = [worker.stats.driven for worker in workers]
+    assert sum(driven) == 16
+    assert min(driven) >= 4, f"runs driven by each worker: {driven}"

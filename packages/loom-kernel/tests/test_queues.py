@@ -131,6 +131,54 @@ def test_a_rate_limit_admits_no_more_than_its_window_holds() -> None:
     assert [set(_order[:2]), set(_order[2:4]), _order[4:]] == [{"0", "1"}, {"2", "3"}, ["4"]]
 
 
+def test_a_worker_polls_again_when_the_rates_window_has_room_not_at_its_idle_pace() -> None:
+    """A rate held back waiting runs: the worker's next poll comes as the window's
+    oldest admission leaves it (40 runs at a rate of 4 a second took 14.5 s, where
+    the rate allows about 10, waiting for idle polls)."""
+    from queue_helpers import _serving
+
+    clock = FakeClock()
+    engine = _engine(MemoryStore(), Queue("q", rate=Rate(2, per=60.0)), clock=clock)
+    for number in range(3):
+        engine.enqueue("parks", f"p{number}", queue="q")
+    serving, _slots = _serving(engine, concurrency=8)
+    queue = parts_of(engine).enqueueing.book.queues["q"]
+    assert len(serving._admit(queue, 0, 8)) == 2, "the window holds two"
+    serving._due = None
+    clock.advance(20)
+    assert serving._admit(queue, 0, 8) == []
+    assert 39 < serving.until_due() <= 40, "the first admission leaves the window in 40 s"
+
+
+def test_pick_shares_a_partitions_runs_among_the_workers_present() -> None:
+    """A worker with many free slots leaves the other workers present theirs: it holds
+    at most its share of the cap, and takes at most its share of the waiting runs; a
+    worker not seen for a while counts for nothing."""
+    store, now = MemoryStore(), 1000.0
+    book = QueueBook(store, lambda: now, [Queue("q")])
+    for number in range(8):
+        book.add(QueuePlace("q", 0, 0, None), f"r{number}", "busy", "")
+    with book.holding("q", 0):
+        fold = book.refresh("q", 0)
+        book.take("q", 0, fold, ["r0"], "b")  # b took one: it is present
+    fold = book.read("q", 0)
+    assert fold.pollers == {"b": now}
+    alone = pick(fold, cap=None, per_key=None, rate=None, now=now, free=8)
+    assert len(alone) == 7, "no worker named: the old behaviour, everything that fits"
+    shared = pick(
+        fold, cap=None, per_key=None, rate=None, now=now, free=8, me="a", present_since=now - 10
+    )
+    assert shared == ["r1", "r2", "r3", "r4"], "half of the seven waiting"
+    capped = pick(
+        fold, cap=4, per_key=None, rate=None, now=now, free=8, me="a", present_since=now - 10
+    )
+    assert capped == ["r1", "r2"], "half the cap of four, less nothing held yet"
+    gone = pick(
+        fold, cap=4, per_key=None, rate=None, now=now, free=8, me="a", present_since=now + 1
+    )
+    assert len(gone) == 3, "b not seen since: a takes what the cap leaves (4 - 1 held)"
+
+
 def test_runs_cancelled_while_waiting_use_up_no_rate() -> None:
     store = MemoryStore()
     engine = _engine(store, Queue("q", rate=Rate(2, per=3600.0)))

@@ -20,7 +20,7 @@ from loom_kernel._coordination._leases import (
 )
 from loom_kernel._coordination._published import Published
 from loom_kernel._coordination._queue_book import QueueBook
-from loom_kernel._coordination._queues import Queue, QueueFold, QueueView, pick
+from loom_kernel._coordination._queues import Queue, QueueFold, QueueView, pick, rate_frees_at
 from loom_kernel._coordination._run_index import ENDED, OpenHint, RunIndex, partition_of
 from loom_kernel._coordination._timer_floor import FLOOR_KIND, FLOOR_STREAM
 from loom_kernel._coordination._timers import OVERDUE, QUARANTINE, SEAL_KIND, TimerEntry, TimerIndex
@@ -57,5 +57,6 @@ __all__ = [
     "load",
     "partition_of",
     "pick",
+    "rate_frees_at",
     "sighting",
 ]

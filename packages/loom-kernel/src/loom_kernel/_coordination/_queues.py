@@ -58,6 +58,7 @@ __all__ = [
     "dump",
     "fold_record",
     "pick",
+    "rate_frees_at",
 ]
 
 QUEUES_PREFIX: Final = "queues/"
@@ -68,6 +69,8 @@ CHECKPOINT_KIND: Final = "loom.queue.checkpoint"
 #: The widest priority: a 32-bit signed int, as DBOS allows.
 _PRIORITY_BOUND: Final = 2**31
 _MAX_PARTITIONS: Final = 256
+#: The pollers a checkpoint keeps, the latest first.
+_POLLERS_KEPT: Final = 32
 
 
 def _positive(name: str, value: object, *, optional: bool = True) -> None:
@@ -244,6 +247,9 @@ class QueueFold:
         since_checkpoint: records folded past the last checkpoint.
         window: the rate's window in seconds (admissions older are forgotten), or
             None for a queue with no rate.
+        pollers: each worker that took from the partition, or said it wanted to (a
+            take of no run), with when it last did, by its clock: the workers the
+            partition's runs are shared among (see `pick`).
     """
 
     stream: str
@@ -254,6 +260,7 @@ class QueueFold:
     since_checkpoint: int = 0
     _line: list[tuple[int, int, str]] = attrs.Factory(list)  # the waiting runs' places, sorted
     window: float | None = None
+    pollers: dict[str, float] = attrs.Factory(dict)
 
     def copy(self) -> QueueFold:
         return QueueFold(
@@ -265,7 +272,13 @@ class QueueFold:
             self.since_checkpoint,
             list(self._line),
             self.window,
+            dict(self.pollers),
         )
+
+    def sharing(self, me: str, since: float) -> int:
+        """How many workers share the partition's runs: this one, and the others that
+        took from it, or said they wanted to, since `since` (by their clocks)."""
+        return 1 + sum(1 for by, at in self.pollers.items() if by != me and at >= since)
 
     def wait(self, item: _Waiting) -> None:
         """Have a run wait at its place in line (no change when it waits already)."""
@@ -317,6 +330,8 @@ def pick(
     free: int,
     hosts: Callable[[str, str], bool] = lambda _flow, _code: True,
     busy: Callable[[str], bool] = lambda _id: False,
+    me: str | None = None,
+    present_since: float | None = None,
 ) -> list[str]:
     """The runs a worker with `free` slots may admit now from one partition: in order
     of priority, then arrival; no more than the cap leaves room for (counting the runs
@@ -325,13 +340,25 @@ def pick(
     worker lacks (`hosts(flow, code hash)`): those do not hold back the runs behind
     them. A run the
     worker is busy with (a visit of it) stops the pick there, for the next poll, so
-    the order holds."""
+    the order holds.
+
+    Given the worker's id (`me`), the runs are shared with the other workers present
+    since `present_since` (`QueueFold.sharing`): among N of them, this one holds at
+    most its share of the cap, ceil(cap / N) runs, and takes at most ceil(waiting /
+    N) of the waiting runs at once, so a worker with many free slots leaves the others
+    theirs instead of taking every run while they stand by."""
     room = free
+    sharing = 1 if me is None or present_since is None else fold.sharing(me, present_since)
     if cap is not None:
         room = min(room, cap - len(fold.active))
+        if sharing > 1:
+            mine = sum(1 for item in fold.active.values() if item.by == me)
+            room = min(room, -(-cap // sharing) - mine)
     if rate is not None:
         recent = len(fold.admitted) - bisect.bisect_right(fold.admitted, now - rate.per)
         room = min(room, rate.limit - recent)
+    if sharing > 1:
+        room = min(room, -(-len(fold.waiting) // sharing))
     if room <= 0 or not fold.waiting:
         return []
     keys = Counter(item.waiting.key for item in fold.active.values() if item.waiting.key)
@@ -349,6 +376,18 @@ def pick(
             keys[item.key] += 1
         chosen.append(item.execution_id)
     return chosen
+
+
+def rate_frees_at(fold: QueueFold, rate: Rate | None, now: float) -> float | None:
+    """When the rate's window next has room (by the takers' clocks), if it is full at
+    `now`; None when it has room, or the queue has no rate."""
+    if rate is None:
+        return None
+    start = bisect.bisect_right(fold.admitted, now - rate.per)
+    recent = fold.admitted[start:]
+    if len(recent) < rate.limit:
+        return None
+    return recent[len(recent) - rate.limit] + rate.per
 
 
 def dump(data: Any) -> bytes:
@@ -398,6 +437,7 @@ def fold_record(fold: QueueFold, record: Record) -> None:
                 fold.wait(waiting)
         elif record.kind == TAKE_KIND:
             by = str(data["by"])
+            fold.pollers[by] = max(fold.pollers.get(by, record.timestamp), record.timestamp)
             if window is not None:  # the window ends at this take, by its taker's clock
                 del fold.admitted[: bisect.bisect_right(fold.admitted, record.timestamp - window)]
             for execution_id in data["ids"]:
@@ -430,6 +470,7 @@ def fold_record(fold: QueueFold, record: Record) -> None:
                 active = _Active(held, int(take), str(by), float(at), _woken(held, again))
                 fold.active[active.waiting.execution_id] = active
             fold.admitted = [] if window is None else sorted(map(float, data["admitted"]))
+            fold.pollers = {str(by): float(at) for by, at in data.get("pollers", {}).items()}
             fold.since_checkpoint = -1
         else:
             raise ValueError(f"unknown kind {record.kind!r}")
@@ -478,4 +519,6 @@ def checkpoint_data(fold: QueueFold) -> dict[str, Any]:
             for item in fold.active.values()
         ],
         "admitted": fold.admitted,
+        # The latest pollers only: each worker restarted with a made-up id is another.
+        "pollers": dict(sorted(fold.pollers.items(), key=lambda item: -item[1])[:_POLLERS_KEPT]),
     }

@@ -11,9 +11,9 @@ import threading
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Final
+from typing import Any, Final
 
-from loom_kernel._coordination import Queue, QueueFold, exited_here, pick
+from loom_kernel._coordination import Queue, QueueFold, exited_here, pick, rate_frees_at
 from loom_kernel._core import ConflictError, LoomError, SchemaError
 from loom_kernel._engine import EngineParts, QueuedDrive
 from loom_kernel._hosting._slots import Slots, Task, WorkerStats
@@ -55,12 +55,16 @@ class QueueServing:
         self._stopping = stopping
         self._beat = beat
         self._turn = 0  # which queue, and partition of each, a poll serves first
+        self._due: float | None = None  # monotonic: when a rate's window next has room
+        # Partitions where this worker's id holds no place an earlier process took.
+        self._no_earlier: set[tuple[str, int]] = set()
 
     def serve(self, *, sweep: bool) -> int:
         """Admit from each queue's partitions as many runs as the free slots and the
         queue's limits allow, and hand them to the slots; how many were handed. On a
         sweep, first give back the admissions of runs their taker no longer drives."""
         handed = 0
+        self._due = None
         self._turn += 1
         names = self.names
         for offset in range(len(names)):  # each queue is served first in turn
@@ -80,6 +84,12 @@ class QueueServing:
                     logger.warning("loom: queue %s/%d: %s", name, partition, exc)
         return handed
 
+    def until_due(self) -> float:
+        """Seconds until a rate's window that held back runs this pass has room again
+        (the next poll then admits them, not at its idle pace); infinity for none."""
+        due = self._due
+        return float("inf") if due is None else max(0.0, due - time.monotonic())
+
     def _mend(self, name: str, partition: int) -> None:
         """Rewrite a queue partition that holds a damaged record."""
         try:
@@ -88,8 +98,16 @@ class QueueServing:
             logger.warning("loom: queue %s/%d not mended: %s", name, partition, exc)
 
     def _serve_partition(self, queue: Queue, partition: int, *, sweep: bool) -> int:
-        if sweep:
-            self._reap(queue, partition, self._book.read(queue.name, partition))
+        if sweep or (queue.name, partition) not in self._no_earlier:
+            fold = self._book.read(queue.name, partition)
+            if sweep:
+                self._reap(queue, partition, fold)
+            elif self._held_before(fold):
+                # Places this worker's id holds from an earlier process: given back at
+                # once (one a visit of its run holds here now is left to the next poll).
+                self._reap(queue, partition, fold, only_earlier=True)
+            if not self._held_before(self._book.read(queue.name, partition)):
+                self._no_earlier.add((queue.name, partition))  # none can come later
         admitted = self._admit(queue, partition, self._slots.free())
         for task in admitted:
             if not self._slots.submit(task, queue=True):  # a visit of it is in flight
@@ -103,23 +121,30 @@ class QueueServing:
         tasks that drive them."""
         driver = self._parts.driver
         book = self._book
+        me = driver.worker_id
         with book.holding(queue.name, partition):
             for _ in range(_TAKE_ATTEMPTS):
                 if free <= 0 or self._stopping.is_set():
                     return []
                 fold = book.refresh(queue.name, partition)
                 cap, rate = queue.share(partition)
+                now = driver.clock()
                 chosen = pick(
                     fold,
                     cap=cap,
                     per_key=queue.per_key,
                     rate=rate,
-                    now=driver.clock(),
+                    now=now,
                     free=free,
                     hosts=driver.flows.hosts_code,
                     busy=self._slots.busy_with,
+                    me=me,
+                    present_since=now - driver.lease / 3,
                 )
+                if len(chosen) < free and fold.waiting:
+                    self._note_rate(fold, rate, now)
                 if not chosen:
+                    self._say_present(queue, partition, fold, now)
                     return []
                 try:
                     take = book.take(queue.name, partition, fold, chosen, driver.worker_id)
@@ -129,6 +154,30 @@ class QueueServing:
                     _admitted_here.add((driver.worker_id, fold.stream, take))
                 return [self._queued_task(queue, partition, run, take) for run in chosen]
         return []
+
+    def _note_rate(self, fold: QueueFold, rate: Any, now: float) -> None:
+        """Runs wait that the rate's window held back: the next poll comes when it has
+        room again (by the takers' clocks, which the window keeps)."""
+        frees_at = rate_frees_at(fold, rate, now)
+        if frees_at is not None:
+            due = time.monotonic() + max(0.0, frees_at - now)
+            self._due = due if self._due is None else min(self._due, due)
+
+    def _say_present(self, queue: Queue, partition: int, fold: QueueFold, now: float) -> None:
+        """This worker has free slots and was given no run from a partition others are
+        busy with (runs waiting past the cap or its share, or runs being driven): say
+        so with a take of no run, at most every sixth of a lease, so the workers that
+        hold the runs leave it its share (see `pick`)."""
+        driver = self._parts.driver
+        me = driver.worker_id
+        if not (fold.waiting or fold.active):
+            return
+        if fold.pollers.get(me, float("-inf")) > now - driver.lease / 6:
+            return
+        try:
+            self._book.take(queue.name, partition, fold, [], me)
+        except LoomError as exc:  # another writer moved first: the next poll says it
+            logger.debug("loom: queue %s/%d: %s", queue.name, partition, exc)
 
     def _queued_task(self, queue: Queue, partition: int, execution_id: str, take: int) -> Task:
         drive = partial(self._drive_queued, queue, partition, execution_id, take)
@@ -194,6 +243,8 @@ class QueueServing:
             logger.debug("loom: admitting after %s: %s", execution_id, exc)
             self._slots.wake()
             return
+        if chain and not admitted:
+            self._slots.wake()  # held back (a rate, a share): the poll knows until when
         self._slots.next_up(admitted)  # taken next by this slot's thread
 
     def _admit_next(self, after: Queue) -> list[Task]:
@@ -237,9 +288,23 @@ class QueueServing:
             self._stats.failures += 1
             logger.warning("loom: %s: its queue's done record: %s", execution_id, exc)
 
-    def _reap(self, queue: Queue, partition: int, fold: QueueFold) -> bool:
+    def _held_before(self, fold: QueueFold) -> bool:
+        """Whether the partition holds an admission by this worker's id that this
+        process did not make (an earlier process under the same id made it)."""
+        me = self._parts.driver.worker_id
+        with _admitted_lock:
+            return any(
+                active.by == me and (me, fold.stream, active.take) not in _admitted_here
+                for active in fold.active.values()
+            )
+
+    def _reap(
+        self, queue: Queue, partition: int, fold: QueueFold, *, only_earlier: bool = False
+    ) -> bool:
         """Give back the admissions, older than half a lease, of runs their taker no
-        longer drives (it crashed, stopped, or never claimed them); whether any was."""
+        longer drives (it crashed, stopped, or never claimed them); with
+        `only_earlier`, only those an earlier process of this worker's id made;
+        whether any was."""
         driver = self._parts.driver
         horizon = driver.clock() - driver.lease / 2
         reaped = False
@@ -249,6 +314,8 @@ class QueueServing:
             # is a process of this machine that has exited, whatever the clocks say;
             # or it is this worker's id, under which an earlier process took it.
             if active.by == me and self._slots.busy_with(execution_id):
+                continue
+            if only_earlier and active.by != me:
                 continue
             if active.at > horizon and not exited_here(active.by):
                 if active.by != me:

@@ -253,7 +253,8 @@ class Worker:
                 self._show(status)
             pause = fastest if busy else min(max(pause * 2, fastest), self.idle_poll)
             wait = min(pause, max(0.0, next_sweep - time.monotonic()) or pause)
-            self._wake.wait(min(wait, max(slots.until_let_go(), fastest)))
+            soonest = min(slots.until_let_go(), self._serving.until_due())
+            self._wake.wait(min(wait, max(soonest, fastest)))
             self._wake.clear()
             spacing = now + fastest - time.monotonic()  # a wake-up polls no sooner than this
             if spacing > 0:
