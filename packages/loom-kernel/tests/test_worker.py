@@ -9,10 +9,19 @@ import time
 from typing import Any
 
 import pytest
-from loom_kernel import Context, Engine, InvalidArgumentError, MemoryStore, Status, Worker, flow
+from loom_kernel import (
+    Context,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    Queue,
+    Status,
+    Worker,
+    flow,
+)
 from loom_kernel._engine import parts_of
 from loom_kernel.events import ExecutionClaimed
-from worker_helpers import _engine, at_gate, effects, gate
+from worker_helpers import _driven, _engine, at_gate, effects, gate
 
 pytestmark = pytest.mark.usefixtures("fresh_effects")
 
@@ -437,3 +446,59 @@ def test_a_poll_that_meets_a_store_fault_is_counted_and_the_worker_goes_on(
     assert blips == [0]
     assert worker.stats.failures >= 1
     assert "timer buckets: StoreUnavailableError: one blip" in caplog.text
+
+
+@flow(name="awaits_child", version="1")
+def awaits_child(ctx: Context, _input: Any) -> Any:
+    return ctx.suspend("child")
+
+
+@flow(name="child_work", version="1")
+def child_work(ctx: Context, _input: Any) -> Any:
+    return ctx.step("work", lambda: "done")
+
+
+def test_a_parent_a_listener_resumed_in_a_slot_counts_as_driven() -> None:
+    """An escalation drove a parent from a listener and `driven` stayed 0: each drive
+    a slot makes counts, the ones its listeners make included."""
+
+    def resume_parent(engine: Engine, execution: Any) -> None:
+        if execution.flow == "child_work" and execution.status is Status.COMPLETED:
+            engine.resume("the-parent", execution.result)
+
+    engine = Engine(MemoryStore(), [awaits_child, child_work], listeners=[resume_parent])
+    assert engine.start("awaits_child", key="the-parent").status is Status.SUSPENDED
+    with Worker(engine, idle_poll=0.02) as worker:
+        engine.enqueue("child_work", key="the-child").result(timeout=10)
+        assert engine.handle("the-parent").result(timeout=10) == "done"
+        assert _driven(worker, 2) == 2, "the child and the parent its listener resumed"
+    assert (worker.stats.driving, worker.stats.failures) == (0, 0)
+
+
+release_blocked = threading.Event()
+
+
+@flow(name="blocks", version="1")
+def blocks(ctx: Context, _input: Any) -> Any:
+    return ctx.step("wait", lambda: release_blocked.wait(10))
+
+
+def test_driving_counts_drives_within_the_queue_cap_not_busy_slots() -> None:
+    """The status line said `driving 7/8` on a queue capped at 6: slots busy with a
+    poll or a visit are not runs being driven."""
+    release_blocked.clear()
+    engine = Engine(MemoryStore(), [blocks], listeners=[], queues=[Queue("q", concurrency=6)])
+    handles = [engine.enqueue("blocks", queue="q") for _ in range(10)]
+    most = 0
+    with Worker(engine, concurrency=8, idle_poll=0.01) as worker:
+        deadline = time.monotonic() + 10
+        while worker.stats.driving < 6 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        for _ in range(100):  # a while at the cap: never more than it
+            most = max(most, worker.stats.driving)
+            time.sleep(0.002)
+        release_blocked.set()
+        assert all(handle.result(timeout=10) is True for handle in handles)
+        assert _driven(worker, 10) == 10
+    assert most == 6
+    assert worker.stats.driving == 0

@@ -4,7 +4,7 @@ listeners. It imports every layer below it; the hosting layer reaches its parts
 through `parts_of`, never through a private member of `Engine`.
 """
 
-from loom_kernel._engine._driver import Driver
+from loom_kernel._engine._driver import DRIVE_WATCH, Driver
 from loom_kernel._engine._each import raise_first, try_each
 from loom_kernel._engine._enqueueing import LocalSlots, QueuedDrive
 from loom_kernel._engine._facade import Engine, EngineParts, Listener, parts_of
@@ -13,6 +13,7 @@ from loom_kernel._engine._recovery import NOT_STARTED
 from loom_kernel._engine._views import Execution, HistoryEntry
 
 __all__ = [
+    "DRIVE_WATCH",
     "NOT_STARTED",
     "Driver",
     "Engine",

@@ -293,6 +293,7 @@ class Delivery:
                     )
                 except AlreadyDeliveredError:
                     return False  # another engine woke it meanwhile
+                logger.info("loom: %s: its timer fired", entry.execution_id)
         self._driver.settled(execution)
         return True
 

@@ -10,11 +10,12 @@ per-run locks.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import os
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, Final
 
 import attrs
 
@@ -60,9 +61,16 @@ from loom_kernel._replay import (
 )
 from loom_kernel._spi import JournalStore
 
-__all__ = ["Driver", "check_reason"]
+__all__ = ["DRIVE_WATCH", "Driver", "check_reason"]
 
 logger = logging.getLogger("loom")
+
+#: Set by a worker around the drives it makes: called with 1 as each drive made under
+#: it begins and -1 as it ends, nested drives (a listener resuming a parent) included,
+#: so the worker counts the drives it made, not the tasks it ran.
+DRIVE_WATCH: Final[contextvars.ContextVar[Callable[[int], None] | None]] = contextvars.ContextVar(
+    "loom_drive_watch", default=None
+)
 
 
 @attrs.frozen
@@ -257,6 +265,10 @@ class Driver:
         with self._drives_lock:
             self._drives[state.id] = control
         fenced = False
+        was_open = not state.status.finished
+        watch = DRIVE_WATCH.get()
+        if watch is not None:
+            watch(1)
         try:
             with self.heartbeat.holding(state.id):
                 yield from self.drive(state, control)
@@ -269,8 +281,17 @@ class Driver:
             with self._drives_lock:
                 if self._drives.get(state.id) is control:
                     del self._drives[state.id]
+            if watch is not None:
+                watch(-1)
         execution = Execution.of(state)
         self.cache.give_back(state)
+        if was_open and execution.status is Status.FAILED and execution.error is not None:
+            logger.info(
+                "loom: %s failed: %s: %s",
+                execution.id,
+                execution.error.type,
+                execution.error.message,
+            )
         if fenced:  # the view says so: running, owned by the worker that took it over
             logger.warning(
                 "loom: %s: %s took this run over during its drive here (this engine's "
@@ -324,6 +345,8 @@ class Driver:
             self.append(state, [ExecutionClaimed(me, owner)])
         except ConflictError:
             return False  # another taker, a cancel or the owner itself moved first
+        if owner is not None and owner != me:
+            logger.info("loom: %s taken over from %s", state.id, owner)
         return True
 
     def driven_now(self, state: ExecutionState, *, besides: int = 0) -> bool:

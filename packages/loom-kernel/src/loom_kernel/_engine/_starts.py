@@ -4,6 +4,7 @@ a start by key lands once, however many processes race to write it).
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any, Final
@@ -24,6 +25,8 @@ from loom_kernel._engine._views import Execution
 from loom_kernel._replay import Flow, check_flow_name
 
 __all__ = ["Starts", "fresh_execution_id"]
+
+logger = logging.getLogger("loom")
 
 
 class Starts:
@@ -105,6 +108,7 @@ class Starts:
             # Paused between the hint and the start (a frozen VM, say): another worker
             # may have judged the hint abandoned and dropped it. Write it again.
             driver.runs.opened(execution_id, event.flow, driver.worker_id, queue)
+        logger.info("loom: %s started (%s)", execution_id, event.flow)
         return True
 
 

@@ -197,8 +197,6 @@ class QueueServing:
             outcome = yield from self._parts.enqueueing.drive_queued(execution_id)
             if outcome is QueuedDrive.LEFT_RUNNING:
                 self._beat()  # says it no longer drives the run: the next taker claims it
-            if outcome in (QueuedDrive.DRIVEN, QueuedDrive.LEFT_RUNNING):
-                self._stats.driven += 1
         finally:
             self._stats.visited += 1
             requeue = outcome in (QueuedDrive.LEFT_RUNNING, QueuedDrive.NOT_NOW)

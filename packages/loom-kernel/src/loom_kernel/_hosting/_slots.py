@@ -28,7 +28,7 @@ from typing import Final
 import attrs
 
 from loom_kernel._core import LoomError
-from loom_kernel._engine import EngineParts
+from loom_kernel._engine import DRIVE_WATCH, EngineParts
 from loom_kernel._replay import (
     FLOW_LOOP,
     RELEASE,
@@ -70,11 +70,15 @@ class WorkerStats:
     """What a worker has done since it started.
 
     Attributes:
-        visited: open runs it looked at.
-        driven: runs it drove (claimed and ran until they parked or ended).
+        visited: runs it looked at (open runs visited, runs admitted from a queue or
+            handed over by `enqueue`).
+        driven: drives it made, each counted as it ended: a run claimed (or taken
+            over) and run until it parked, ended or was let go; a run a timer woke, or
+            a listener resumed in its slot (a parent whose child ended), is one too.
         timers: timers it fired.
-        failures: visits or timer firings that raised (each is logged).
-        in_flight: runs being driven now.
+        failures: visits, timer firings and polls that raised (each is logged).
+        in_flight: slots busy now (with a drive, a visit or a timer's wake).
+        driving: drives in progress now (at most `in_flight`).
     """
 
     visited: int = 0
@@ -82,6 +86,7 @@ class WorkerStats:
     timers: int = 0
     failures: int = 0
     in_flight: int = 0
+    driving: int = 0
 
 
 class Slots:
@@ -281,9 +286,9 @@ class Slots:
         def run() -> Drive[None]:
             try:
                 yield from drive()
-                self.stats.driven += 1
             finally:
-                self.stats.visited += 1
+                with self._lock:
+                    self.stats.visited += 1
 
         with self._lock:
             pool = None if self._stopping.is_set() else self._pool
@@ -384,7 +389,15 @@ class Slots:
 
     def _enter_drive(self) -> None:
         RELEASE.set(self.released)
+        DRIVE_WATCH.set(self._watch)
         FLOW_LOOP.set(None if self.flows is None else self.flows.loop)
+
+    def _watch(self, change: int) -> None:
+        """A drive made here began (1) or ended (-1): `driving` and `driven` count it."""
+        with self._lock:
+            self.stats.driving += change
+            if change < 0:
+                self.stats.driven += 1
 
     def _failed(self, task: Task, exc: BaseException) -> None:
         self.stats.failures += 1

@@ -133,8 +133,6 @@ class OpenRunVisits:
                 return
             with self._lock:
                 self._not_started.pop(hint.execution_id, None)
-            if outcome is not None:
-                self._stats.driven += 1
         finally:
             self._stats.visited += 1
 

@@ -374,7 +374,7 @@ class Worker:
     def _show(self, out: TextIO) -> None:
         stats = self.stats
         line = (
-            f"loom worker {self.engine.worker_id}: driving {stats.in_flight}/{self.concurrency}"
+            f"loom worker {self.engine.worker_id}: driving {stats.driving}/{self.concurrency}"
             f" · driven {stats.driven} · timers {stats.timers} · failures {stats.failures}"
         )
         out.write("\r" + line[:200].ljust(80))

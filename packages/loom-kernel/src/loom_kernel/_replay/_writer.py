@@ -9,6 +9,7 @@ error stops the drive, with the journal as it was.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Final
@@ -43,6 +44,8 @@ from loom_kernel._replay._waits import (
 from loom_kernel._spi import APPENDS
 
 __all__ = ["RunWriter"]
+
+logger = logging.getLogger("loom")
 
 #: Seconds after one of its appends landed during which a drive does not look at its
 #: run's head before a new step, if nothing else in the process appended meanwhile
@@ -152,6 +155,14 @@ class RunWriter:
         """Journal a step's failure; the error the step raises (as every replay does)."""
         info = error_info(exc)
         self.append([StepFailed(index, name, info, attempts)])
+        logger.info(
+            "loom: %s: step %r failed after %d attempt(s): %s: %s",
+            self._state.id,
+            name,
+            attempts,
+            info.type,
+            info.message,
+        )
         return StepFailedError(name, info.type, info.message, attempts)
 
     def open_gate(
