@@ -83,3 +83,30 @@ def test_the_documented_retry_defaults() -> None:
     box = sandbox(fails_thrice)  # the engine's default policy, with a no-op sleep
     assert box.engine.start("fails_thrice").status is Status.FAILED
     assert len(tries) == 3
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_retry_none_is_the_engine_default_and_no_retry_is_one_attempt() -> None:
+    """`retry=None` read as "no retries" ran a charge three times: `NO_RETRY` says one."""
+    from loom_kernel import NO_RETRY, RetryPolicy, StepFailedError
+
+    assert RetryPolicy(attempts=1) == NO_RETRY
+    tries: list[str] = []
+
+    def charge(tag: str) -> None:
+        tries.append(tag)
+        raise RuntimeError("declined")
+
+    @flow(name="charges", version="1")
+    def charges(ctx: Context, _input: Any) -> Any:
+        outcomes = []
+        for tag, policy in (("default", None), ("once", NO_RETRY)):
+            try:
+                ctx.step(tag, charge, tag, retry=policy)
+            except StepFailedError as exc:
+                outcomes.append(exc.attempts)
+        return outcomes
+
+    box = sandbox(charges)
+    assert box.engine.start("charges").result == [3, 1]
+    assert tries == ["default"] * 3 + ["once"]

@@ -14,7 +14,7 @@ from loom_kernel._tools import lint_source, python_files
 ROOT = Path(__file__).parents[3]
 
 BAD_FLOW = """
-import os, random, time, threading, uuid
+import asyncio, os, random, time, threading, uuid
 from datetime import datetime
 from loom_kernel import flow
 
@@ -31,7 +31,10 @@ def bad(ctx, order):
     ctx.step("nested", lambda: ctx.now())       # LOOM007
     for sku in {"a", "b"}:                      # LOOM009
         ctx.step(sku, print)
+    time.sleep(5)                               # LOOM010
+    ctx.sleep(5)
     fine = ctx.step("clock", time.time)         # a reference, run by the step: fine
+    also = ctx.step("wait", lambda: time.sleep(1))  # in a step: fine
     also_fine = ctx.step("io", lambda: open("x").read())
     return [sorted(set(order))]
 
@@ -44,6 +47,8 @@ async def forgetful(ctx, order):
         pass
     if not ctx.suspend("approve"):              # LOOM008
         pass
+    await asyncio.sleep(1)                      # LOOM010
+    await ctx.sleep(1)
     later = ctx.step("later", print)            # a coroutine awaited below: fine
     await later
     await ctx.step("ok", print)

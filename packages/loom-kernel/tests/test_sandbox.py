@@ -34,3 +34,30 @@ def test_engines_of_a_sandbox_share_its_store_and_clock_and_never_wait() -> None
     assert other.fire_due_timers() == [run.id]  # default retries, no real waits
     assert box.engine.get(run.id).result == "sent"
     assert calls == ["try", "try", "try"]
+
+
+def test_the_clock_and_sandbox_need_no_extra_and_the_kit_names_the_one_it_needs() -> None:
+    """flows.md sends tests to `loom_kernel.testing.FakeClock`; without the `testing`
+    extra that import failed with a bare `No module named 'hypothesis'`."""
+    import subprocess
+    import sys
+
+    script = """
+import sys
+sys.modules["hypothesis"] = None  # as if the extra were not installed
+from loom_kernel.testing import FakeClock, sandbox
+print(FakeClock(5.0)())
+try:
+    from loom_kernel.testing import StoreContract
+except ImportError as exc:
+    print(exc)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True
+    )
+    clock, error = done.stdout.splitlines()
+    assert clock == "5.0"
+    assert error == (
+        "loom_kernel.testing.StoreContract needs the 'testing' extra (hypothesis is not "
+        "installed): pip install 'loom-kernel[testing]'"
+    )

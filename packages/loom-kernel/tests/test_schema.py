@@ -264,3 +264,20 @@ def test_the_parsed_version_cache_stays_bounded() -> None:
         record = Record(1, "EXECUTION_CANCELLED", payload, 0.0)
         decode_event(record, "ex/v")
     assert len(_versions) <= 64
+
+
+def test_the_docs_state_the_current_event_schema() -> None:
+    """versioning.md said EVENT_SCHEMA stays 1.16.0 while it was 1.18.0: wherever a
+    page states the current version, it is this kernel's."""
+    import re
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[3] / "docs"
+    stated = {
+        "index.md": r'`EVENT_SCHEMA = "([\d.]+)"`',
+        "schema.md": r'`EVENT_SCHEMA` is a semantic version, `"([\d.]+)"`',
+        "versioning.md": r"it is ([\d.]+) now",
+    }
+    for page, pattern in stated.items():
+        found = re.findall(pattern, (docs / page).read_text())
+        assert found == [EVENT_SCHEMA], f"{page} states {found}, the kernel has {EVENT_SCHEMA}"

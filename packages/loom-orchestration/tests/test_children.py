@@ -188,6 +188,33 @@ def test_await_children_and_await_any() -> None:
     assert len(_resumes(engine, "fo")) == 4  # three children, then one for the any-gate
 
 
+def test_await_children_waits_for_every_child_then_raises_for_the_first_failed() -> None:
+    """What docs/orchestration.md says: one child failing neither cancels the others nor
+    wakes the parent early; once all have ended it raises for the first that failed,
+    in the given order, and the others' results stay in their own runs."""
+
+    @flow
+    def fan_out_fails(ctx: Context, _input: Any) -> Any:
+        try:
+            return await_children(ctx, [(approval, "slow"), (broken, None), (broken, 2)])
+        except ChildFailedError as exc:
+            return {"failed": exc.child_id, "type": exc.error_type}
+
+    engine = _engine()
+    engine.register(fan_out_fails)
+    waiting = engine.start("fan_out_fails", key="ff")
+    assert waiting.status is Status.SUSPENDED, "a failed child does not end the wait"
+    assert [engine.get(f"ff/c{i}").status for i in range(3)] == [
+        Status.SUSPENDED,
+        Status.FAILED,
+        Status.FAILED,
+    ]
+    engine.resume("ff/c0", "approved")  # the last child ends: now the parent raises
+    done = engine.get("ff")
+    assert done.result == {"failed": "ff/c1", "type": "ValueError"}
+    assert engine.get("ff/c0").result == {"request": "slow", "decision": "approved"}
+
+
 # -- interleavings ---------------------------------------------------------------
 #
 # Listeners are deferred into a queue; a hypothesis-chosen schedule then interleaves

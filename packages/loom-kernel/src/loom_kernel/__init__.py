@@ -42,12 +42,13 @@ from loom_kernel._engine._views import Execution, HistoryEntry
 from loom_kernel._hosting._worker import Worker, WorkerStats
 from loom_kernel._replay._async_context import AsyncContext
 from loom_kernel._replay._context import Context
-from loom_kernel._replay._flows import Flow, RetryPolicy, code_hash, flow
+from loom_kernel._replay._flows import NO_RETRY, Flow, RetryPolicy, code_hash, flow
 from loom_kernel._replay._waits import Woken
 from loom_kernel._spi._memory_store import MemoryStore
 from loom_kernel._spi._registry import installed_stores, open_store
 
 __all__ = [
+    "NO_RETRY",
     "AsyncContext",
     "CanonicalJSONError",
     "CodeVersionError",

@@ -16,7 +16,7 @@ from loom_kernel._replay._driving import (
     replay_check,
     run_flow,
 )
-from loom_kernel._replay._flows import Flow, RetryPolicy, check_flow_name, code_hash, flow
+from loom_kernel._replay._flows import NO_RETRY, Flow, RetryPolicy, check_flow_name, code_hash, flow
 from loom_kernel._replay._host import RELEASE, DriveControl, Host, Unwind
 from loom_kernel._replay._servant import FLOW_LOOP, LoopStoppedError, LoopThread, Outcome, Servant
 from loom_kernel._replay._threads import CallThreads, call_threads, in_a_thread, let_go
@@ -35,6 +35,7 @@ from loom_kernel._replay._waits import (
 
 __all__ = [
     "FLOW_LOOP",
+    "NO_RETRY",
     "RELEASE",
     "RESERVED_RESUME_KEYS",
     "TIMER_GATE",

@@ -8,13 +8,13 @@ import re
 import textwrap
 import types
 from collections.abc import Callable
-from typing import Any, overload
+from typing import Any, Final, overload
 
 import attrs
 
 from loom_kernel._core import InvalidArgumentError, finite_number
 
-__all__ = ["Flow", "RetryPolicy", "check_flow_name", "code_hash", "flow"]
+__all__ = ["NO_RETRY", "Flow", "RetryPolicy", "check_flow_name", "code_hash", "flow"]
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,99}")
 
@@ -22,6 +22,10 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.:-]{0,99}")
 @attrs.frozen
 class RetryPolicy:
     """How often a step runs before its failure is final, and how long it waits between.
+
+    The default, `RetryPolicy()`, is the engine's unless it is given another: a step
+    runs up to 3 times, 1 s and then 2 s apart. `ctx.step(..., retry=None)` means the
+    engine's policy; `retry=NO_RETRY` runs the step once.
 
     Attributes:
         attempts: total runs, at least 1 (1 means no retry).
@@ -68,6 +72,10 @@ class RetryPolicy:
         except OverflowError:
             return float(self.max_backoff)
         return float(min(self.max_backoff, float(self.backoff) * growth))  # inf when huge
+
+
+#: One attempt: a step that raises fails at once (`ctx.step(..., retry=NO_RETRY)`).
+NO_RETRY: Final = RetryPolicy(attempts=1)
 
 
 def code_hash(fn: Callable[..., Any], version: str | None = None) -> str:

@@ -130,6 +130,12 @@ for _names, _rule, _what, _fix in (
         "does I/O in a flow body",
         "do I/O inside a ctx.step, whose result is journaled",
     ),
+    (
+        ("time.sleep", "asyncio.sleep", "trio.sleep", "anyio.sleep"),
+        "LOOM010",
+        "sleeps in a flow body: the wait holds a worker's slot and is not journaled",
+        "use ctx.sleep(seconds) (await it in an async flow), a durable timer",
+    ),
 ):
     for _name in _names:
         _CALLS[_name] = (_rule, _what, _fix)
