@@ -136,20 +136,24 @@ class Appends(Transactions, FaultInjection):
         except (AmbiguousWriteError, StoreUnavailableError) as exc:
             return self._confirm(stream, expected, len(records), txn, exc)
         except InvalidArgumentError:  # a record SQLite refused as too big: nothing landed
-            self._refuse_if_deleted(stream)
+            self._refuse_as_read_first(stream, expected)
             raise
         return expected + len(records)
 
-    def _refuse_if_deleted(self, stream: str) -> None:
-        """Raise StreamDeletedError for a deleted stream (what an append to it meets
-        first, whatever else is wrong with the append)."""
+    def _refuse_as_read_first(self, stream: str, expected: int) -> None:
+        """Raise what an append meets before its records are looked at: a deleted
+        stream (StreamDeletedError) or a head elsewhere (ConflictError). SQLite refuses
+        a record too big as it binds it, before the insert checks the head."""
         try:
             with self._transaction() as connection:
                 row = self._stream_row(connection, stream)
         except sqlite3.Error as exc:
             raise store_error(f"cannot read the state of {stream!r}", exc) from exc
+        head = 0 if row is None else row[0]
         if row is not None and row[2]:
-            raise StreamDeletedError(stream, row[0])
+            raise StreamDeletedError(stream, head)
+        if head != expected:
+            raise ConflictError(stream, expected, head)
 
     def _commit_group(self, batch: list[PendingAppend]) -> None:
         """One transaction for a group of appends (see `GroupCommit`): each append's
