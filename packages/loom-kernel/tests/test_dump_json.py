@@ -60,3 +60,28 @@ def test_a_cycle_is_refused_not_a_crash() -> None:
     for value in (cycle, mapping):
         with pytest.raises(InvalidArgumentError, match="not JSON"):
             dump_json(value)
+
+
+def _has_other_keys(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(type(key) is not str or _has_other_keys(inner) for key, inner in value.items())
+    if isinstance(value, list | tuple):
+        return any(_has_other_keys(inner) for inner in value)
+    return False
+
+
+@given(values)
+def test_a_payload_with_a_key_that_is_not_a_str_is_refused_never_rewritten(value: Any) -> None:
+    """`{1: "x"}` arrived as `{"1": "x"}`: every payload path (a step's result, an
+    input, a message, a resume, a published value) goes through `to_json_text`, which
+    gives back what it was given, or refuses."""
+    from loom_kernel._core import to_json_text
+
+    reference = _reference(value)
+    if _has_other_keys(value) or reference is None:
+        with pytest.raises(InvalidArgumentError) as refused:
+            to_json_text(value, "the payload")
+        if reference is not None:  # JSON could dump it: only its keys are wrong
+            assert "JSON's keys are str" in str(refused.value)
+    else:
+        assert json.loads(to_json_text(value, "the payload")) == json.loads(reference)

@@ -345,6 +345,13 @@ def test_bad_sends_are_refused_with_clear_errors() -> None:
             engine.send("b", "x", **options)
     with pytest.raises(InvalidArgumentError):
         engine.send("b", object())
+    head = len(engine.history("b"))
+    for keyed in ({1: "x"}, {"order": {2: "y"}}, [{None: 1}]):
+        with pytest.raises(InvalidArgumentError, match="JSON's keys are str"):
+            engine.send("b", keyed)  # it would have arrived as {"1": "x"}
+        with pytest.raises(InvalidArgumentError, match="JSON's keys are str"):
+            engine.resume("b", keyed)
+    assert len(engine.history("b")) == head, "nothing journaled"
     assert engine.get("b").status is Status.SUSPENDED
 
 

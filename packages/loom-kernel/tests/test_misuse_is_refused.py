@@ -497,3 +497,24 @@ def _refused_with_no_never_awaited_warning(engine: Engine, flow_name: str, match
             engine.start(flow_name)
         gc.collect()
     assert not [w for w in caught if "never awaited" in str(w.message)]
+
+
+@pytest.mark.usefixtures("flow_loop")
+def test_an_input_a_published_value_or_a_step_result_with_int_keys_is_refused() -> None:
+    """JSON turns `{1: "x"}` into `{"1": "x"}`: refused on every payload path, with
+    nothing journaled past what was already there."""
+
+    @flow(name="int_keys", version="1")
+    def int_keys(ctx: Context, where: str) -> Any:
+        if where == "event":
+            ctx.set_event("e", {3: "z"})
+        return ctx.step("s", lambda: {1: "x"} if where == "step" else "fine")
+
+    engine = Engine(MemoryStore(), [int_keys], listeners=[])
+    with pytest.raises(InvalidArgumentError, match="the flow input is not JSON: a dict key is 2"):
+        engine.start("int_keys", {2: "y"}, key="input")
+    assert list(engine.executions()) == []
+    for where in ("event", "step"):
+        with pytest.raises(InvalidArgumentError, match="JSON's keys are str"):
+            engine.start("int_keys", where, key=where)
+        assert engine.get(where).status is Status.RUNNING, "refused before its journal moved"
