@@ -1,4 +1,5 @@
-"""Loom orchestration: child executions and supervisors, built from kernel machinery.
+"""Loom orchestration: child executions, supervisors and schedules, built from kernel
+machinery.
 
 from loom_orchestration import await_child, start_child
 
@@ -20,6 +21,25 @@ from loom_orchestration._children import (
     install,
     start_child,
 )
+from loom_orchestration._schedules import (
+    DEFAULT_CATCHUP_WINDOW,
+    OVERLAP_POLICIES,
+    ScheduleExistsError,
+    ScheduleInfo,
+    ScheduleNotFoundError,
+    backfill_schedule,
+    create_schedule,
+    delete_schedule,
+    fire_due_schedules,
+    get_schedule,
+    list_schedules,
+    pause_schedule,
+    trigger_schedule,
+    unpause_schedule,
+    update_schedule,
+)
+from loom_orchestration._schedules import Action as ScheduleAction
+from loom_orchestration._schedules import Counts as ScheduleCounts
 from loom_orchestration._supervisor import (
     ChildId,
     ChildSpec,
@@ -31,25 +51,49 @@ from loom_orchestration._supervisor import (
 )
 
 __all__ = [
+    "DEFAULT_CATCHUP_WINDOW",
+    "OVERLAP_POLICIES",
     "ChildCancelledError",
     "ChildFailedError",
     "ChildId",
     "ChildIdTakenError",
     "ChildSpec",
     "ChildView",
+    "ScheduleAction",
+    "ScheduleCounts",
+    "ScheduleExistsError",
+    "ScheduleInfo",
+    "ScheduleNotFoundError",
     "SupervisorEscalationError",
     "await_any",
     "await_child",
     "await_children",
+    "backfill_schedule",
     "child_gate",
+    "create_schedule",
+    "delete_schedule",
+    "fire_due_schedules",
     "format_supervision",
+    "get_schedule",
     "install",
+    "list_schedules",
+    "pause_schedule",
     "start_child",
     "supervise_children",
     "supervision",
+    "trigger_schedule",
+    "unpause_schedule",
+    "update_schedule",
 ]
 
 # Shown as loom_orchestration.ChildFailedError (tracebacks, reprs, journal error records).
-for _error in (ChildCancelledError, ChildFailedError, ChildIdTakenError, SupervisorEscalationError):
+for _error in (
+    ChildCancelledError,
+    ChildFailedError,
+    ChildIdTakenError,
+    ScheduleExistsError,
+    ScheduleNotFoundError,
+    SupervisorEscalationError,
+):
     _error.__module__ = __name__
 del _error

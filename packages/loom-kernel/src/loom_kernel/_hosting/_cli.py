@@ -8,12 +8,20 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Final
 
 from loom_kernel._core import LoomError, NewRecord
 from loom_kernel._spi import JournalStore, installed_stores, open_store, store_factory
 
-__all__ = ["check_store", "main"]
+__all__ = ["COMMAND_GROUP", "check_store", "main"]
+
+#: Commands other distributions add to `loom` (loom-orchestration's `loom schedule`):
+#: each entry point names a function that takes the command's subparsers, adds its
+#: own, and returns a handler for each, by name.
+COMMAND_GROUP: Final = "loom.commands"
+_Handler = Callable[[argparse.Namespace], int]
 
 
 def _self_check_url(scheme: str, scratch: str) -> str | None:
@@ -210,6 +218,18 @@ def _lint_command(paths: Sequence[str]) -> int:
     return 1 if findings or unreadable or missing else 0
 
 
+def _installed_commands(commands: Any) -> dict[str, _Handler]:
+    """Add the commands published in the `loom.commands` entry-point group; one that
+    fails to load is named on stderr and left out (the others still run)."""
+    handlers: dict[str, _Handler] = {}
+    for point in entry_points(group=COMMAND_GROUP):
+        try:
+            handlers.update(point.load()(commands))
+        except Exception as exc:  # a broken plugin never takes the command line down
+            print(f"loom: command {point.name!r} not loaded: {exc}", file=sys.stderr)
+    return handlers
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the `loom` command line; returns the exit status."""
     try:
@@ -259,10 +279,11 @@ def _main(argv: Sequence[str] | None) -> int:
     _add_worker_command(commands)
     from loom_kernel._hosting._deploy import add_deploy_commands  # noqa: PLC0415 - imports the engine
 
-    deploy = add_deploy_commands(commands)
+    handlers = add_deploy_commands(commands)
+    handlers.update(_installed_commands(commands))
     args = parser.parse_args(argv)
-    if args.command in deploy:
-        return deploy[args.command](args)
+    if args.command in handlers:
+        return handlers[args.command](args)
     if args.command == "worker":
         return _worker_command(args)
     if args.command == "lint":

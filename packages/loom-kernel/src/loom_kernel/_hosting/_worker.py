@@ -31,6 +31,7 @@ from loom_kernel._core import (
     finite_number,
 )
 from loom_kernel._engine import Engine, parts_of
+from loom_kernel._hosting._pollers import PollerFactory, Pollers, installed_pollers
 from loom_kernel._hosting._queue_serving import QueueServing
 from loom_kernel._hosting._slots import Slots, Task, WorkerStats
 from loom_kernel._hosting._visits import OpenRunVisits
@@ -73,6 +74,10 @@ class Worker:
             may go on to park or end before they are released at their next step.
         queues: the names of the engine's queues whose runs it admits and drives; by
             default all of them (see docs/queues.md).
+        pollers: work to do on each poll beside its own, as factories called with the
+            engine (see docs/running.md); by default every one installed in the
+            `loom.pollers` entry-point group (so installing loom-orchestration makes
+            every worker fire its schedules).
     """
 
     def __init__(
@@ -83,6 +88,7 @@ class Worker:
         idle_poll: float | None = None,
         grace: float = 30.0,
         queues: Iterable[str] | None = None,
+        pollers: Iterable[PollerFactory] | None = None,
     ) -> None:
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise InvalidArgumentError(f"concurrency is an int of 1 or more, not {concurrency!r}")
@@ -119,6 +125,8 @@ class Worker:
             stopping=self._stopping,
             beat=self._beat,
         )
+        factories = installed_pollers() if pollers is None else list(pollers)
+        self._pollers = Pollers(engine, factories, self.stats)
         self._released_runs: list[str] = []  # the runs in flight as the grace ended
         self._thread: threading.Thread | None = None
         self._threads_left = False  # threads its async flows started outlived its stop
@@ -245,6 +253,7 @@ class Worker:
                     next_timers = now + fastest
                     busy += self._fire_timers()  # due already: before the queues' runs
                 busy += self._serving.serve(sweep=sweep)
+                busy += self._pollers.poll(everything=sweep)
             except Exception:  # a poll that failed never ends the worker: the next tries
                 self.stats.failures += 1
                 logger.exception("loom: a poll of worker %s failed", self.engine.worker_id)
@@ -253,7 +262,9 @@ class Worker:
                 self._show(status)
             pause = fastest if busy else min(max(pause * 2, fastest), self.idle_poll)
             wait = min(pause, max(0.0, next_sweep - time.monotonic()) or pause)
-            soonest = min(slots.until_let_go(), self._serving.until_due())
+            soonest = min(
+                slots.until_let_go(), self._serving.until_due(), self._pollers.until_due()
+            )
             self._wake.wait(min(wait, max(soonest, fastest)))
             self._wake.clear()
             spacing = now + fastest - time.monotonic()  # a wake-up polls no sooner than this

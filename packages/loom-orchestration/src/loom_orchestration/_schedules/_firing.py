@@ -1,0 +1,215 @@
+"""Firing schedules: read a schedule, do what its last decision owes, decide what is
+due, append that decision at the head it was read at, then do what it owes.
+
+Exactly once per tick, however many processes fire: a decision is an append at the
+exact head (one process wins, the others read again and find nothing left to
+decide), and what it owes is done by its writer and again by whoever reads it next,
+each action happening once whatever the repeats (a start is by the tick's id, K9;
+a cancel of a cancelled run changes nothing). A record is only ever superseded by a
+writer that did what it owed first, so a crash between a decision and its actions
+loses nothing: the next reader does them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, Final
+
+from loom_kernel import (
+    ConflictError,
+    Engine,
+    Execution,
+    ExecutionNotFoundError,
+    LoomError,
+    StreamDeletedError,
+)
+
+from loom_orchestration._schedules import _book
+from loom_orchestration._schedules._decide import Decider, advance
+from loom_orchestration._schedules._spec import check_name, run_id, schedule_of, tick_text
+from loom_orchestration._schedules._state import ScheduleState, Waiting
+
+__all__ = [
+    "change",
+    "do_pending",
+    "fire_due_schedules",
+    "fire_schedule",
+    "on_run_settled",
+    "running",
+    "trigger",
+]
+
+logger = logging.getLogger("loom")
+
+#: The most decisions one fire of one schedule makes (each up to 100 starts); what is
+#: left is the next fire's.
+MAX_DECISIONS: Final = 64
+#: How often a change is tried again when another process changed the schedule first.
+_CHANGE_ATTEMPTS: Final = 32
+
+
+def run_input(name: str, tick: float, value: Any) -> dict[str, Any]:
+    """What a scheduled run receives: its schedule, its nominal tick (never the
+    jittered time it was started at) and the schedule's input."""
+    return {"schedule": name, "tick": tick_text(tick), "input": value}
+
+
+def do_pending(engine: Engine, name: str, state: ScheduleState) -> None:
+    """Do what a decision owes: cancel the runs it ends, then start the runs it starts
+    (by their ids: a run that exists is not started again)."""
+    pending = state.pending
+    for execution_id, reason in pending.cancels:
+        try:
+            engine.cancel(execution_id, reason)
+        except ExecutionNotFoundError:  # deleted since (retention): nothing to end
+            continue
+    for waiting in pending.starts:
+        try:
+            engine.dispatch(
+                state.spec.flow, run_input(name, waiting.tick, state.spec.input), key=waiting.run_id
+            )
+        except ExecutionNotFoundError:  # it ran, and was deleted since (retention)
+            continue
+
+
+def running(engine: Engine, execution_id: str | None) -> bool:
+    """Whether a schedule's last run still runs (parked counts: it has not ended)."""
+    if execution_id is None:
+        return False
+    try:
+        return not engine.get(execution_id).status.finished
+    except ExecutionNotFoundError:
+        return False
+
+
+def _exists(engine: Engine) -> Callable[[str], bool]:
+    def exists(execution_id: str) -> bool:
+        try:
+            return engine.store.head(engine.stream_of(execution_id)) > 0
+        except StreamDeletedError:  # it ran, and retention deleted it
+            return True
+
+    return exists
+
+
+def fire_schedule(engine: Engine, name: str) -> tuple[list[str], ScheduleState | None]:
+    """Decide and start what one schedule has due by the engine's clock; the ids of
+    the runs this call decided to start, and the schedule's state after it (None for
+    one that does not exist or was deleted).
+
+    Raises:
+        LoomError: the store failed, or the schedule's record is damaged; what was
+            appended before stays decided, and what it owes is done at the next fire.
+    """
+    store, started = engine.store, list[str]()
+    done: int | None = None  # the head whose owed actions this call did
+    state: ScheduleState | None = None
+    for _ in range(MAX_DECISIONS):
+        head, state = _book.read(store, name)
+        if state is None or state.deleted:
+            return started, None
+        if head != done:
+            do_pending(engine, name, state)
+        decided = advance(
+            name,
+            state,
+            engine.clock(),
+            running=running(engine, state.last_run),
+            exists=_exists(engine),
+        )
+        if decided is None:
+            return started, state
+        try:
+            done = _book.write(store, name, head, decided)
+        except ConflictError:
+            continue  # another process decided first: read what it decided
+        state = decided
+        started.extend(waiting.run_id for waiting in decided.pending.starts)
+        do_pending(engine, name, decided)
+    return started, state
+
+
+def change(
+    engine: Engine, name: str, make: Callable[[ScheduleState | None], ScheduleState]
+) -> ScheduleState:
+    """Append `make(state)` as a schedule's next state, after doing what its current
+    state owes; tried again (read afresh) while other processes change it first.
+
+    Raises:
+        LoomError: what `make` raises (the schedule does not exist, say), or the
+            store failed.
+    """
+    store = engine.store
+    for _ in range(_CHANGE_ATTEMPTS):
+        head, state = _book.read(store, name)
+        if state is not None and not state.deleted:
+            do_pending(engine, name, state)
+        made = make(state)
+        try:
+            _book.write(store, name, head, made)
+        except ConflictError:
+            continue
+        do_pending(engine, name, made)
+        return made
+    raise ConflictError(_book.stream_of(name), head, head + 1)
+
+
+def trigger(
+    engine: Engine,
+    name: str,
+    overlap: str | None,
+    state_of: Callable[[ScheduleState | None], ScheduleState],
+) -> str | None:
+    """Start one run of a schedule now, as `overlap` (or its own policy) says; the
+    run's id, or None when the policy skipped or buffered it."""
+    outcome: list[str | None] = [None]
+
+    def make(state: ScheduleState | None) -> ScheduleState:
+        state = state_of(state)
+        now = engine.clock()
+        tick = round(now, 3)
+        decider = Decider(name, state, now, running(engine, state.last_run))
+        decider.arrive(Waiting(run_id(name, tick), tick), overlap or state.spec.overlap)
+        made = decider.state()
+        outcome[0] = made.pending.starts[0].run_id if made.pending.starts else None
+        return made
+
+    change(engine, name, make)
+    return outcome[0]
+
+
+def fire_due_schedules(engine: Engine) -> list[str]:
+    """Fire every schedule in the engine's store: start what each has due by the
+    engine's clock (as every worker does on its polls; call this where no worker
+    runs). Returns the ids of the runs it started.
+
+    A schedule that cannot be fired (a damaged record, a store fault) is logged and
+    the others are fired; the first such error is raised after them all.
+    """
+    started: list[str] = []
+    failures: list[LoomError] = []
+    for name in _book.names(engine.store):
+        try:
+            started.extend(fire_schedule(engine, name)[0])
+        except LoomError as exc:
+            logger.warning("loom: schedule %s not fired: %s: %s", name, type(exc).__name__, exc)
+            failures.append(exc)
+    if failures:
+        raise failures[0]
+    return started
+
+
+def on_run_settled(engine: Engine, execution: Execution) -> None:
+    """The listener: a scheduled run that ended may let a buffered tick (or the next
+    tick of a backfill) start at once, rather than at the next poll."""
+    if not execution.status.finished:
+        return
+    name = schedule_of(execution.id)
+    if name is None:
+        return
+    try:
+        check_name(name)
+        fire_schedule(engine, name)
+    except LoomError as exc:  # the next poll fires it
+        logger.warning("loom: schedule %s not fired after %s ended: %s", name, execution.id, exc)

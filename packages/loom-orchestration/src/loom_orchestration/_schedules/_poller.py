@@ -1,0 +1,113 @@
+"""What every worker does for schedules (the `loom.pollers` entry point): keep the
+schedules' names and when each is next due, and fire each when it is.
+
+An idle schedule costs nothing between its ticks: the worker wakes at its next due
+time. The names are listed again every `refresh` seconds (a schedule created by
+another process is seen by then; its ticks meanwhile are caught up), and every state
+read again every sixth listing (an unpause or a change made elsewhere). A pause or
+a delete made elsewhere needs neither: a fire reads the state it decides on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Final
+
+from loom_kernel import Engine, LoomError
+
+from loom_orchestration._schedules import _book
+from loom_orchestration._schedules._decide import next_tick
+from loom_orchestration._schedules._firing import fire_schedule
+from loom_orchestration._schedules._state import ScheduleState
+
+__all__ = ["SchedulePoller", "next_due", "schedule_poller"]
+
+logger = logging.getLogger("loom")
+
+#: Seconds between listings of the schedules: on a store whose reads cost nothing,
+#: and on one where each costs a request (S3).
+REFRESH_CHEAP: Final = 5.0
+REFRESH_COSTLY: Final = 30.0
+#: Every this many listings, every schedule's state is read again.
+_READ_ALL_EVERY: Final = 6
+
+
+def next_due(name: str, state: ScheduleState | None, now: float, recheck: float) -> float | None:
+    """When a schedule next has something to decide, by the engine's clock: its next
+    tick's due time; `now + recheck` while ticks wait for its last run to end (the
+    listener of the engine that ends it fires it sooner); None for none."""
+    if state is None or state.deleted or state.paused:
+        return None
+    if state.pending.starts or state.pending.cancels:
+        return now
+    soonest: float | None = now + recheck if state.buffer or state.backfills else None
+    tick = next_tick(state.spec, state.cursor)
+    if tick is not None:
+        following = next_tick(state.spec, tick)
+        due = state.spec.due_at(name, tick, tick if following is None else following)
+        soonest = due if soonest is None else min(soonest, due)
+    return soonest
+
+
+class SchedulePoller:
+    """A worker's view of the schedules: fires each when it is due."""
+
+    def __init__(self, engine: Engine, refresh: float | None = None) -> None:
+        self._engine = engine
+        cheap = engine.store.head_is_cheap
+        self._refresh = (REFRESH_CHEAP if cheap else REFRESH_COSTLY) if refresh is None else refresh
+        self._due: dict[str, float | None] = {}
+        self._listed_at = float("-inf")  # by time.monotonic()
+        self._listings = 0
+
+    def __call__(self) -> float | None:
+        """Fire the schedules that are due; seconds until the next is (or the next
+        listing, whichever comes first)."""
+        if time.monotonic() - self._listed_at >= self._refresh:
+            self._list()
+        engine = self._engine
+        for name, due in list(self._due.items()):
+            now = engine.clock()
+            if due is None or due > now:
+                continue
+            try:
+                _started, state = fire_schedule(engine, name)
+            except LoomError as exc:  # tried again at the next listing
+                logger.warning("loom: schedule %s not fired: %s: %s", name, type(exc).__name__, exc)
+                self._due[name] = now + self._refresh
+                continue
+            self._due[name] = next_due(name, state, engine.clock(), self._refresh)
+        until_listing = self._listed_at + self._refresh - time.monotonic()
+        now = engine.clock()
+        soonest = min((due - now for due in self._due.values() if due is not None), default=None)
+        return until_listing if soonest is None else min(soonest, until_listing)
+
+    def _list(self) -> None:
+        engine = self._engine
+        self._listed_at = time.monotonic()
+        read_all = self._listings % _READ_ALL_EVERY == 0
+        self._listings += 1
+        try:
+            names = list(_book.names(engine.store))
+        except LoomError as exc:
+            logger.warning("loom: schedules not listed: %s: %s", type(exc).__name__, exc)
+            return
+        due = {}
+        for name in names:
+            if name in self._due and not read_all:
+                due[name] = self._due[name]
+                continue
+            try:
+                _head, state = _book.read(engine.store, name)
+            except LoomError as exc:
+                logger.warning("loom: schedule %s not read: %s: %s", name, type(exc).__name__, exc)
+                due[name] = engine.clock() + self._refresh
+                continue
+            due[name] = next_due(name, state, engine.clock(), self._refresh)
+        self._due = due
+
+
+def schedule_poller(engine: Engine) -> SchedulePoller:
+    """The `loom.pollers` entry point: a worker's schedule poller."""
+    return SchedulePoller(engine)
