@@ -404,7 +404,8 @@ def backfill_schedule(
     it) is not started again, so the same backfill twice starts nothing new.
 
     Returns:
-        The ids of the runs started at once (with `buffer_all`, the first).
+        The ids of the runs this call started: with `buffer_all`, the first, and the
+        ones after it whose turn came within the call (runs driven inline that ended).
 
     Raises:
         ScheduleNotFoundError: no schedule of that name.

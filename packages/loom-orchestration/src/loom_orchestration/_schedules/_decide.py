@@ -5,6 +5,12 @@ skip, buffer, cancel or terminate the last run).
 Nothing here reads or writes a store: `advance` returns the next state, whose
 `pending` says what is owed (runs to start, runs to cancel), and the caller appends
 it at the head it read (one decider wins a race) before it does what is owed.
+
+Whether the last run still runs is asked of the store at each decision, so a
+decision that starts or cancels a run under any policy but `allow_all` ends there:
+the next decision, made once that is done, sees whether the run it started still
+runs (a catch-up of many ticks is decided one start at a time, each judged against
+the run before it as it is by then).
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class Decider:
     counts: dict[str, int] = attrs.Factory(dict)
     recent: list[Action] = attrs.Factory(list)
     changed: bool = False
+    halted: bool = False  # a run was started or cancelled under a policy that looks
 
     def __attrs_post_init__(self) -> None:
         base = self.base
@@ -83,14 +90,16 @@ class Decider:
 
     @property
     def busy(self) -> bool:
-        """Whether this decision owes as much as one may."""
-        return len(self.starts) + len(self.cancels) >= MAX_ACTIONS
+        """Whether this decision is done deciding: it owes as much as one may, or it
+        started or cancelled a run that the next tick's policy must see the outcome of."""
+        return self.halted or len(self.starts) + len(self.cancels) >= MAX_ACTIONS
 
     # -- what a tick can come to ---------------------------------------------------
 
-    def start(self, waiting: Waiting) -> None:
+    def start(self, waiting: Waiting, overlap: str) -> None:
         self.starts.append(waiting)
         self.last_run, self.last_tick, self.running = waiting.run_id, waiting.tick, True
+        self.halted = self.halted or overlap != "allow_all"
         self._note("started", waiting)
 
     def skip(self, waiting: Waiting) -> None:
@@ -107,45 +116,28 @@ class Decider:
             return
         reason = f"schedule {self.name!r} ({overlap}): {how} by the tick of {by.run_id}"
         self.cancels.append((last, reason))
+        self.halted = True
         self._note(how, Waiting(last, by.tick if self.last_tick is None else self.last_tick))
 
     def arrive(self, waiting: Waiting, overlap: str) -> None:
         """A tick (or a trigger, or a backfilled tick) to start, as `overlap` says."""
         if overlap == "allow_all" or not self.running:
-            self.start(waiting)
-            return
-        if overlap == "skip":
+            self.start(waiting, overlap)
+        elif overlap == "skip":
             self.skip(waiting)
         elif overlap == "buffer_one":
             self.hold(waiting) if not self.buffer else self.skip(waiting)
         elif overlap == "buffer_all":
             self.hold(waiting) if len(self.buffer) < BUFFER_LIMIT else self.skip(waiting)
-        elif self._replaces_a_start_of_its_own(waiting):
-            pass  # a catch-up of several ticks: only the last of them runs
         elif overlap == "cancel_other":
             self.end_last("cancelled", overlap, waiting)
             for replaced in self.buffer:  # only the newest waits for the cancel
                 self.skip(replaced)
             self.buffer = []
             self.hold(waiting)
-        else:  # terminate_other
+        else:  # terminate_other: the new run does not wait for the old one to end
             self.end_last("terminated", overlap, waiting)
-            self.start(waiting)
-
-    def _replaces_a_start_of_its_own(self, waiting: Waiting) -> bool:
-        """With cancel_other or terminate_other, a tick that comes while the run this
-        same decision started still runs: that run is never started (counted skipped)
-        and this tick starts in its place, rather than start one only to end it."""
-        if not self.starts or self.starts[-1].run_id != self.last_run:
-            return False
-        replaced = self.starts.pop()
-        self.counts["started"] -= 1
-        self.recent = [
-            a for a in self.recent if not (a.did == "started" and a.run_id == replaced.run_id)
-        ]
-        self.skip(replaced)
-        self.start(waiting)
-        return True
+            self.start(waiting, overlap)
 
     def _note(self, did: str, waiting: Waiting, count: int = 1) -> None:
         self.counts[did] = self.counts.get(did, 0) + count
@@ -169,7 +161,7 @@ class Decider:
     def start_buffered(self) -> None:
         """The oldest buffered tick starts once the last run has ended."""
         if not self.running and self.buffer:
-            self.start(self.buffer.pop(0))
+            self.start(self.buffer.pop(0), self.base.spec.overlap)
 
     def regular_ticks(self) -> None:
         """The ticks due by now: missed past the catch-up window, else arrived."""
@@ -225,7 +217,7 @@ class Decider:
             elif fill.overlap == "buffer_all":
                 if self.running:
                     return cursor, False  # waits, unlooked at, for the run before it
-                self.start(waiting)
+                self.start(waiting, fill.overlap)
             else:
                 self.arrive(waiting, fill.overlap)
             cursor = tick

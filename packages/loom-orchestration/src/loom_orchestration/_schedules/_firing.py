@@ -12,8 +12,10 @@ loses nothing: the next reader does them.
 
 from __future__ import annotations
 
+import contextvars
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, Final
 
 from loom_kernel import (
@@ -42,11 +44,32 @@ __all__ = [
 
 logger = logging.getLogger("loom")
 
-#: The most decisions one fire of one schedule makes (each up to 100 starts); what is
-#: left is the next fire's.
-MAX_DECISIONS: Final = 64
+#: The most decisions one fire of one schedule makes where no bound is given: each
+#: moves the schedule on, so this is only a guard against a bug that would not.
+_MOST_DECISIONS: Final = 10_000_000
 #: How often a change is tried again when another process changed the schedule first.
 _CHANGE_ATTEMPTS: Final = 32
+#: The runs started by the outermost fire of this flow of control: a run started inline
+#: ends, and its listener fires the schedule again (the next buffered tick, say)
+#: inside the first fire's call.
+_STARTED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "loom_schedule_starts", default=None
+)
+
+
+@contextmanager
+def collecting() -> Iterator[list[str]]:
+    """The runs the fires inside started: this call's own and its listeners'."""
+    outer = _STARTED.get()
+    if outer is not None:
+        yield outer
+        return
+    started: list[str] = []
+    token = _STARTED.set(started)
+    try:
+        yield started
+    finally:
+        _STARTED.reset(token)
 
 
 def run_input(name: str, tick: float, value: Any) -> dict[str, Any]:
@@ -93,22 +116,32 @@ def _exists(engine: Engine) -> Callable[[str], bool]:
     return exists
 
 
-def fire_schedule(engine: Engine, name: str) -> tuple[list[str], ScheduleState | None]:
-    """Decide and start what one schedule has due by the engine's clock; the ids of
-    the runs this call decided to start, and the schedule's state after it (None for
-    one that does not exist or was deleted).
+def fire_schedule(
+    engine: Engine, name: str, most: int | None = None
+) -> tuple[list[str], ScheduleState | None]:
+    """Decide and start what one schedule has due by the engine's clock (in at most
+    `most` decisions: a worker's poll leaves the rest to its next); the ids of the
+    runs started by this call (inline runs that ended let the next start in the same
+    call, through the listener), and the schedule's state after it (None for one that
+    does not exist or was deleted).
 
     Raises:
         LoomError: the store failed, or the schedule's record is damaged; what was
             appended before stays decided, and what it owes is done at the next fire.
     """
-    store, started = engine.store, list[str]()
+    with collecting() as started:
+        state = _decide(engine, name, started, _MOST_DECISIONS if most is None else most)
+        return list(started), state
+
+
+def _decide(engine: Engine, name: str, started: list[str], most: int) -> ScheduleState | None:
+    store = engine.store
     done: int | None = None  # the head whose owed actions this call did
     state: ScheduleState | None = None
-    for _ in range(MAX_DECISIONS):
+    for _ in range(most):
         head, state = _book.read(store, name)
         if state is None or state.deleted:
-            return started, None
+            return None
         if head != done:
             do_pending(engine, name, state)
         decided = advance(
@@ -119,7 +152,7 @@ def fire_schedule(engine: Engine, name: str) -> tuple[list[str], ScheduleState |
             exists=_exists(engine),
         )
         if decided is None:
-            return started, state
+            return state
         try:
             done = _book.write(store, name, head, decided)
         except ConflictError:
@@ -127,7 +160,7 @@ def fire_schedule(engine: Engine, name: str) -> tuple[list[str], ScheduleState |
         state = decided
         started.extend(waiting.run_id for waiting in decided.pending.starts)
         do_pending(engine, name, decided)
-    return started, state
+    return state
 
 
 def change(
@@ -187,17 +220,17 @@ def fire_due_schedules(engine: Engine) -> list[str]:
     A schedule that cannot be fired (a damaged record, a store fault) is logged and
     the others are fired; the first such error is raised after them all.
     """
-    started: list[str] = []
     failures: list[LoomError] = []
-    for name in _book.names(engine.store):
-        try:
-            started.extend(fire_schedule(engine, name)[0])
-        except LoomError as exc:
-            logger.warning("loom: schedule %s not fired: %s: %s", name, type(exc).__name__, exc)
-            failures.append(exc)
-    if failures:
-        raise failures[0]
-    return started
+    with collecting() as started:
+        for name in _book.names(engine.store):
+            try:
+                fire_schedule(engine, name)
+            except LoomError as exc:
+                logger.warning("loom: schedule %s not fired: %s: %s", name, type(exc).__name__, exc)
+                failures.append(exc)
+        if failures:
+            raise failures[0]
+        return list(started)
 
 
 def on_run_settled(engine: Engine, execution: Execution) -> None:

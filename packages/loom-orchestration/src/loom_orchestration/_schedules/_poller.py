@@ -31,6 +31,8 @@ REFRESH_CHEAP: Final = 5.0
 REFRESH_COSTLY: Final = 30.0
 #: Every this many listings, every schedule's state is read again.
 _READ_ALL_EVERY: Final = 6
+#: The most decisions a poll makes for one schedule (a catch-up goes on at the next).
+_DECISIONS_A_POLL: Final = 64
 
 
 def next_due(name: str, state: ScheduleState | None, now: float, recheck: float) -> float | None:
@@ -72,7 +74,7 @@ class SchedulePoller:
             if due is None or due > now:
                 continue
             try:
-                _started, state = fire_schedule(engine, name)
+                _started, state = fire_schedule(engine, name, _DECISIONS_A_POLL)
             except LoomError as exc:  # tried again at the next listing
                 logger.warning("loom: schedule %s not fired: %s: %s", name, type(exc).__name__, exc)
                 self._due[name] = now + self._refresh
