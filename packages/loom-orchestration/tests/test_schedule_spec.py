@@ -16,7 +16,7 @@ from loom_orchestration import create_schedule, list_schedules
 from loom_orchestration._schedules._spec import MAX_NAME_LENGTH, ScheduleSpec, run_id, tick_text
 
 
-def _utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0) -> float:
+def _utc(year: int, month: int, day: int, hour: int = 0, minute: int = 0, second: int = 0) -> float:  # noqa: PLR0917
     return datetime(year, month, day, hour, minute, second, tzinfo=UTC).timestamp()
 
 
