@@ -28,7 +28,7 @@ from loom_kernel._coordination import QueueBook
 from loom_kernel._engine import parts_of
 from loom_kernel.spi import NewRecord
 from loom_kernel.testing import FakeClock
-from queue_helpers import _engine, _order, _serving, _wait
+from queue_helpers import _engine, _order, _serving, _wait, parks
 
 pytestmark = pytest.mark.usefixtures("fresh_counts")
 
@@ -568,3 +568,26 @@ def test_two_workers_on_a_capped_queue_both_drive_its_runs_not_one_standing_by()
     driven = [worker.stats.driven for worker in workers]
     assert sum(driven) == 16
     assert min(driven) >= 4, f"runs driven by each worker: {driven}"
+
+
+def test_a_worker_without_the_code_of_any_waiting_run_does_not_say_it_is_there() -> None:
+    """Workers that could drive none of a queue's runs said they were present, so the
+    one worker with the code held a third of the cap: peak 1 of 4, four times as slow."""
+    store = MemoryStore()
+    queue = Queue("q", concurrency=4)
+    web = _engine(store, queue)
+    for number in range(6):
+        web.enqueue("busy", {"tag": f"t{number}", "s": 0.0}, queue="q")
+    other = Engine(store, [parks], listeners=[], queues=[queue], worker_id="other")
+    serving, slots = _serving(other, concurrency=4)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        slots.open(pool, None)
+        assert serving.serve(sweep=False) == 0
+        slots.close()
+    assert parts_of(web).enqueueing.book.read("q", 0).pollers == {}, "no take of no run"
+    hosting = _engine(store, queue, worker_id="hosting")
+    serving, slots = _serving(hosting, concurrency=4)
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        slots.open(pool, None)
+        assert serving.serve(sweep=False) == 4, "the whole cap: nobody else is there"
+        slots.close()

@@ -179,6 +179,44 @@ def test_pick_shares_a_partitions_runs_among_the_workers_present() -> None:
     assert len(gone) == 3, "b not seen since: a takes what the cap leaves (4 - 1 held)"
 
 
+def test_a_worker_whose_clock_ran_ahead_is_not_present_once_it_stopped() -> None:
+    """A take stamped an hour ahead kept its worker "present" for an hour after it
+    left, halving everyone's share of the cap: presence is bounded by the reader's
+    clock (ahead by a third of a lease at most)."""
+    store, now = MemoryStore(), 1000.0
+    clocks = {"ahead": now + 3600.0, "b": now}
+    taker = "ahead"
+    book = QueueBook(store, lambda: clocks[taker], [Queue("q")])
+    for number in range(8):
+        book.add(QueuePlace("q", 0, 0, None), f"r{number}", "busy", "")
+    with book.holding("q", 0):
+        book.take("q", 0, book.refresh("q", 0), ["r0"], "ahead")
+    fold = book.read("q", 0)
+    assert fold.pollers == {"ahead": now + 3600.0}
+    mine = pick(
+        fold, cap=4, per_key=None, rate=None, now=now, free=8, me="a", present_since=now - 10
+    )
+    assert mine == ["r1", "r2", "r3"], "the whole cap less the run held: nobody shares it"
+
+
+def test_a_take_of_no_run_moves_no_rate_window() -> None:
+    """A worker saying it is there (a take of no run) with its clock past the window
+    emptied the window: a queue at Rate(2, per=10) admitted 20 runs in 6 s."""
+    store = MemoryStore()
+    clocks = {"now": 1000.0}
+    book = QueueBook(store, lambda: clocks["now"], [Queue("q", rate=Rate(2, per=10.0))])
+    for number in range(4):
+        book.add(QueuePlace("q", 0, 0, None), f"r{number}", "busy", "")
+    with book.holding("q", 0):
+        book.take("q", 0, book.refresh("q", 0), ["r0", "r1"], "hosting")
+        clocks["now"] = 1011.0  # a worker whose clock is 11 s ahead says it is there
+        book.take("q", 0, book.refresh("q", 0), [], "ahead")
+    fold = book.read("q", 0)
+    assert fold.admitted == [1000.0, 1000.0], "the two admissions still fill the window"
+    rate = Rate(2, per=10.0)
+    assert pick(fold, cap=None, per_key=None, rate=rate, now=1001.0, free=4) == []
+
+
 def test_runs_cancelled_while_waiting_use_up_no_rate() -> None:
     store = MemoryStore()
     engine = _engine(store, Queue("q", rate=Rate(2, per=3600.0)))

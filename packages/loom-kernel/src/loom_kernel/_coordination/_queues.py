@@ -275,10 +275,12 @@ class QueueFold:
             dict(self.pollers),
         )
 
-    def sharing(self, me: str, since: float) -> int:
+    def sharing(self, me: str, since: float, until: float) -> int:
         """How many workers share the partition's runs: this one, and the others that
-        took from it, or said they wanted to, since `since` (by their clocks)."""
-        return 1 + sum(1 for by, at in self.pollers.items() if by != me and at >= since)
+        took from it, or said they wanted to, between `since` and `until` (by their
+        clocks: a worker whose clock ran ahead of `until` is not counted, or it would
+        look present for as long as its clock was ahead once it stopped)."""
+        return 1 + sum(1 for by, at in self.pollers.items() if by != me and since <= at <= until)
 
     def wait(self, item: _Waiting) -> None:
         """Have a run wait at its place in line (no change when it waits already)."""
@@ -348,7 +350,9 @@ def pick(
     N) of the waiting runs at once, so a worker with many free slots leaves the others
     theirs instead of taking every run while they stand by."""
     room = free
-    sharing = 1 if me is None or present_since is None else fold.sharing(me, present_since)
+    sharing = 1
+    if me is not None and present_since is not None:
+        sharing = fold.sharing(me, present_since, now + (now - present_since))
     if cap is not None:
         room = min(room, cap - len(fold.active))
         if sharing > 1:
@@ -438,7 +442,10 @@ def fold_record(fold: QueueFold, record: Record) -> None:
         elif record.kind == TAKE_KIND:
             by = str(data["by"])
             fold.pollers[by] = max(fold.pollers.get(by, record.timestamp), record.timestamp)
-            if window is not None:  # the window ends at this take, by its taker's clock
+            if window is not None and data["ids"]:
+                # The window ends at an admission, by its taker's clock. A take of no
+                # run (a worker saying it is there) admits nothing and moves no window:
+                # a worker whose clock is ahead would empty it every time it said so.
                 del fold.admitted[: bisect.bisect_right(fold.admitted, record.timestamp - window)]
             for execution_id in data["ids"]:
                 taken = fold.unwait(str(execution_id))

@@ -164,14 +164,16 @@ class QueueServing:
             self._due = due if self._due is None else min(self._due, due)
 
     def _say_present(self, queue: Queue, partition: int, fold: QueueFold, now: float) -> None:
-        """This worker has free slots and was given no run from a partition others are
-        busy with (runs waiting past the cap or its share, or runs being driven): say
-        so with a take of no run, at most every sixth of a lease, so the workers that
-        hold the runs leave it its share (see `pick`)."""
+        """This worker has free slots and was given no run from a partition where runs
+        wait that it could drive (held back by the cap or its share): say so with a
+        take of no run, at most every sixth of a lease, so the workers that hold the
+        runs leave it its share (see `pick`). A worker without the code of any run
+        waiting says nothing: it would only shrink the others' shares."""
         driver = self._parts.driver
         me = driver.worker_id
-        if not (fold.waiting or fold.active):
-            return
+        hosts = driver.flows.hosts_code
+        if not any(hosts(item.flow, item.code) for item in fold.waiting.values()):
+            return  # nothing waits that it could drive: it shares nothing, and is not counted
         if fold.pollers.get(me, float("-inf")) > now - driver.lease / 6:
             return
         try:
