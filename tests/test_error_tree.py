@@ -42,6 +42,8 @@ from loom_orchestration import (
     ChildCancelledError,
     ChildFailedError,
     ChildIdTakenError,
+    ScheduleExistsError,
+    ScheduleNotFoundError,
     SupervisorEscalationError,
 )
 
@@ -73,6 +75,8 @@ EXAMPLES: list[LoomError] = [
     ChildFailedError("p/c0", "builtins.ValueError", "no"),
     ChildCancelledError("p/c0", "by hand"),
     SupervisorEscalationError("too many restarts"),
+    ScheduleNotFoundError("no schedule 'nightly'"),
+    ScheduleExistsError("schedule 'nightly' exists already"),
 ]
 
 

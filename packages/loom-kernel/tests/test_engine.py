@@ -313,22 +313,44 @@ class _Half:
     [{1, 2}, "\ud800", {"key": ["\udfff"]}, object.__new__(_Half)],
     ids=["set", "lone surrogate", "nested lone surrogate", "unreadable attrs instance"],
 )
-def test_a_step_result_that_is_not_json_is_refused_before_it_is_journaled(
+def test_a_step_result_that_is_not_json_fails_the_step_once_journaled(
     make_engine: EngineFactory, store: JournalStore, value: Any
 ) -> None:
+    """A result with no JSON form used to stop the drive with the run left running:
+    every later drive ran the step's effect again and met the same refusal. The step
+    fails instead, journaled, not retried; the flow may catch it."""
+    effects: list[str] = []
+
+    def produce() -> Any:
+        effects.append("ran")
+        return value
+
     @flow
     def bad(ctx: Context, _input: Any) -> Any:
         ctx.step("ok", lambda: 1)
-        return ctx.step("bad", lambda: value)
+        return ctx.step("bad", produce)
 
-    engine = make_engine([bad])
-    with pytest.raises(InvalidArgumentError, match="result of step 'bad' is not JSON"):
-        engine.start("bad", key="bad-1")
+    @flow
+    def careful(ctx: Context, _input: Any) -> Any:
+        try:
+            return ctx.step("bad", produce)
+        except StepFailedError as exc:
+            return [exc.error_type, exc.attempts]
+
+    engine = make_engine([bad, careful])
+    run = engine.start("bad", key="bad-1")
+    assert run.status is Status.FAILED
+    assert run.error is not None
+    assert "result of step 'bad' is not JSON" in run.error.message
     kinds = [kind for _, kind, _ in _journal(store, "bad-1")]
-    assert kinds == ["EXECUTION_STARTED", "STEP_COMPLETED"]
-    assert engine.get("bad-1").status is Status.RUNNING
+    assert kinds == ["EXECUTION_STARTED", "STEP_COMPLETED", "STEP_FAILED", "EXECUTION_FAILED"]
+    assert effects == ["ran"], "once: no retry could journal it"
+    assert engine.start("careful", key="careful-1").result == [
+        "loom_kernel.InvalidArgumentError",
+        1,
+    ]
     with pytest.raises(InvalidArgumentError, match="not JSON"):
-        engine.start("bad", value, key="bad-2")  # the same goes for a flow's input
+        engine.start("bad", value, key="bad-2")  # a flow's input is refused at the call
     assert store.head(engine.stream_of("bad-2")) == 0
 
 

@@ -88,6 +88,9 @@ def test_a_record_over_the_stores_stated_limit_is_refused_writing_nothing() -> N
         return str(ctx.step("result", lambda: "y" * 1000))
 
     engine = Engine(store, [big], listeners=[])
-    with pytest.raises(InvalidArgumentError, match="limit of 512 bytes"):
-        engine.start("big", key="b")
-    assert [entry.event.KIND for entry in engine.history("b")] == ["EXECUTION_STARTED"]
+    run = engine.start("big", key="b")
+    assert run.error is not None
+    assert "limit of 512 bytes" in run.error.message
+    assert "STEP_COMPLETED" not in [entry.event.KIND for entry in engine.history("b")], (
+        "the step failed, journaled; its result was never written"
+    )

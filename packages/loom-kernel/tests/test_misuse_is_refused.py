@@ -500,9 +500,10 @@ def _refused_with_no_never_awaited_warning(engine: Engine, flow_name: str, match
 
 
 @pytest.mark.usefixtures("flow_loop")
-def test_an_input_a_published_value_or_a_step_result_with_int_keys_is_refused() -> None:
-    """JSON turns `{1: "x"}` into `{"1": "x"}`: refused on every payload path, with
-    nothing journaled past what was already there."""
+def test_an_input_or_a_published_value_with_int_keys_is_refused() -> None:
+    """JSON turns `{1: "x"}` into `{"1": "x"}`: refused on every path a caller hands
+    the kernel, with nothing journaled past what was already there. A step's result
+    is the flow's own: it gets the JSON form back, the same on every replay."""
 
     @flow(name="int_keys", version="1")
     def int_keys(ctx: Context, where: str) -> Any:
@@ -514,7 +515,8 @@ def test_an_input_a_published_value_or_a_step_result_with_int_keys_is_refused() 
     with pytest.raises(InvalidArgumentError, match="the flow input is not JSON: a dict key is 2"):
         engine.start("int_keys", {2: "y"}, key="input")
     assert list(engine.executions()) == []
-    for where in ("event", "step"):
-        with pytest.raises(InvalidArgumentError, match="JSON's keys are str"):
-            engine.start("int_keys", where, key=where)
-        assert engine.get(where).status is Status.RUNNING, "refused before its journal moved"
+    with pytest.raises(InvalidArgumentError, match="JSON's keys are str"):
+        engine.start("int_keys", "event", key="event")
+    assert engine.get("event").status is Status.RUNNING, "refused before its journal moved"
+    engine.start("int_keys", "step", key="step")
+    assert engine.get("step").result == {"1": "x"}

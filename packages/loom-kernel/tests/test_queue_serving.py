@@ -511,11 +511,13 @@ def test_a_slot_that_frees_as_the_worker_stops_admits_nothing_more_from_its_queu
         assert handles[1].result(timeout=10) == "b"
 
 
-def test_a_worker_restarted_under_its_id_takes_back_at_once_what_its_last_process_held() -> None:
-    """A worker restarted with the same `--worker-id` (a pod) finds the queue place
-    and the run its killed process held under that id: it takes both back at once,
-    not once half a lease has passed by the clocks (the clock here never moves)."""
-    store, clock = MemoryStore(), FakeClock()
+def _held_by_another_process(store: MemoryStore, clock: FakeClock, pid: int) -> tuple[Any, str]:
+    """A queue place and a run held under worker id pod-1 by the process `pid` of this
+    machine (its beats say so), as that process left them."""
+    import json
+
+    from loom_kernel._coordination import default_worker_id
+
     queue = Queue("q", concurrency=1)
     killed = _engine(store, queue, worker_id="pod-1", clock=clock)
     handle = killed.enqueue("busy", {"tag": "held", "s": 0.0}, queue="q")
@@ -525,11 +527,60 @@ def test_a_worker_restarted_under_its_id_takes_back_at_once_what_its_last_proces
     state = parts_of(killed).driver.checkout(handle.id)
     assert parts_of(killed).driver.take_over(state), "claimed: then the process was killed"
     assert (killed.queue("q").active, killed.get(handle.id).owner) == ([handle.id], "pod-1")
+    proc = f"{default_worker_id().split(':')[0]}:{pid}:cafe"
+    beat = json.dumps({"runs": [handle.id], "proc": proc}).encode()
+    store.append(
+        "workers/pod-1", store.head("workers/pod-1"), [NewRecord("loom.beat", beat, clock())]
+    )
+    return queue, handle.id
 
+
+def test_a_worker_restarted_under_its_id_takes_back_at_once_what_its_last_process_held() -> None:
+    """A worker restarted with the same `--worker-id` (a pod) finds the queue place
+    and the run its killed process held under that id: its beats name a process of
+    this machine that has exited, so it takes both back at once, not once half a lease
+    has passed by the clocks (the clock here never moves)."""
+    import subprocess
+    import sys
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    store, clock = MemoryStore(), FakeClock()
+    queue, execution_id = _held_by_another_process(store, clock, int(gone.stdout))
     restarted = _engine(store, queue, worker_id="pod-1", clock=clock)
     with Worker(restarted, idle_poll=0.02):
-        assert restarted.handle(handle.id).result(timeout=10) == "held"
+        assert restarted.handle(execution_id).result(timeout=10) == "held"
     assert restarted.queue("q").active == []
+
+
+def test_a_place_held_under_this_id_by_a_process_that_may_be_alive_waits_half_a_lease(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two live processes under one worker id (a misconfiguration): the second took
+    the first's place at once and the step ran twice. Without word that the other
+    process exited, its place is given back only after half a lease, and it says so."""
+    import os
+
+    store, clock = MemoryStore(), FakeClock()
+    queue, execution_id = _held_by_another_process(store, clock, os.getppid())  # alive
+    second = _engine(store, queue, worker_id="pod-1", clock=clock)
+    with Worker(second, idle_poll=0.02):
+        time.sleep(0.5)
+        assert second.queue("q").active == [execution_id], "still the other process's"
+        assert second.get(execution_id).status is Status.RUNNING
+        assert "may be alive" in caplog.text
+    clock.advance(second.lease)  # past half a lease, by the clocks: given back
+    serving, slots = _serving(second)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        slots.open(pool, None)
+        serving.serve(sweep=True)
+        slots.close()
+    assert second.queue("q").active == []
+    assert second.handle(execution_id).result(timeout=10) == "held", "admitted again, driven"
 
 
 def test_a_worker_keeps_the_places_it_holds_itself_under_its_own_id() -> None:

@@ -4,6 +4,7 @@ deploy commands check and migrate a whole store."""
 
 from __future__ import annotations
 
+import sqlite3
 import subprocess
 import sys
 import textwrap
@@ -371,6 +372,17 @@ def test_replay_check_fails_on_runs_the_new_code_would_strand_and_on_an_empty_st
         assert main([command, *(["x"] if command == "show" else []), "--store", typo]) == 1
         assert "no SQLite database at" in capsys.readouterr().err
         assert not (tmp_path / "typo.db").exists(), f"{command} created the mistyped store"
+    app_db = tmp_path / "app.db"
+    with sqlite3.connect(app_db) as app:
+        app.execute("CREATE TABLE users (id INTEGER PRIMARY KEY)")
+    app.close()
+    (tmp_path / "notes.db").write_text("not a database at all")
+    for name in ("app.db", "notes.db"):
+        before = (tmp_path / name).read_bytes()
+        assert main(["ls", "--store", f"sqlite:///{tmp_path}/{name}"]) == 1
+        assert "is not a Loom store" in capsys.readouterr().err
+        assert (tmp_path / name).read_bytes() == before, f"{name} was changed"
+        assert not (tmp_path / f"{name}-wal").exists()
     empty = f"sqlite:///{tmp_path}/empty.db"
     open_store(empty).close()
     assert main(["replay-check", "--store", empty, "--flows", good]) == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sqlite3
 import threading
+import urllib.request
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Final, cast
@@ -289,7 +290,36 @@ def open_existing_sqlite_store(url: str) -> SqliteStore:
             f"no SQLite database at {os.path.abspath(path)!r}: check the store URL "
             f"({url!r}); this command reads an existing store and creates none"
         )
+    if path != ":memory:":
+        _refuse_a_foreign_database(path, url)
     return SqliteStore(path, options)
+
+
+def _refuse_a_foreign_database(path: str, url: str) -> None:
+    """Look, read-only, for the store's own table before anything writes: opening a
+    store creates its schema and turns on WAL, which must not happen to an app's
+    own database named by a mistyped URL."""
+    location = "file:" + urllib.request.pathname2url(os.path.abspath(path)) + "?mode=ro"
+    try:
+        probe = sqlite3.connect(location, uri=True)
+    except sqlite3.Error:
+        return  # cannot even look: the real open reports why
+    try:
+        found = probe.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'loom_meta'"
+        ).fetchone()
+    except sqlite3.DatabaseError as exc:
+        if "not a database" not in str(exc):
+            return
+        found = None
+    finally:
+        probe.close()
+    if not found:
+        raise StoreMisconfiguredError(
+            f"{os.path.abspath(path)!r} is not a Loom store (no loom_meta table): check the "
+            f"store URL ({url!r}); this command reads an existing store and changes no other "
+            "database"
+        )
 
 
 def _self_check_url(scratch: str) -> str:

@@ -37,6 +37,7 @@ from loom_kernel._core import (
     LoomError,
     NewRecord,
     Record,
+    TrimmedError,
     validate_stream_id,
 )
 from loom_kernel._spi import JournalStore
@@ -50,6 +51,7 @@ __all__ = [
     "abandoned_here",
     "default_worker_id",
     "driving_here",
+    "earlier_process_exited",
     "exited_here",
     "last_record",
     "sighting",
@@ -96,6 +98,48 @@ def default_worker_id() -> str:
     """`<host>.<boot>.<pid namespace>:<pid>:<nonce>`: unique per engine and process,
     and telling a worker of this machine whether the process it names is there."""
     return f"{_THIS_MACHINE}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+_process: tuple[int, str] | None = None
+
+
+def this_process() -> str:
+    """`<host>.<boot>.<pid namespace>:<pid>:<nonce>` of this process (a fork is
+    another): what its beats say wrote them, whatever worker id they are under."""
+    global _process  # noqa: PLW0603 - one identity per process, made again after a fork
+    pid = os.getpid()
+    if _process is None or _process[0] != pid:
+        _process = (pid, f"{_THIS_MACHINE}:{pid}:{secrets.token_hex(4)}")
+    return _process[1]
+
+
+#: How many of a worker id's last beats are looked at for another process's.
+_BEATS_LOOKED_AT: Final = 8
+
+
+def earlier_process_exited(store: JournalStore, worker_id: str) -> bool:
+    """Whether the last other process that beat under `worker_id` is known to have
+    exited: one of this machine whose pid is gone. False when no other process beat
+    under it, or it was of another machine, or it may be alive: two live processes
+    under one id would otherwise each take what the other holds."""
+    stream = WORKERS_PREFIX + worker_id
+    try:
+        head = store.head(stream)
+        try:
+            beats = store.read(stream, max(0, head - _BEATS_LOOKED_AT)) if head else []
+        except TrimmedError as trimmed:  # the beats kept: those from its floor on
+            beats = store.read(stream, trimmed.floor)
+    except LoomError:
+        return False  # unreadable now: no evidence
+    me = this_process()
+    for beat in reversed(beats):
+        try:
+            proc = json.loads(beat.payload).get("proc")
+        except (ValueError, AttributeError, RecursionError):
+            return False
+        if isinstance(proc, str) and proc != me:
+            return exited_here(proc)
+    return False
 
 
 def driving_here(worker_id: str, execution_id: str, *, besides: int = 0) -> bool:
@@ -274,7 +318,9 @@ class Heartbeat:
             head = self._heads.get(stream)
             if head is None:
                 head = store.head(stream)
-            payload = json.dumps({"runs": runs}, separators=(",", ":")).encode()
+            payload = json.dumps(
+                {"runs": runs, "proc": this_process()}, separators=(",", ":")
+            ).encode()
             try:
                 head = store.append(stream, head, [NewRecord(_BEAT, payload, stamp)])
             except ConflictError:

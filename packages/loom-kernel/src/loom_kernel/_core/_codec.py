@@ -140,12 +140,18 @@ def dump_json(value: Any) -> str:
 PLAIN_TYPES: Final = frozenset({dict, list, str, int, float, bool, type(None)})
 
 
-def to_json_text(value: Any, what: str) -> str:
+def to_json_text(value: Any, what: str, *, str_keys: bool = True) -> str:
     """The JSON text of a value, through the kernel's converter (attrs, dataclasses...).
 
+    With `str_keys`, a dict key that is not a str is refused: what a caller hands the
+    kernel (an input, a message, a resume payload, a published value) would reach the
+    run with `{1: "x"}` turned into `{"1": "x"}` behind its back. A step's or a flow's
+    result is written without it: the flow gets that JSON form back on the first run
+    as on every replay (and `returns=` rebuilds typed keys), so nothing differs.
+
     Raises:
-        InvalidArgumentError: the value has no JSON form, or holds a dict key that is
-            not a str (JSON would turn `{1: "x"}` into `{"1": "x"}` behind its back).
+        InvalidArgumentError: the value has no JSON form (or, with `str_keys`, holds a
+            dict key that is not a str).
     """
     if type(value) in PLAIN_TYPES:
         # Plain JSON needs no trip through the converter (measured: its walk was the
@@ -155,7 +161,8 @@ def to_json_text(value: Any, what: str) -> str:
         except InvalidArgumentError:
             pass
         else:
-            _refuse_other_keys(value, what)
+            if str_keys:
+                _refuse_other_keys(value, what)
             return text
     try:
         data = CONVERTER.unstructure(value)
@@ -165,7 +172,8 @@ def to_json_text(value: Any, what: str) -> str:
         text = dump_json(data)
     except InvalidArgumentError as exc:
         raise InvalidArgumentError(f"{what} is not JSON: {exc}") from exc
-    _refuse_other_keys(data, what)
+    if str_keys:
+        _refuse_other_keys(data, what)
     return text
 
 
@@ -196,13 +204,13 @@ def _refuse_other_keys(value: Any, what: str) -> None:
                     push(inner)
 
 
-def to_json(value: Any, what: str) -> Any:
+def to_json(value: Any, what: str, *, str_keys: bool = True) -> Any:
     """The JSON form of a value: what a replay will see (tuples become lists, and so on).
 
     Raises:
-        InvalidArgumentError: the value has no JSON form.
+        InvalidArgumentError: the value has no JSON form (see `to_json_text`).
     """
-    return json.loads(to_json_text(value, what))
+    return json.loads(to_json_text(value, what, str_keys=str_keys))
 
 
 @attrs.frozen

@@ -36,7 +36,9 @@ def _load(spec: str, option: str, example: str) -> list[Any]:
     try:
         value: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        if exc.name is None or not module_name.startswith(exc.name):
+        if exc.name is None or not (
+            module_name == exc.name or module_name.startswith(exc.name + ".")
+        ):
             raise _cannot_load(what, spec, exc) from exc  # the module itself imports it
         raise InvalidArgumentError(
             f"cannot load {what} from {spec!r}: no module named {exc.name!r} in the current "
@@ -223,7 +225,11 @@ def _check(engine: Engine, execution: Execution) -> _Outcome:
     moves it, even when its history replays: that needs a migrate."""
     newest = engine.newest(execution.flow).code_hash
     pinned = execution.code_hash
-    if pinned != newest and parts_of(engine).driver.flows.hosts_code(execution.flow, pinned):
+    if (
+        pinned
+        and pinned != newest
+        and parts_of(engine).driver.flows.hosts_code(execution.flow, pinned)
+    ):
         # Kept registered beside the new code (versioning.md, way 1): driven on its own.
         return "ok", (
             f"ok         {execution.id} ({execution.flow}): pinned {pinned}, which these flows keep"

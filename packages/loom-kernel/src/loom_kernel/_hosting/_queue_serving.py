@@ -13,7 +13,14 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Final
 
-from loom_kernel._coordination import Queue, QueueFold, exited_here, pick, rate_frees_at
+from loom_kernel._coordination import (
+    Queue,
+    QueueFold,
+    earlier_process_exited,
+    exited_here,
+    pick,
+    rate_frees_at,
+)
 from loom_kernel._core import ConflictError, LoomError, SchemaError
 from loom_kernel._engine import EngineParts, QueuedDrive
 from loom_kernel._hosting._slots import Slots, Task, WorkerStats
@@ -28,8 +35,10 @@ _TAKE_ATTEMPTS: Final = 4
 
 #: The admissions this process made that are not done yet: (worker id, partition
 #: stream, position of the take). An admission by a worker id of this process that is
-#: not here was made by an earlier process under the same id (ids are unique among
-#: the processes alive): that process is gone, and its places are given back at once.
+#: not here was made by another process under the same id: an earlier one, whose
+#: places are given back at once when its beats show it exited on this machine (else
+#: after half a lease, as any worker's: two live processes under one id must not
+#: each take what the other holds).
 _admitted_here: set[tuple[str, str, int]] = set()
 _admitted_lock = threading.Lock()
 
@@ -58,6 +67,7 @@ class QueueServing:
         self._due: float | None = None  # monotonic: when a rate's window next has room
         # Partitions where this worker's id holds no place an earlier process took.
         self._no_earlier: set[tuple[str, int]] = set()
+        self._warned_shared_id = False
 
     def serve(self, *, sweep: bool) -> int:
         """Admit from each queue's partitions as many runs as the free slots and the
@@ -100,12 +110,14 @@ class QueueServing:
     def _serve_partition(self, queue: Queue, partition: int, *, sweep: bool) -> int:
         if sweep or (queue.name, partition) not in self._no_earlier:
             fold = self._book.read(queue.name, partition)
+            exited = self._held_before(fold) and self._earlier_exited()
             if sweep:
-                self._reap(queue, partition, fold)
-            elif self._held_before(fold):
-                # Places this worker's id holds from an earlier process: given back at
-                # once (one a visit of its run holds here now is left to the next poll).
-                self._reap(queue, partition, fold, only_earlier=True)
+                self._reap(queue, partition, fold, earlier_exited=exited)
+            elif exited:
+                # Places this worker's id holds from an earlier process, which exited:
+                # given back at once (one a visit of its run holds here now is left to
+                # the next poll).
+                self._reap(queue, partition, fold, only_earlier=True, earlier_exited=True)
             if not self._held_before(self._book.read(queue.name, partition)):
                 self._no_earlier.add((queue.name, partition))  # none can come later
         admitted = self._admit(queue, partition, self._slots.free())
@@ -288,6 +300,22 @@ class QueueServing:
             self._stats.failures += 1
             logger.warning("loom: %s: its queue's done record: %s", execution_id, exc)
 
+    def _earlier_exited(self) -> bool:
+        """Whether the other process that last beat under this worker's id exited (a
+        restart on this machine); warned of, once, when it may be alive."""
+        driver = self._parts.driver
+        if earlier_process_exited(driver.store, driver.worker_id):
+            return True
+        if not self._warned_shared_id:
+            self._warned_shared_id = True
+            logger.warning(
+                "loom: queue places held under worker id %s by another process, which may "
+                "be alive: given back only after half a lease (ids must be unique among "
+                "live processes)",
+                driver.worker_id,
+            )
+        return False
+
     def _held_before(self, fold: QueueFold) -> bool:
         """Whether the partition holds an admission by this worker's id that this
         process did not make (an earlier process under the same id made it)."""
@@ -299,12 +327,18 @@ class QueueServing:
             )
 
     def _reap(
-        self, queue: Queue, partition: int, fold: QueueFold, *, only_earlier: bool = False
+        self,
+        queue: Queue,
+        partition: int,
+        fold: QueueFold,
+        *,
+        only_earlier: bool = False,
+        earlier_exited: bool = False,
     ) -> bool:
         """Give back the admissions, older than half a lease, of runs their taker no
-        longer drives (it crashed, stopped, or never claimed them); with
-        `only_earlier`, only those an earlier process of this worker's id made;
-        whether any was."""
+        longer drives (it crashed, stopped, or never claimed them), and, when
+        `earlier_exited`, those an earlier process of this worker's id made, whatever
+        their age; with `only_earlier`, only the latter. Whether any was given back."""
         driver = self._parts.driver
         horizon = driver.clock() - driver.lease / 2
         reaped = False
@@ -318,7 +352,7 @@ class QueueServing:
             if only_earlier and active.by != me:
                 continue
             if active.at > horizon and not exited_here(active.by):
-                if active.by != me:
+                if active.by != me or not earlier_exited:
                     continue
                 with _admitted_lock:
                     if (me, fold.stream, active.take) in _admitted_here:

@@ -78,7 +78,8 @@ class WorkerStats:
         timers: timers it fired.
         failures: visits, timer firings and polls that raised (each is logged).
         in_flight: slots busy now (with a drive, a visit or a timer's wake).
-        driving: drives in progress now (at most `in_flight`).
+        driving: drives in progress now: those of its slots and those they run inline
+            (a parent driving a child it started), so it can pass `in_flight`.
     """
 
     visited: int = 0

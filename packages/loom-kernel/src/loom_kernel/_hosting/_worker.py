@@ -201,6 +201,7 @@ class Worker:
             "loom: worker %s started (concurrency %d)", self.engine.worker_id, self.concurrency
         )
         try:
+            self._announce()
             self._poll_until_stopped(status)
             slots.let_go_handed(everything=True)  # not held through the grace
             self._wind_down()
@@ -300,6 +301,17 @@ class Worker:
     def _fire(self, entry: TimerEntry, now: float) -> Drive[None]:
         if (yield from self._parts.delivery.fire(entry, now)):
             self.stats.timers += 1
+
+    def _announce(self) -> None:
+        """A first beat, saying which process works under this id now: a restart on
+        this machine is then known to have replaced an exited process, whose queue
+        places it takes back at once (see `_queue_serving`)."""
+        try:
+            self._parts.driver.heartbeat.beat()
+        except Exception as exc:  # the places then wait half a lease, as any worker's
+            logger.warning(
+                "loom: first beat of %s: %s: %s", self.engine.worker_id, type(exc).__name__, exc
+            )
 
     def _beat(self) -> None:
         """A beat now (it says which runs this worker no longer drives)."""

@@ -268,7 +268,9 @@ def _execute_once(
     if context.halted is not None:
         _raise_error(context.halted)
         return None, context
-    completed = ExecutionCompleted(to_json(result, f"the result of flow {definition.name!r}"))
+    completed = ExecutionCompleted(
+        to_json(result, f"the result of flow {definition.name!r}", str_keys=False)
+    )
     return completed, context
 
 

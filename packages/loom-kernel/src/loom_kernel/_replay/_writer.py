@@ -137,13 +137,27 @@ class RunWriter:
 
     def record_step(self, index: int, name: str, value: Any, attempts: int, returns: Any) -> Any:
         """Journal a step's result; the value the step returns (its JSON form, or
-        `returns`-typed data rebuilt from it, as every replay returns it)."""
+        `returns`-typed data rebuilt from it, as every replay returns it).
+
+        A result that cannot be journaled (it has no JSON form, or it is over the
+        store's largest record) fails the step, journaled, at once: no retry and no
+        later drive could journal it, and each would run the step's effect again.
+        """
         try:
-            text = to_json_text(value, f"the result of step {name!r}")
+            text = to_json_text(value, f"the result of step {name!r}", str_keys=False)
         except InvalidArgumentError as exc:
-            raise self._halt(exc) from None
+            raise self.record_failure(index, name, exc, attempts) from exc
+        record = encode_step_completed(index, name, text, attempts, self._host.clock())
+        limit = self._host.store.max_record_bytes
+        if limit is not None and len(record.payload) > limit:
+            too_big = InvalidArgumentError(
+                f"the result of step {name!r} is {len(record.payload):,} bytes journaled, "
+                f"over the store's limit of {limit:,} bytes a record (keep large payloads "
+                "out of the journal: store them elsewhere and return a reference)"
+            )
+            raise self.record_failure(index, name, too_big, attempts) from None
         data = load_json(text)
-        self.write([encode_step_completed(index, name, text, attempts, self._host.clock())])
+        self.write([record])
         # Without building the event: the write path of every step (a property test
         # holds it to a fresh fold).
         self._state.record_step(index, name, data, attempts)
