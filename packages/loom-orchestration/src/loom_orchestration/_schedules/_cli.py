@@ -14,6 +14,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+import attrs
 from loom_kernel import Engine, LoomError, open_store
 
 from loom_orchestration._schedules._api import (
@@ -29,7 +30,7 @@ from loom_orchestration._schedules._api import (
 )
 from loom_orchestration._schedules._spec import OVERLAP_POLICIES
 
-__all__ = ["add_schedule_commands", "describe"]
+__all__ = ["add_schedule_commands", "as_json", "describe"]
 
 _Handler = Callable[[argparse.Namespace], int]
 
@@ -57,9 +58,11 @@ def add_schedule_commands(commands: Any) -> dict[str, _Handler]:
     create.add_argument("--paused", action="store_true")
     create.add_argument("--note", default=None)
 
-    verbs.add_parser("ls", help="list the schedules")
+    listing = verbs.add_parser("ls", help="list the schedules")
     describe_verb = verbs.add_parser("describe", help="a schedule's next ticks, last run, counts")
     describe_verb.add_argument("name")
+    for parser in (listing, describe_verb):
+        parser.add_argument("--json", action="store_true", help="print JSON")
     for verb in ("pause", "unpause"):
         parser = verbs.add_parser(verb, help=f"{verb} a schedule")
         parser.add_argument("name")
@@ -82,9 +85,8 @@ def add_schedule_commands(commands: Any) -> dict[str, _Handler]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    reads_only = args.verb in ("ls", "describe")
-    try:
-        with open_store(args.store, create=not reads_only) as store:
+    try:  # only create makes a store: a mistyped URL elsewhere is refused
+        with open_store(args.store, create=args.verb == "create") as store:
             engine = Engine(store, [], listeners=[])
             return _VERBS[args.verb](engine, args)
     except LoomError as exc:
@@ -118,13 +120,18 @@ def _create(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
-def _ls(engine: Engine, _args: argparse.Namespace) -> int:
-    for info in list_schedules(engine):
+def _ls(engine: Engine, args: argparse.Namespace) -> int:
+    schedules = list(list_schedules(engine))
+    if args.json:
+        print(json.dumps([as_json(info) for info in schedules], indent=2))
+        return 0
+    print(f"{'NAME':<24} {'FLOW':<20} {'CRON':<18} {'NEXT':<27} COUNTS")
+    for info in schedules:
         upcoming = (
             "paused" if info.paused else _when(info.next_ticks[0] if info.next_ticks else None)
         )
         print(
-            f"{info.name:<24} {info.flow:<20} {info.cron!r:<18} next {upcoming:<22}"
+            f"{info.name:<24} {info.flow:<20} {info.cron!r:<18} {upcoming:<27}"
             f" started {info.counts.started}, skipped {info.counts.skipped},"
             f" missed {info.counts.missed}"
         )
@@ -132,7 +139,8 @@ def _ls(engine: Engine, _args: argparse.Namespace) -> int:
 
 
 def _describe(engine: Engine, args: argparse.Namespace) -> int:
-    print(describe(get_schedule(engine, args.name)))
+    info = get_schedule(engine, args.name)
+    print(json.dumps(as_json(info), indent=2) if args.json else describe(info))
     return 0
 
 
@@ -188,6 +196,31 @@ _VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
 
 def _when(moment: datetime | None) -> str:
     return "-" if moment is None else moment.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def as_json(info: ScheduleInfo) -> dict[str, Any]:
+    """A schedule as `--json` prints it: times in ISO 8601 UTC, durations in seconds."""
+    return {
+        "name": info.name,
+        "flow": info.flow,
+        "cron": info.cron,
+        "input": info.input,
+        "overlap": info.overlap,
+        "catchup_window": info.catchup_window.total_seconds(),
+        "jitter": info.jitter.total_seconds(),
+        "timezone": info.timezone,
+        "paused": info.paused,
+        "note": info.note,
+        "next_ticks": [_when(tick) for tick in info.next_ticks],
+        "last_run": info.last_run,
+        "last_tick": None if info.last_tick is None else _when(info.last_tick),
+        "counts": attrs.asdict(info.counts),
+        "buffered": list(info.buffered),
+        "backfills": info.backfills,
+        "recent": [attrs.asdict(action) for action in info.recent],
+        "created_at": info.created_at.isoformat(),
+        "updated_at": info.updated_at.isoformat(),
+    }
 
 
 def describe(info: ScheduleInfo) -> str:
