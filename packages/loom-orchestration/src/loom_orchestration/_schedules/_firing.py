@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, Final
 
+import attrs
 from loom_kernel import (
     ConflictError,
     Engine,
@@ -30,7 +31,7 @@ from loom_kernel import (
 from loom_orchestration._schedules import _book
 from loom_orchestration._schedules._decide import Decider, advance
 from loom_orchestration._schedules._spec import check_name, run_id, schedule_of, tick_text
-from loom_orchestration._schedules._state import ScheduleState, Waiting
+from loom_orchestration._schedules._state import Pending, ScheduleState, Waiting
 
 __all__ = [
     "change",
@@ -122,8 +123,8 @@ def fire_schedule(
     """Decide and start what one schedule has due by the engine's clock (in at most
     `most` decisions: a worker's poll leaves the rest to its next); the ids of the
     runs started by this call (inline runs that ended let the next start in the same
-    call, through the listener), and the schedule's state after it (None for one that
-    does not exist or was deleted).
+    call, through the listener), and the schedule's state after it, with nothing
+    owed (None for one that does not exist or was deleted).
 
     Raises:
         LoomError: the store failed, or the schedule's record is damaged; what was
@@ -131,6 +132,8 @@ def fire_schedule(
     """
     with collecting() as started:
         state = _decide(engine, name, started, _MOST_DECISIONS if most is None else most)
+        if state is not None:
+            state = attrs.evolve(state, pending=Pending())  # this call did what it owed
         return list(started), state
 
 

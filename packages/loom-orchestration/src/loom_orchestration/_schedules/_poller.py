@@ -2,16 +2,19 @@
 schedules' names and when each is next due, and fire each when it is.
 
 An idle schedule costs nothing between its ticks: the worker wakes at its next due
-time. The names are listed again every `refresh` seconds (a schedule created by
-another process is seen by then; its ticks meanwhile are caught up), and every state
-read again every sixth listing (an unpause or a change made elsewhere). A pause or
-a delete made elsewhere needs neither: a fire reads the state it decides on.
+time. The names are listed again at the first poll `refresh` seconds after the last
+listing (a schedule created by another process is seen then; its ticks meanwhile are
+caught up), and every state read again every sixth listing (an unpause or a change
+made elsewhere). A listing never wakes a worker by itself: an idle worker lists at
+its own idle pace. A pause or a delete made elsewhere needs neither: a fire reads
+the state it decides on.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Final
 
 from loom_kernel import Engine, LoomError
@@ -25,10 +28,10 @@ __all__ = ["SchedulePoller", "next_due", "schedule_poller"]
 
 logger = logging.getLogger("loom")
 
-#: Seconds between listings of the schedules: on a store whose reads cost nothing,
-#: and on one where each costs a request (S3).
+#: The least seconds between listings of the schedules: on a store whose reads cost
+#: nothing, and on one where each costs a request (S3: a worker's idle pace there).
 REFRESH_CHEAP: Final = 5.0
-REFRESH_COSTLY: Final = 30.0
+REFRESH_COSTLY: Final = 60.0
 #: Every this many listings, every schedule's state is read again.
 _READ_ALL_EVERY: Final = 6
 #: The most decisions a poll makes for one schedule (a catch-up goes on at the next).
@@ -55,8 +58,14 @@ def next_due(name: str, state: ScheduleState | None, now: float, recheck: float)
 class SchedulePoller:
     """A worker's view of the schedules: fires each when it is due."""
 
-    def __init__(self, engine: Engine, refresh: float | None = None) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        refresh: float | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._engine = engine
+        self._monotonic = monotonic
         cheap = engine.store.head_is_cheap
         self._refresh = (REFRESH_CHEAP if cheap else REFRESH_COSTLY) if refresh is None else refresh
         self._due: dict[str, float | None] = {}
@@ -64,9 +73,9 @@ class SchedulePoller:
         self._listings = 0
 
     def __call__(self) -> float | None:
-        """Fire the schedules that are due; seconds until the next is (or the next
-        listing, whichever comes first)."""
-        if time.monotonic() - self._listed_at >= self._refresh:
+        """Fire the schedules that are due; seconds until the next is due (None for
+        none: the worker's idle pace decides when it polls again)."""
+        if self._monotonic() - self._listed_at >= self._refresh:
             self._list()
         engine = self._engine
         for name, due in list(self._due.items()):
@@ -80,14 +89,12 @@ class SchedulePoller:
                 self._due[name] = now + self._refresh
                 continue
             self._due[name] = next_due(name, state, engine.clock(), self._refresh)
-        until_listing = self._listed_at + self._refresh - time.monotonic()
         now = engine.clock()
-        soonest = min((due - now for due in self._due.values() if due is not None), default=None)
-        return until_listing if soonest is None else min(soonest, until_listing)
+        return min((due - now for due in self._due.values() if due is not None), default=None)
 
     def _list(self) -> None:
         engine = self._engine
-        self._listed_at = time.monotonic()
+        self._listed_at = self._monotonic()
         read_all = self._listings % _READ_ALL_EVERY == 0
         self._listings += 1
         try:
