@@ -10,7 +10,8 @@ from loom_kernel import MemoryStore
 from loom_kernel.spi import NewRecord
 from loom_kernel.testing import FakeClock
 from loom_orchestration import create_schedule, pause_schedule, unpause_schedule
-from loom_orchestration._schedules._poller import SchedulePoller
+from loom_orchestration._schedules import _book
+from loom_orchestration._schedules._poller import FULL_EVERY, SchedulePoller
 from schedule_helpers import BASE, engine, runs_of
 
 
@@ -55,7 +56,7 @@ def test_a_schedule_made_elsewhere_is_seen_at_the_first_poll_after_refresh() -> 
     ], "its ticks meanwhile caught up"
 
 
-def test_a_pause_elsewhere_holds_at_once_and_an_unpause_is_seen_at_a_full_reading() -> None:
+def test_a_pause_elsewhere_holds_at_once_and_an_unpause_is_seen_at_the_next_look() -> None:
     clock = FakeClock(BASE)
     here = engine(MemoryStore(), clock)
     elsewhere = engine(here.store, clock)
@@ -68,15 +69,46 @@ def test_a_pause_elsewhere_holds_at_once_and_an_unpause_is_seen_at_a_full_readin
     assert poller() is None, "the fire read the pause: nothing due while paused"
     assert runs_of(here, "minutely") == []
     unpause_schedule(elsewhere, "minutely")
-    readings = 0
-    while poller() is None:  # listings 2..6 keep what they knew; the 7th reads all
-        readings += 1
-        assert readings < 10
-        monotonic.now += 5
-    assert 1 <= readings <= 6
+    assert poller() is None, "not looked again yet"
+    monotonic.now += 5
+    assert poller() == pytest.approx(60.0), "its notice read: due at 00:02"
     clock.advance(60)
     poller()
     assert [run.id for run in runs_of(here, "minutely")] == ["sched/minutely@2026-12-07T00:02:00Z"]
+
+
+def test_a_change_whose_notice_was_lost_is_seen_at_the_next_full_listing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = FakeClock(BASE)
+    here = engine(MemoryStore(), clock)
+    elsewhere = engine(here.store, clock)
+    monotonic = Monotonic()
+    poller = SchedulePoller(here, refresh=5, monotonic=monotonic)
+    assert poller() is None
+    with monkeypatch.context() as patched:  # a crash between the change and its notice
+        patched.setattr(_book, "notice", lambda *_args: None)
+        create_schedule(elsewhere, "lost", "tick", cron="* * * * *")
+    looks = 1
+    while poller() is None:
+        monotonic.now += 5
+        looks += 1
+        assert looks <= FULL_EVERY + 1
+    assert looks == FULL_EVERY + 1, "seen at the full listing, not before"
+
+
+def test_a_worker_behind_the_trimmed_notices_lists_everything_again() -> None:
+    clock = FakeClock(BASE)
+    here = engine(MemoryStore(), clock)
+    monotonic = Monotonic()
+    poller = SchedulePoller(here, refresh=5, monotonic=monotonic)
+    poller()
+    for number in range(600):  # trimmed every 256 notices, keeping 256
+        _book.notice(here.store, f"n{number}", BASE)
+    assert here.store.read(_book.NOTICES, 512)[0].position == 513
+    create_schedule(here, "late", "tick", cron="* * * * *")
+    monotonic.now += 5
+    assert poller() == pytest.approx(30.0), "a full listing found it"
 
 
 def test_a_damaged_schedule_is_tried_again_after_refresh_and_the_others_fire(

@@ -2,6 +2,12 @@
 schedule's whole state. A change is an append at the head it was decided on, so of
 two processes deciding at once one wins and the other decides again; the stream is
 trimmed below its last record now and then (every record holds everything).
+
+Beside them, one stream of notices, `schedule-notices`: each change made through the
+API (create, update, pause, unpause, delete, trigger, backfill) appends the name it
+changed, so a worker learns of a change made elsewhere by reading that stream past
+the last notice it saw (one request on S3 when nothing changed) instead of listing
+every schedule. A decision appends no notice: it moves no other worker's due time.
 """
 
 from __future__ import annotations
@@ -10,12 +16,22 @@ import logging
 from collections.abc import Iterator
 from typing import Final
 
-from loom_kernel import LoomError, StoreUnavailableError
+from loom_kernel import ConflictError, LoomError, StoreUnavailableError
 from loom_kernel.spi import JournalStore, NewRecord, TrimmedError
 
 from loom_orchestration._schedules._state import ScheduleState, decode_state, encode_state
 
-__all__ = ["KIND", "PREFIX", "names", "read", "stream_of", "write"]
+__all__ = [
+    "KIND",
+    "NOTICES",
+    "PREFIX",
+    "names",
+    "notice",
+    "notices_after",
+    "read",
+    "stream_of",
+    "write",
+]
 
 logger = logging.getLogger("loom")
 
@@ -25,6 +41,12 @@ KIND: Final = "loom.schedule"
 _TRIM_EVERY: Final = 32
 _PAGE: Final = 1000
 _READ_ATTEMPTS: Final = 8
+NOTICES: Final = "schedule-notices"
+NOTICE_KIND: Final = "loom.schedule_changed"
+#: The notices stream keeps at least this many notices below its head (a worker
+#: further behind lists every schedule again); it is trimmed every `_KEEP` notices.
+_KEEP: Final = 256
+_NOTICE_ATTEMPTS: Final = 16
 
 
 def stream_of(name: str) -> str:
@@ -82,3 +104,39 @@ def names(store: JournalStore) -> Iterator[str]:
         if len(page) < _PAGE:
             return
         after = page[-1]
+
+
+def notice(store: JournalStore, name: str, at: float) -> None:
+    """Note that schedule `name` changed, for the workers that did not change it. A
+    notice that cannot be appended is logged: workers still see the change at their
+    next full listing (see `SchedulePoller`)."""
+    payload = name.encode()
+    try:
+        for _ in range(_NOTICE_ATTEMPTS):
+            head = store.head(NOTICES)
+            try:
+                head = store.append(NOTICES, head, [NewRecord(NOTICE_KIND, payload, at)])
+            except ConflictError:
+                continue
+            if head % _KEEP == 0 and head > _KEEP:
+                store.trim(NOTICES, head - _KEEP)
+            return
+        logger.warning("loom: no notice of schedule %s: the notices stream kept moving", name)
+    except LoomError as exc:
+        logger.warning("loom: no notice of schedule %s: %s: %s", name, type(exc).__name__, exc)
+
+
+def notices_after(store: JournalStore, position: int) -> tuple[int, set[str]] | None:
+    """The notices' head and the names changed after `position`; None when the
+    notices from there were trimmed (list every schedule instead).
+
+    Raises:
+        StoreUnavailableError: the store could not be read.
+    """
+    try:
+        records = store.read(NOTICES, position)
+    except TrimmedError:
+        return None
+    if not records:
+        return position, set()
+    return records[-1].position, {record.payload.decode(errors="replace") for record in records}

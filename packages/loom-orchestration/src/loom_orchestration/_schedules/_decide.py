@@ -67,7 +67,10 @@ class Decider:
     name: str
     base: ScheduleState
     now: float
-    running: bool  # whether the last run still runs (or was started in this decision)
+    #: Whether the last run still runs: asked only when a policy needs it (each ask
+    #: reads the run), then known (a run started in this decision runs).
+    ask_running: Callable[[], bool]
+    known_running: bool | None = None
     cursor: float = 0.0
     last_run: str | None = None
     last_tick: float | None = None
@@ -89,6 +92,12 @@ class Decider:
         self.recent = list(base.recent)
 
     @property
+    def running(self) -> bool:
+        if self.known_running is None:
+            self.known_running = self.ask_running()
+        return self.known_running
+
+    @property
     def busy(self) -> bool:
         """Whether this decision is done deciding: it owes as much as one may, or it
         started or cancelled a run that the next tick's policy must see the outcome of."""
@@ -98,7 +107,7 @@ class Decider:
 
     def start(self, waiting: Waiting, overlap: str) -> None:
         self.starts.append(waiting)
-        self.last_run, self.last_tick, self.running = waiting.run_id, waiting.tick, True
+        self.last_run, self.last_tick, self.known_running = waiting.run_id, waiting.tick, True
         self.halted = self.halted or overlap != "allow_all"
         self._note("started", waiting)
 
@@ -160,7 +169,7 @@ class Decider:
 
     def start_buffered(self) -> None:
         """The oldest buffered tick starts once the last run has ended."""
-        if not self.running and self.buffer:
+        if self.buffer and not self.running:
             self.start(self.buffer.pop(0), self.base.spec.overlap)
 
     def regular_ticks(self) -> None:
@@ -244,7 +253,7 @@ def advance(
     state: ScheduleState,
     now: float,
     *,
-    running: bool,
+    running: Callable[[], bool],
     exists: Callable[[str], bool],
 ) -> ScheduleState | None:
     """The state after deciding what is due by `now`, or None when nothing is.
@@ -253,7 +262,7 @@ def advance(
         name: the schedule's name.
         state: its state, whose `pending` has been done.
         now: the time, by the deciding engine's clock.
-        running: whether its last run still runs.
+        running: whether its last run still runs (asked only if a policy needs it).
         exists: whether a run of that id exists (a backfilled tick that ran is not
             started again).
     """

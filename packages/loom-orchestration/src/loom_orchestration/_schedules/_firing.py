@@ -16,6 +16,7 @@ import contextvars
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Final
 
 import attrs
@@ -56,6 +57,21 @@ _CHANGE_ATTEMPTS: Final = 32
 _STARTED: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
     "loom_schedule_starts", default=None
 )
+#: The schedules whose fire, in this flow of control, is starting runs now.
+_FIRING: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "loom_schedules_firing", default=frozenset()
+)
+
+
+@contextmanager
+def _firing(name: str) -> Iterator[None]:
+    """While a fire of `name` starts its runs: a run that ends inline in the start
+    is seen by the fire's next decision, so the listener need not fire it again."""
+    token = _FIRING.set(_FIRING.get() | {name})
+    try:
+        yield
+    finally:
+        _FIRING.reset(token)
 
 
 @contextmanager
@@ -142,16 +158,21 @@ def _decide(engine: Engine, name: str, started: list[str], most: int) -> Schedul
     done: int | None = None  # the head whose owed actions this call did
     state: ScheduleState | None = None
     for _ in range(most):
-        head, state = _book.read(store, name)
-        if state is None or state.deleted:
-            return None
-        if head != done:
-            do_pending(engine, name, state)
+        if done is None or state is None:
+            head, state = _book.read(store, name)
+            if state is None or state.deleted:
+                return None
+            if head != done:
+                do_pending(engine, name, state)
+        else:
+            # What this call appended last, and did: the head it knows. If another
+            # process appended since, the append below conflicts and it reads again.
+            head = done
         decided = advance(
             name,
             state,
             engine.clock(),
-            running=running(engine, state.last_run),
+            running=partial(running, engine, state.last_run),
             exists=_exists(engine),
         )
         if decided is None:
@@ -159,10 +180,12 @@ def _decide(engine: Engine, name: str, started: list[str], most: int) -> Schedul
         try:
             done = _book.write(store, name, head, decided)
         except ConflictError:
+            done = state = None
             continue  # another process decided first: read what it decided
         state = decided
         started.extend(waiting.run_id for waiting in decided.pending.starts)
-        do_pending(engine, name, decided)
+        with _firing(name):
+            do_pending(engine, name, decided)
     return state
 
 
@@ -186,6 +209,7 @@ def change(
             _book.write(store, name, head, made)
         except ConflictError:
             continue
+        _book.notice(store, name, made.updated_at)
         do_pending(engine, name, made)
         return made
     raise ConflictError(_book.stream_of(name), head, head + 1)
@@ -205,7 +229,7 @@ def trigger(
         state = state_of(state)
         now = engine.clock()
         tick = round(now, 3)
-        decider = Decider(name, state, now, running(engine, state.last_run))
+        decider = Decider(name, state, now, partial(running, engine, state.last_run))
         decider.arrive(Waiting(run_id(name, tick), tick), overlap or state.spec.overlap)
         made = decider.state()
         outcome[0] = made.pending.starts[0].run_id if made.pending.starts else None
@@ -242,7 +266,7 @@ def on_run_settled(engine: Engine, execution: Execution) -> None:
     if not execution.status.finished:
         return
     name = schedule_of(execution.id)
-    if name is None:
+    if name is None or name in _FIRING.get():
         return
     try:
         check_name(name)

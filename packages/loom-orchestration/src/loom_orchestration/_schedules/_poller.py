@@ -2,11 +2,13 @@
 schedules' names and when each is next due, and fire each when it is.
 
 An idle schedule costs nothing between its ticks: the worker wakes at its next due
-time. The names are listed again at the first poll `refresh` seconds after the last
-listing (a schedule created by another process is seen then; its ticks meanwhile are
-caught up), and every state read again every sixth listing (an unpause or a change
-made elsewhere). A listing never wakes a worker by itself: an idle worker lists at
-its own idle pace. A pause or a delete made elsewhere needs neither: a fire reads
+time. At the first poll `refresh` seconds after the last look, the worker reads the
+notices of changes made through the API since the last it saw (one read, one request
+on S3 when nothing changed) and reads again the schedules they name: one created,
+changed, paused or unpaused elsewhere is seen then (its ticks meanwhile caught up).
+Every `FULL_EVERY` looks it lists every schedule and reads each, which also finds a
+change whose notice a crash lost. A look never wakes a worker by itself: an idle
+worker looks at its own idle pace. A pause or a delete needs neither: a fire reads
 the state it decides on.
 """
 
@@ -32,8 +34,8 @@ logger = logging.getLogger("loom")
 #: nothing, and on one where each costs a request (S3: a worker's idle pace there).
 REFRESH_CHEAP: Final = 5.0
 REFRESH_COSTLY: Final = 60.0
-#: Every this many listings, every schedule's state is read again.
-_READ_ALL_EVERY: Final = 6
+#: Every this many looks, every schedule is listed and read again.
+FULL_EVERY: Final = 60
 #: The most decisions a poll makes for one schedule (a catch-up goes on at the next).
 _DECISIONS_A_POLL: Final = 64
 
@@ -69,14 +71,15 @@ class SchedulePoller:
         cheap = engine.store.head_is_cheap
         self._refresh = (REFRESH_CHEAP if cheap else REFRESH_COSTLY) if refresh is None else refresh
         self._due: dict[str, float | None] = {}
-        self._listed_at = float("-inf")  # by time.monotonic()
-        self._listings = 0
+        self._looked_at = float("-inf")  # by time.monotonic()
+        self._looks = 0
+        self._seen: int | None = None  # the last notice read
 
     def __call__(self) -> float | None:
         """Fire the schedules that are due; seconds until the next is due (None for
         none: the worker's idle pace decides when it polls again)."""
-        if self._monotonic() - self._listed_at >= self._refresh:
-            self._list()
+        if self._monotonic() - self._looked_at >= self._refresh:
+            self._look()
         engine = self._engine
         for name, due in list(self._due.items()):
             now = engine.clock()
@@ -92,29 +95,37 @@ class SchedulePoller:
         now = engine.clock()
         return min((due - now for due in self._due.values() if due is not None), default=None)
 
-    def _list(self) -> None:
-        engine = self._engine
-        self._listed_at = self._monotonic()
-        read_all = self._listings % _READ_ALL_EVERY == 0
-        self._listings += 1
+    def _look(self) -> None:
+        """Learn of the schedules changed elsewhere: from the notices, or by a full
+        listing (the first look, every FULL_EVERY looks, or notices trimmed away)."""
+        store = self._engine.store
+        self._looked_at = self._monotonic()
+        full = self._seen is None or self._looks % FULL_EVERY == 0
+        self._looks += 1
         try:
-            names = list(_book.names(engine.store))
+            if not full and self._seen is not None:
+                found = _book.notices_after(store, self._seen)
+                if found is not None:
+                    self._seen, changed = found
+                    for name in sorted(changed):
+                        self._due[name] = self._read_due(name)
+                    return
+            seen = store.head(_book.NOTICES)  # a change after this is noticed next look
+            names = list(_book.names(store))
         except LoomError as exc:
             logger.warning("loom: schedules not listed: %s: %s", type(exc).__name__, exc)
             return
-        due = {}
-        for name in names:
-            if name in self._due and not read_all:
-                due[name] = self._due[name]
-                continue
-            try:
-                _head, state = _book.read(engine.store, name)
-            except LoomError as exc:
-                logger.warning("loom: schedule %s not read: %s: %s", name, type(exc).__name__, exc)
-                due[name] = engine.clock() + self._refresh
-                continue
-            due[name] = next_due(name, state, engine.clock(), self._refresh)
-        self._due = due
+        self._due = {name: self._read_due(name) for name in names}
+        self._seen = seen
+
+    def _read_due(self, name: str) -> float | None:
+        engine = self._engine
+        try:
+            _head, state = _book.read(engine.store, name)
+        except LoomError as exc:
+            logger.warning("loom: schedule %s not read: %s: %s", name, type(exc).__name__, exc)
+            return engine.clock() + self._refresh
+        return next_due(name, state, engine.clock(), self._refresh)
 
 
 def schedule_poller(engine: Engine) -> SchedulePoller:
