@@ -72,6 +72,21 @@ def test_a_resend_with_the_same_key_is_a_no_op_even_after_the_run_finished() -> 
     assert engine.send("k", "again", key="m2") == 2, "finished: still a no-op, not an error"
 
 
+def test_a_runs_inbox_lists_each_message_once_and_whether_it_was_read() -> None:
+    engine = _engine(MemoryStore())
+    engine.start("inbox.two", "t", key="i")
+    engine.send("i", "later", topic="other", key="o")
+    engine.send("i", "first", topic="t", key="f")
+    engine.send("i", "again", topic="t", key="f")  # a resend: left out
+    shown = engine.inbox("i")
+    assert [(m.position, m.topic, m.key, m.message, m.received) for m in shown] == [
+        (1, "other", "o", "later", False),
+        (2, "t", "f", "first", True),
+    ]
+    with pytest.raises(ExecutionNotFoundError):
+        engine.inbox("nobody")
+
+
 def test_resends_that_both_landed_are_delivered_once() -> None:
     store = MemoryStore()
     engine = _engine(store)

@@ -38,7 +38,7 @@ from loom_kernel._core._reachability import reachable
 from loom_kernel._core._state import ExecutionState, Gate, Status, StepFrame
 from loom_kernel._engine._facade import Engine, Listener
 from loom_kernel._engine._handles import RunHandle
-from loom_kernel._engine._views import Execution, HistoryEntry
+from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
 from loom_kernel._hosting._worker import Worker, WorkerStats
 from loom_kernel._replay._async_context import AsyncContext
 from loom_kernel._replay._context import Context
@@ -63,6 +63,7 @@ __all__ = [
     "Gate",
     "GateTimeoutError",
     "HistoryEntry",
+    "InboxMessage",
     "InvalidArgumentError",
     "InvalidIdError",
     "Listener",

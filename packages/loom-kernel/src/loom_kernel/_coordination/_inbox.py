@@ -76,6 +76,12 @@ class Inbox:
         with self._folds.holding(stream):
             return self._folds.refresh(stream).keys.get(key)
 
+    def messages(self, execution_id: str) -> list[Message]:
+        """Every message of the inbox, in send order (resends left out)."""
+        stream = self.stream(execution_id)
+        with self._folds.holding(stream):
+            return list(self._folds.refresh(stream).messages)
+
     def next_for(
         self, execution_id: str, topics: Iterable[str | None], consumed: set[int]
     ) -> Message | None:

@@ -10,7 +10,7 @@ from loom_kernel._engine._enqueueing import LocalSlots, QueuedDrive
 from loom_kernel._engine._facade import Engine, EngineParts, Listener, parts_of
 from loom_kernel._engine._handles import RunHandle
 from loom_kernel._engine._recovery import NOT_STARTED
-from loom_kernel._engine._views import Execution, HistoryEntry
+from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
 
 __all__ = [
     "DRIVE_WATCH",
@@ -20,6 +20,7 @@ __all__ = [
     "EngineParts",
     "Execution",
     "HistoryEntry",
+    "InboxMessage",
     "Listener",
     "LocalSlots",
     "QueuedDrive",

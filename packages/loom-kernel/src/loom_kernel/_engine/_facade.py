@@ -42,7 +42,7 @@ from loom_kernel._engine._recovery import Recovery
 from loom_kernel._engine._starts import Starts
 from loom_kernel._engine._twins import async_twin
 from loom_kernel._engine._versions import Versions
-from loom_kernel._engine._views import Execution, HistoryEntry
+from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
 from loom_kernel._replay import Flow, RetryPolicy, awaitable_sleep, in_a_thread
 from loom_kernel._spi import JournalStore
 
@@ -544,6 +544,16 @@ class Engine:
         """
         return self._parts.reading.get_events(execution_id)
 
+    def inbox(self, execution_id: str) -> list[InboxMessage]:
+        """Every message sent to a run, in send order (a resend of a key left out),
+        each saying whether the run has read it.
+
+        Raises:
+            ExecutionNotFoundError: there is no such run.
+            InvalidIdError: the id is not a valid execution id.
+        """
+        return self._parts.reading.inbox(execution_id)
+
     def queue(self, name: str) -> QueueView:
         """What waits on one of this engine's queues, in order, and what is driven.
 
@@ -627,6 +637,7 @@ class Engine:
     frames_async = async_twin(frames)
     history_async = async_twin(history)
     get_events_async = async_twin(get_events)
+    inbox_async = async_twin(inbox)
     queue_async = async_twin(queue)
     replay_check_async = async_twin(replay_check)
     resume_as_async = async_twin(resume_as)

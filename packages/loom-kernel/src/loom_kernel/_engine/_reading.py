@@ -32,7 +32,8 @@ from loom_kernel._core import (
     validate_prefix,
 )
 from loom_kernel._engine._driver import Driver
-from loom_kernel._engine._views import Execution, HistoryEntry
+from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
+from loom_kernel._replay import consumed_positions
 
 __all__ = ["EventLooks", "Reading"]
 
@@ -156,6 +157,14 @@ class Reading:
                 return value
             time.sleep(pause)
 
+    def inbox(self, execution_id: str) -> list[InboxMessage]:
+        """See `Engine.inbox`."""
+        consumed = consumed_positions(self._driver.view(execution_id, _resume_keys))
+        return [
+            InboxMessage(m.position, m.topic, m.key, m.message, m.sent_at, m.position in consumed)
+            for m in self._driver.inbox.messages(execution_id)
+        ]
+
     def get_events(self, execution_id: str) -> dict[str, Any]:
         """See `Engine.get_events`."""
         self._driver.view(execution_id, _exists)
@@ -191,6 +200,10 @@ class EventLooks:
 
 def _exists(_state: ExecutionState) -> None:
     """A look at a run that only says it exists (its checkout raises if it does not)."""
+
+
+def _resume_keys(state: ExecutionState) -> list[str]:
+    return list(state.resume_keys)
 
 
 def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset[Status] | None:

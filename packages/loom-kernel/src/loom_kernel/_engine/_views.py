@@ -9,7 +9,7 @@ import attrs
 from loom_kernel._core import ErrorInfo, Event, ExecutionState, InvalidArgumentError, Status
 from loom_kernel._replay import wait_of
 
-__all__ = ["Execution", "HistoryEntry"]
+__all__ = ["Execution", "HistoryEntry", "InboxMessage"]
 
 
 @attrs.frozen
@@ -101,3 +101,24 @@ class HistoryEntry:
     position: int
     timestamp: float
     event: Event
+
+
+@attrs.frozen
+class InboxMessage:
+    """A message in a run's inbox, as `Engine.inbox` shows it.
+
+    Attributes:
+        position: its place in the inbox (1, 2, ...): the send order.
+        topic: its topic (None: the default topic).
+        key: its dedupe key, if it was sent with one.
+        message: the message (JSON).
+        sent_at: when it was sent, by the sender's clock.
+        received: whether the run has read it (a `ctx.receive` or a `wait_first`).
+    """
+
+    position: int
+    topic: str | None
+    key: str | None
+    message: Any
+    sent_at: float
+    received: bool
