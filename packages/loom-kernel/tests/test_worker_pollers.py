@@ -62,3 +62,12 @@ def test_a_poller_that_raises_is_counted_and_polled_again(
         assert again.wait(10), "polled again after each failure"
     assert worker.stats.failures >= 3
     assert "a poller failed: RuntimeError: the poller broke" in caplog.text
+
+
+def test_a_poller_is_called_at_every_poll_whatever_it_said() -> None:
+    """What it says only wakes the worker: a poller with work an hour away still
+    looks at every poll (a schedule created elsewhere is seen at the next one)."""
+    engine = Engine(MemoryStore(), [], listeners=[])
+    hourly = Ticker(3600.0)
+    with Worker(engine, idle_poll=0.05, pollers=[hourly.factory]):
+        assert hourly.called.wait(10), "six calls in well under an hour"

@@ -3,10 +3,12 @@ queues), published by other distributions in the `loom.pollers` entry-point grou
 (loom-orchestration's schedules are one).
 
 An entry point names a factory, called once per worker with its engine; what it
-returns is called on every poll, on the worker's polling thread, and answers in how
-many seconds it next has work (0 or less: now; None: it does not know, and the
-worker's idle pace decides). A poller must hand long work to the engine (`dispatch`,
-`enqueue`) rather than do it in the call: the poll waits for it.
+returns is called at every poll, on the worker's polling thread (so it must be cheap
+when it has nothing to do), and answers in how many seconds it next has work: the
+worker wakes then, however long its idle pace (0 or less: poll again at once; None:
+it does not know, and the worker's idle pace decides). A poller must hand long work
+to the engine (`dispatch`, `enqueue`) rather than do it in the call: the poll waits
+for it.
 """
 
 from __future__ import annotations
@@ -57,35 +59,31 @@ class Pollers:
     ) -> None:
         self._polls = [make(engine) for make in factories]
         self._stats = stats
-        # By time.monotonic(): when each is polled next (at once, at first), and when it
-        # said it has work, which wakes the worker (never, for one that did not say).
-        self._due_at = [0.0] * len(self._polls)
+        # By time.monotonic(): when each said it next has work, which wakes the
+        # worker (never, for one that did not say).
         self._wake_at = [float("inf")] * len(self._polls)
 
     def __bool__(self) -> bool:
         return bool(self._polls)
 
-    def poll(self, *, everything: bool = False) -> int:
-        """Call the pollers that are due (all of them with `everything`); how many of
-        them said they have more work now. One that raises is counted as a failure,
-        logged, and polled again at the next poll."""
+    def poll(self) -> int:
+        """Call every poller; how many of them said they have more work now. One that
+        raises is counted as a failure, logged, and polled again at the next poll."""
         busy = 0
         for index, poll in enumerate(self._polls):
-            now = time.monotonic()
-            if not everything and now < self._due_at[index]:
-                continue
             try:
                 after = poll()
             except Exception as exc:
                 self._stats.failures += 1
                 logger.warning("loom: a poller failed: %s: %s", type(exc).__name__, exc)
                 after = None
+            now = time.monotonic()
             if after is None:
-                self._due_at[index], self._wake_at[index] = now, float("inf")
+                self._wake_at[index] = float("inf")
                 continue
             if after <= 0:
                 busy += 1
-            self._due_at[index] = self._wake_at[index] = now + max(after, 0.0)
+            self._wake_at[index] = now + max(after, 0.0)
         return busy
 
     def until_due(self) -> float:

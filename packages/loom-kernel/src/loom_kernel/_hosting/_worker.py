@@ -254,7 +254,7 @@ class Worker:
                     next_timers = now + fastest
                     busy += self._fire_timers()  # due already: before the queues' runs
                 busy += self._serving.serve(sweep=sweep)
-                busy += self._pollers.poll(everything=sweep)
+                busy += self._pollers.poll()
             except Exception:  # a poll that failed never ends the worker: the next tries
                 self.stats.failures += 1
                 logger.exception("loom: a poll of worker %s failed", self.engine.worker_id)

@@ -7,17 +7,26 @@ code of the schedule's flow, wait for a worker that has it).
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
 import attrs
-from loom_kernel import Engine, Flow, InvalidArgumentError, LoomError, NotFoundError
+from loom_kernel import (
+    Engine,
+    Flow,
+    InvalidArgumentError,
+    LoomError,
+    NotFoundError,
+    SchemaError,
+)
 
 from loom_orchestration._schedules import _book
 from loom_orchestration._schedules._decide import ticks_between
 from loom_orchestration._schedules._firing import change, fire_schedule, trigger
 from loom_orchestration._schedules._spec import (
     DEFAULT_CATCHUP_WINDOW,
+    MAX_SECONDS,
     MIN_CATCHUP_WINDOW,
     OVERLAP_POLICIES,
     ScheduleSpec,
@@ -43,10 +52,13 @@ __all__ = [
     "get_schedule",
     "list_schedules",
     "pause_schedule",
+    "scan_schedules",
     "trigger_schedule",
     "unpause_schedule",
     "update_schedule",
 ]
+
+logger = logging.getLogger("loom")
 
 #: How many next ticks `get_schedule` lists.
 NEXT_TICKS: Final = 5
@@ -222,7 +234,11 @@ def create_schedule(
         if state is not None and not state.deleted:
             raise ScheduleExistsError(f"a schedule {name!r} exists already")
         now = engine.clock()
-        return ScheduleState(spec, now, now, now, paused=paused, note=note)
+        # A schedule of that name deleted before decided its ticks up to its cursor,
+        # whose runs have the ids this one's would: never decide them again (another
+        # engine's clock may be behind the deleting one's).
+        cursor = now if state is None else max(now, state.cursor)
+        return ScheduleState(spec, now, now, cursor, paused=paused, note=note)
 
     return ScheduleInfo.of(name, change(engine, name, make))
 
@@ -327,6 +343,7 @@ def unpause_schedule(engine: Engine, name: str, note: str | None = None) -> Sche
 def delete_schedule(engine: Engine, name: str) -> None:
     """Delete a schedule: no tick of it starts again (what its last decision owed is
     done first); the runs it started are left as they are. Its name may be used again.
+    A schedule whose record is damaged is deleted too (what it owed is then lost).
 
     Raises:
         ScheduleNotFoundError: no schedule of that name.
@@ -338,7 +355,11 @@ def delete_schedule(engine: Engine, name: str) -> None:
         state = state_of(state)
         return attrs.evolve(state, deleted=True, pending=Pending(), updated_at=engine.clock())
 
-    change(engine, name, make)
+    try:
+        change(engine, name, make)
+    except SchemaError as exc:
+        logger.warning("loom: schedule %s is damaged (%s): deleted with a tombstone", name, exc)
+        _book.bury(engine.store, name, engine.clock())
 
 
 def get_schedule(engine: Engine, name: str) -> ScheduleInfo:
@@ -353,12 +374,34 @@ def get_schedule(engine: Engine, name: str) -> ScheduleInfo:
 
 
 def list_schedules(engine: Engine) -> list[ScheduleInfo]:
-    """Every schedule in the engine's store, by name."""
+    """Every schedule in the engine's store, by name. One whose record is damaged is
+    left out and logged (`get_schedule` raises its error; `delete_schedule` removes
+    it); use `scan_schedules` to have the errors.
+
+    Raises:
+        LoomError: the store could not be listed.
+    """
     found = []
+    for name, info in scan_schedules(engine):
+        if isinstance(info, LoomError):
+            logger.warning("loom: schedule %s not listed: %s", name, info)
+        else:
+            found.append(info)
+    return found
+
+
+def scan_schedules(engine: Engine) -> list[tuple[str, ScheduleInfo | LoomError]]:
+    """Every schedule in the engine's store, by name: its info, or the error that
+    reading it raised (a damaged record)."""
+    found: list[tuple[str, ScheduleInfo | LoomError]] = []
     for name in _book.names(engine.store):
-        _head, state = _book.read(engine.store, name)
+        try:
+            _head, state = _book.read(engine.store, name)
+        except LoomError as exc:
+            found.append((name, exc))
+            continue
         if state is not None and not state.deleted:
-            found.append(ScheduleInfo.of(name, state))
+            found.append((name, ScheduleInfo.of(name, state)))
     return found
 
 
@@ -384,11 +427,19 @@ def trigger_schedule(engine: Engine, name: str, *, overlap: str | None = None) -
 
 
 def _instant(value: object, what: str) -> float:
+    """An instant given as an aware datetime or Unix seconds, within a century of 1970."""
     if isinstance(value, datetime):
         if value.tzinfo is None:
             raise InvalidArgumentError(f"{what} is an aware datetime (say its zone), not {value!r}")
-        return value.timestamp()
-    return seconds(value, what, least=float("-inf"))
+        value = value.timestamp()
+    elif isinstance(value, (timedelta, bool)):
+        raise InvalidArgumentError(f"{what} is an aware datetime or Unix seconds, not {value!r}")
+    try:
+        return seconds(value, what, least=-MAX_SECONDS)
+    except InvalidArgumentError:
+        raise InvalidArgumentError(
+            f"{what} is an aware datetime or Unix seconds within a century of 1970, not {value!r}"
+        ) from None
 
 
 def backfill_schedule(

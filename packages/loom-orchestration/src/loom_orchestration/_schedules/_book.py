@@ -25,6 +25,8 @@ __all__ = [
     "KIND",
     "NOTICES",
     "PREFIX",
+    "TOMBSTONE_KIND",
+    "bury",
     "names",
     "notice",
     "notices_after",
@@ -37,6 +39,8 @@ logger = logging.getLogger("loom")
 
 PREFIX: Final = "schedules/"
 KIND: Final = "loom.schedule"
+#: A schedule deleted whose last state could not be read: its name may be used again.
+TOMBSTONE_KIND: Final = "loom.schedule_deleted"
 #: Trim a schedule's stream below its last record once its head is a multiple of this.
 _TRIM_EVERY: Final = 32
 _PAGE: Final = 1000
@@ -71,6 +75,8 @@ def read(store: JournalStore, name: str) -> tuple[int, ScheduleState | None]:
         except TrimmedError:  # trimmed past that head since: its newer head is there
             continue
         last = records[-1]
+        if last.kind == TOMBSTONE_KIND:
+            return last.position, None
         return last.position, decode_state(last.payload, f"{stream} at {last.position}")
     raise StoreUnavailableError(
         f"{stream} was trimmed past its head at each of {_READ_ATTEMPTS} reads; read it again"
@@ -140,3 +146,22 @@ def notices_after(store: JournalStore, position: int) -> tuple[int, set[str]] | 
     if not records:
         return position, set()
     return records[-1].position, {record.payload.decode(errors="replace") for record in records}
+
+
+def bury(store: JournalStore, name: str, at: float) -> None:
+    """Delete a schedule whose state cannot be read (a damaged record): a tombstone
+    after its last record, whatever that holds.
+
+    Raises:
+        ConflictError: the schedule kept changing under every attempt.
+    """
+    stream = stream_of(name)
+    for _ in range(_READ_ATTEMPTS):
+        head = store.head(stream)
+        try:
+            store.append(stream, head, [NewRecord(TOMBSTONE_KIND, b"{}", at)])
+        except ConflictError:
+            continue
+        notice(store, name, at)
+        return
+    raise ConflictError(stream, head, head + 1)

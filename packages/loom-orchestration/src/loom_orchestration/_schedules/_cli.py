@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import attrs
@@ -23,8 +23,8 @@ from loom_orchestration._schedules._api import (
     create_schedule,
     delete_schedule,
     get_schedule,
-    list_schedules,
     pause_schedule,
+    scan_schedules,
     trigger_schedule,
     unpause_schedule,
 )
@@ -121,10 +121,16 @@ def _create(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def _ls(engine: Engine, args: argparse.Namespace) -> int:
-    schedules = list(list_schedules(engine))
+    schedules, damaged = [], 0
+    for name, info in scan_schedules(engine):
+        if isinstance(info, ScheduleInfo):
+            schedules.append(info)
+        else:
+            damaged += 1
+            print(f"loom: schedule {name} cannot be read: {info}", file=sys.stderr)
     if args.json:
         print(json.dumps([as_json(info) for info in schedules], indent=2))
-        return 0
+        return 1 if damaged else 0
     print(f"{'NAME':<24} {'FLOW':<20} {'CRON':<18} {'NEXT':<27} COUNTS")
     for info in schedules:
         upcoming = (
@@ -135,7 +141,7 @@ def _ls(engine: Engine, args: argparse.Namespace) -> int:
             f" started {info.counts.started}, skipped {info.counts.skipped},"
             f" missed {info.counts.missed}"
         )
-    return 0
+    return 1 if damaged else 0
 
 
 def _describe(engine: Engine, args: argparse.Namespace) -> int:
@@ -194,6 +200,16 @@ _VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
 }
 
 
+def _span(duration: timedelta) -> str:
+    """A duration as people write it: 365 days, 6 hours, 90 s, 0 s."""
+    total = duration.total_seconds()
+    for unit, size in (("days", 86400), ("hours", 3600), ("minutes", 60)):
+        if total >= size and total % size == 0:
+            count = int(total // size)
+            return f"{count} {unit if count != 1 else unit[:-1]}"
+    return f"{total:g} s"
+
+
 def _when(moment: datetime | None) -> str:
     return "-" if moment is None else moment.strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -228,7 +244,7 @@ def describe(info: ScheduleInfo) -> str:
     counts = info.counts
     lines = [
         f"{info.name}: {info.flow} at {info.cron!r} ({info.timezone}), overlap {info.overlap},"
-        f" catch-up window {info.catchup_window}, jitter {info.jitter}",
+        f" catch-up window {_span(info.catchup_window)}, jitter {_span(info.jitter)}",
         f"  {'paused' + (f' ({info.note})' if info.note else '') if info.paused else 'active'};"
         f" next ticks: {', '.join(_when(t) for t in info.next_ticks) or '-'}",
         f"  last run: {info.last_run or '-'}",

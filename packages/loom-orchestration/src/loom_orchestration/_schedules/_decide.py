@@ -38,7 +38,7 @@ BUFFER_LIMIT: Final = 1000
 #: The most runs one decision starts or cancels: the rest are the next decision's.
 MAX_ACTIONS: Final = 100
 #: The most ticks one decision looks at (missed ones are only counted).
-MAX_TICKS: Final = 1_000_000
+MAX_TICKS: Final = 100_000
 #: The most backfilled ticks one decision looks at (each costs a read: does it exist?).
 MAX_BACKFILL_LOOKS: Final = 10_000
 
@@ -67,10 +67,10 @@ class Decider:
     name: str
     base: ScheduleState
     now: float
-    #: Whether the last run still runs: asked only when a policy needs it (each ask
-    #: reads the run), then known (a run started in this decision runs).
-    ask_running: Callable[[], bool]
-    known_running: bool | None = None
+    #: Whether a run still runs: asked only when a policy needs it (each ask reads the
+    #: run), then known (a run started in this decision runs).
+    ask_running: Callable[[str], bool]
+    known: dict[str, bool] = attrs.Factory(dict)
     cursor: float = 0.0
     last_run: str | None = None
     last_tick: float | None = None
@@ -93,9 +93,16 @@ class Decider:
 
     @property
     def running(self) -> bool:
-        if self.known_running is None:
-            self.known_running = self.ask_running()
-        return self.known_running
+        """Whether the schedule's last run still runs."""
+        return self.runs(self.last_run)
+
+    def runs(self, execution_id: str | None) -> bool:
+        """Whether a run still runs (False for none)."""
+        if execution_id is None:
+            return False
+        if execution_id not in self.known:
+            self.known[execution_id] = self.ask_running(execution_id)
+        return self.known[execution_id]
 
     @property
     def busy(self) -> bool:
@@ -107,7 +114,8 @@ class Decider:
 
     def start(self, waiting: Waiting, overlap: str) -> None:
         self.starts.append(waiting)
-        self.last_run, self.last_tick, self.known_running = waiting.run_id, waiting.tick, True
+        self.last_run, self.last_tick = waiting.run_id, waiting.tick
+        self.known[waiting.run_id] = True
         self.halted = self.halted or overlap != "allow_all"
         self._note("started", waiting)
 
@@ -168,9 +176,11 @@ class Decider:
     # -- the sources of ticks -------------------------------------------------------
 
     def start_buffered(self) -> None:
-        """The oldest buffered tick starts once the last run has ended."""
-        if self.buffer and not self.running:
-            self.start(self.buffer.pop(0), self.base.spec.overlap)
+        """The oldest buffered tick starts once the last run has ended; under
+        `allow_all` (a policy changed while ticks waited) every one starts at once."""
+        overlap = self.base.spec.overlap
+        while self.buffer and not self.busy and (overlap == "allow_all" or not self.running):
+            self.start(self.buffer.pop(0), overlap)
 
     def regular_ticks(self) -> None:
         """The ticks due by now: missed past the catch-up window, else arrived."""
@@ -203,34 +213,34 @@ class Decider:
             if self.busy:
                 kept.extend(self.backfills[index:])
                 break
-            cursor, done = self._fill(fill, exists)
-            if cursor != fill.cursor:
+            moved, done = self._fill(fill, exists)
+            if moved != fill or done:
                 self.changed = True
-            if done:
-                self.changed = True
-            else:
-                kept.append(attrs.evolve(fill, cursor=cursor))
+            if not done:
+                kept.append(moved)
         self.backfills = kept
 
-    def _fill(self, fill: Backfill, exists: Callable[[str], bool]) -> tuple[float, bool]:
-        """Go on with one backfill; its new cursor, and whether it is done."""
-        cursor = fill.cursor
+    def _fill(self, fill: Backfill, exists: Callable[[str], bool]) -> tuple[Backfill, bool]:
+        """Go on with one backfill; where it is now, and whether it is done. With
+        `buffer_all`, each tick waits for the run the backfill started before it."""
+        cursor, last_run = fill.cursor, fill.last_run
         for looked, tick in enumerate(self.base.spec.ticks_after(fill.cursor)):
             if tick >= fill.end:
-                return cursor, True
+                return attrs.evolve(fill, cursor=cursor, last_run=last_run), True
             if self.busy or looked >= MAX_BACKFILL_LOOKS:
-                return cursor, False
+                break
             waiting = Waiting(run_id(self.name, tick), tick)
-            if exists(waiting.run_id):
+            if exists(waiting.run_id) or any(s.run_id == waiting.run_id for s in self.starts):
                 self._note("already_ran", waiting)
             elif fill.overlap == "buffer_all":
-                if self.running:
-                    return cursor, False  # waits, unlooked at, for the run before it
+                if self.runs(last_run):
+                    break  # waits, unlooked at, for the run before it
                 self.start(waiting, fill.overlap)
+                last_run = waiting.run_id
             else:
                 self.arrive(waiting, fill.overlap)
             cursor = tick
-        return cursor, True
+        return attrs.evolve(fill, cursor=cursor, last_run=last_run), False
 
     def state(self) -> ScheduleState:
         """The next state: what was decided, and what it owes."""
@@ -253,7 +263,7 @@ def advance(
     state: ScheduleState,
     now: float,
     *,
-    running: Callable[[], bool],
+    running: Callable[[str], bool],
     exists: Callable[[str], bool],
 ) -> ScheduleState | None:
     """The state after deciding what is due by `now`, or None when nothing is.
@@ -262,7 +272,7 @@ def advance(
         name: the schedule's name.
         state: its state, whose `pending` has been done.
         now: the time, by the deciding engine's clock.
-        running: whether its last run still runs (asked only if a policy needs it).
+        running: whether a run still runs (asked only where a policy needs it).
         exists: whether a run of that id exists (a backfilled tick that ran is not
             started again).
     """

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -31,7 +32,7 @@ from loom_kernel import (
 
 from loom_orchestration._schedules import _book
 from loom_orchestration._schedules._decide import Decider, advance
-from loom_orchestration._schedules._spec import check_name, run_id, schedule_of, tick_text
+from loom_orchestration._schedules._spec import check_name, run_id, schedule_of
 from loom_orchestration._schedules._state import Pending, ScheduleState, Waiting
 
 __all__ = [
@@ -89,10 +90,10 @@ def collecting() -> Iterator[list[str]]:
         _STARTED.reset(token)
 
 
-def run_input(name: str, tick: float, value: Any) -> dict[str, Any]:
-    """What a scheduled run receives: its schedule, its nominal tick (never the
-    jittered time it was started at) and the schedule's input."""
-    return {"schedule": name, "tick": tick_text(tick), "input": value}
+def run_input(name: str, waiting: Waiting, value: Any) -> dict[str, Any]:
+    """What a scheduled run receives: its schedule, its nominal tick as its id names
+    it (never the jittered time it was started at) and the schedule's input."""
+    return {"schedule": name, "tick": waiting.run_id.rpartition("@")[2], "input": value}
 
 
 def do_pending(engine: Engine, name: str, state: ScheduleState) -> None:
@@ -107,7 +108,7 @@ def do_pending(engine: Engine, name: str, state: ScheduleState) -> None:
     for waiting in pending.starts:
         try:
             engine.dispatch(
-                state.spec.flow, run_input(name, waiting.tick, state.spec.input), key=waiting.run_id
+                state.spec.flow, run_input(name, waiting, state.spec.input), key=waiting.run_id
             )
         except ExecutionNotFoundError:  # it ran, and was deleted since (retention)
             continue
@@ -134,7 +135,7 @@ def _exists(engine: Engine) -> Callable[[str], bool]:
 
 
 def fire_schedule(
-    engine: Engine, name: str, most: int | None = None
+    engine: Engine, name: str, most: int | None = None, budget: float | None = None
 ) -> tuple[list[str], ScheduleState | None]:
     """Decide and start what one schedule has due by the engine's clock (in at most
     `most` decisions: a worker's poll leaves the rest to its next); the ids of the
@@ -147,13 +148,16 @@ def fire_schedule(
             appended before stays decided, and what it owes is done at the next fire.
     """
     with collecting() as started:
-        state = _decide(engine, name, started, _MOST_DECISIONS if most is None else most)
+        until = None if budget is None else time.monotonic() + budget
+        state = _decide(engine, name, started, _MOST_DECISIONS if most is None else most, until)
         if state is not None:
             state = attrs.evolve(state, pending=Pending())  # this call did what it owed
         return list(started), state
 
 
-def _decide(engine: Engine, name: str, started: list[str], most: int) -> ScheduleState | None:
+def _decide(
+    engine: Engine, name: str, started: list[str], most: int, until: float | None
+) -> ScheduleState | None:
     store = engine.store
     done: int | None = None  # the head whose owed actions this call did
     state: ScheduleState | None = None
@@ -172,7 +176,7 @@ def _decide(engine: Engine, name: str, started: list[str], most: int) -> Schedul
             name,
             state,
             engine.clock(),
-            running=partial(running, engine, state.last_run),
+            running=partial(running, engine),
             exists=_exists(engine),
         )
         if decided is None:
@@ -182,10 +186,22 @@ def _decide(engine: Engine, name: str, started: list[str], most: int) -> Schedul
         except ConflictError:
             done = state = None
             continue  # another process decided first: read what it decided
+        missed = decided.counts.missed - state.counts.missed
+        if missed:
+            logger.warning(
+                "loom: schedule %s: %d tick(s) missed, due longer ago than its catch-up "
+                "window (%g s); decided up to %s",
+                name,
+                missed,
+                decided.spec.catchup_window,
+                run_id(name, decided.cursor).rpartition("@")[2],
+            )
         state = decided
         started.extend(waiting.run_id for waiting in decided.pending.starts)
         with _firing(name):
             do_pending(engine, name, decided)
+        if until is not None and time.monotonic() >= until:
+            break  # the rest at the next fire
     return state
 
 
@@ -229,8 +245,13 @@ def trigger(
         state = state_of(state)
         now = engine.clock()
         tick = round(now, 3)
-        decider = Decider(name, state, now, partial(running, engine, state.last_run))
-        decider.arrive(Waiting(run_id(name, tick), tick), overlap or state.spec.overlap)
+        taken = {w.run_id for w in (*state.buffer, *state.pending.starts)}
+        exists = _exists(engine)
+        while run_id(name, tick, trigger=True) in taken or exists(run_id(name, tick, trigger=True)):
+            tick = round(tick + 0.001, 3)  # two triggers in one millisecond: two runs
+        decider = Decider(name, state, now, partial(running, engine))
+        waiting = Waiting(run_id(name, tick, trigger=True), tick)
+        decider.arrive(waiting, overlap or state.spec.overlap)
         made = decider.state()
         outcome[0] = made.pending.starts[0].run_id if made.pending.starts else None
         return made
@@ -244,15 +265,15 @@ def fire_due_schedules(engine: Engine) -> list[str]:
     engine's clock (as every worker does on its polls; call this where no worker
     runs). Returns the ids of the runs it started.
 
-    A schedule that cannot be fired (a damaged record, a store fault) is logged and
-    the others are fired; the first such error is raised after them all.
+    A schedule that cannot be fired (a damaged record, a store fault, a bug) is
+    logged and the others are fired; the first such error is raised after them all.
     """
-    failures: list[LoomError] = []
+    failures: list[Exception] = []
     with collecting() as started:
         for name in _book.names(engine.store):
             try:
                 fire_schedule(engine, name)
-            except LoomError as exc:
+            except Exception as exc:  # one schedule never stops the others
                 logger.warning("loom: schedule %s not fired: %s: %s", name, type(exc).__name__, exc)
                 failures.append(exc)
         if failures:

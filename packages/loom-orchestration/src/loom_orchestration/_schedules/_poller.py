@@ -36,8 +36,10 @@ REFRESH_CHEAP: Final = 5.0
 REFRESH_COSTLY: Final = 60.0
 #: Every this many looks, every schedule is listed and read again.
 FULL_EVERY: Final = 60
-#: The most decisions a poll makes for one schedule (a catch-up goes on at the next).
+#: The most decisions a poll makes for one schedule, and the longest it spends on
+#: them (a catch-up goes on at the next poll).
 _DECISIONS_A_POLL: Final = 64
+_BUDGET: Final = 0.2
 
 
 def next_due(name: str, state: ScheduleState | None, now: float, recheck: float) -> float | None:
@@ -86,8 +88,8 @@ class SchedulePoller:
             if due is None or due > now:
                 continue
             try:
-                _started, state = fire_schedule(engine, name, _DECISIONS_A_POLL)
-            except LoomError as exc:  # tried again at the next listing
+                _started, state = fire_schedule(engine, name, _DECISIONS_A_POLL, _BUDGET)
+            except Exception as exc:  # one schedule never stops the others; again later
                 logger.warning("loom: schedule %s not fired: %s: %s", name, type(exc).__name__, exc)
                 self._due[name] = now + self._refresh
                 continue
@@ -122,7 +124,7 @@ class SchedulePoller:
         engine = self._engine
         try:
             _head, state = _book.read(engine.store, name)
-        except LoomError as exc:
+        except Exception as exc:  # a damaged record, a store fault: looked at again later
             logger.warning("loom: schedule %s not read: %s: %s", name, type(exc).__name__, exc)
             return engine.clock() + self._refresh
         return next_due(name, state, engine.clock(), self._refresh)

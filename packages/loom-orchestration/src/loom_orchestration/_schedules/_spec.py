@@ -19,6 +19,7 @@ from loom_kernel.spi import MAX_ID_LENGTH, validate_stream_id
 
 __all__ = [
     "DEFAULT_CATCHUP_WINDOW",
+    "MAX_SECONDS",
     "MIN_CATCHUP_WINDOW",
     "OVERLAP_POLICIES",
     "Overlap",
@@ -38,6 +39,9 @@ OVERLAP_POLICIES: Final[tuple[str, ...]] = get_args(Overlap)
 DEFAULT_CATCHUP_WINDOW: Final = timedelta(days=365)
 #: A tick fired this late is still on time: less would count a poll's delay as missed.
 MIN_CATCHUP_WINDOW: Final = 1.0
+#: The longest duration (a catch-up window, a jitter) and the farthest instant from
+#: 1970 (a backfill's bounds) a schedule takes: a century.
+MAX_SECONDS: Final = 100 * 365.25 * 86400
 #: The longest a tick's id may be: `sched/<name>@2026-12-07T03:04:05.123Z`.
 _ID_PREFIX: Final = "sched/"
 _TICK_LENGTH: Final = len("2026-12-07T03:04:05.123Z")
@@ -73,25 +77,36 @@ def seconds(value: object, what: str, *, least: float = 0.0) -> float:
     """
     if isinstance(value, timedelta):
         value = value.total_seconds()
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgumentError(f"{what} is a timedelta or a number of seconds, not {value!r}")
-    if value < least:
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or abs(number) > MAX_SECONDS:
+        raise InvalidArgumentError(
+            f"{what} is at most {MAX_SECONDS:g} s (a century), not {value!r}"
+        )
+    if number < least:
         raise InvalidArgumentError(f"{what} is at least {least:g} s, not {value!r}")
-    return float(value)
+    return number
 
 
-def tick_text(tick: float) -> str:
-    """A tick as ISO 8601 in UTC: whole seconds for a cron tick, milliseconds for a
-    trigger's (`2026-12-07T03:00:00Z`, `2026-12-07T03:04:05.123Z`)."""
-    whole, millis = divmod(round(tick * 1000), 1000)
+def tick_text(tick: float, *, millis: bool = False) -> str:
+    """A tick as ISO 8601 in UTC: whole seconds for a cron tick, milliseconds always
+    for a trigger's (`2026-12-07T03:00:00Z`, `2026-12-07T03:04:05.000Z`), so a trigger
+    never takes a cron tick's id. A cron tick that is not a whole second (none is)
+    would show its milliseconds too."""
+    whole, fraction = divmod(round(tick * 1000), 1000)
     moment = datetime.fromtimestamp(whole, UTC).strftime("%Y-%m-%dT%H:%M:%S")
-    return f"{moment}Z" if millis == 0 else f"{moment}.{millis:03d}Z"
+    return f"{moment}.{fraction:03d}Z" if millis or fraction else f"{moment}Z"
 
 
-def run_id(name: str, tick: float) -> str:
+def run_id(name: str, tick: float, *, trigger: bool = False) -> str:
     """The id of the run a schedule starts for a tick: the same in every process, so
-    however many workers fire the tick, one run starts (K9)."""
-    return f"{_ID_PREFIX}{name}@{tick_text(tick)}"
+    however many workers fire the tick, one run starts (K9). A trigger's tick always
+    has milliseconds."""
+    return f"{_ID_PREFIX}{name}@{tick_text(tick, millis=trigger)}"
 
 
 def schedule_of(execution_id: str) -> str | None:

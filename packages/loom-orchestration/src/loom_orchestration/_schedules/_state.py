@@ -77,6 +77,7 @@ class Backfill:
     end: float
     overlap: str
     cursor: float
+    last_run: str | None = None  # the run it started last (`buffer_all` waits for it)
 
 
 @attrs.frozen
@@ -150,7 +151,7 @@ def encode_state(state: ScheduleState) -> bytes:
     try:
         return stable_stringify(data).encode()
     except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"a schedule's input must be JSON: {exc}") from None
+        raise InvalidArgumentError(f"a schedule's input and note must be JSON: {exc}") from None
 
 
 def decode_state(payload: bytes, where: str) -> ScheduleState:
@@ -164,5 +165,8 @@ def decode_state(payload: bytes, where: str) -> ScheduleState:
         if not isinstance(data, dict) or data.get("format") != _FORMAT:
             raise ValueError(f"not a schedule record of format {_FORMAT}")
         return _converter.structure(data["state"], ScheduleState)
-    except (ValueError, TypeError, KeyError, cattrs.BaseValidationError) as exc:
+    except cattrs.BaseValidationError as exc:
+        reasons = "; ".join(cattrs.transform_error(exc, path="state"))
+        raise SchemaError(f"{where}: a damaged schedule record: {reasons}") from None
+    except (ValueError, TypeError, KeyError, RecursionError) as exc:
         raise SchemaError(f"{where}: a damaged schedule record: {exc}") from None
