@@ -39,6 +39,8 @@ from loom_kernel import (
 )
 from loom_kernel.testing import NotApplicable
 from loom_orchestration import (
+    ChainEndedError,
+    ChainNotFoundError,
     ChildCancelledError,
     ChildFailedError,
     ChildIdTakenError,
@@ -77,6 +79,9 @@ EXAMPLES: list[LoomError] = [
     SupervisorEscalationError("too many restarts"),
     ScheduleNotFoundError("no schedule 'nightly'"),
     ScheduleExistsError("schedule 'nightly' exists already"),
+    ChainNotFoundError("no chain 'sentinel'"),
+    ChainEndedError("sentinel", "sentinel@4", "completed"),
+    ChainEndedError("sentinel", "sentinel@4", "failed", 17),
 ]
 
 

@@ -1,5 +1,5 @@
-"""Loom orchestration: child executions, supervisors and schedules, built from kernel
-machinery.
+"""Loom orchestration: child executions, supervisors, schedules and run chains, built
+from kernel machinery.
 
 from loom_orchestration import await_child, start_child
 
@@ -10,6 +10,19 @@ def order(ctx, order):
     return receipt
 """
 
+from loom_orchestration._chains import (
+    ROTATED,
+    ChainEndedError,
+    ChainNotFoundError,
+    Suspension,
+    chain_runs,
+    current_run,
+    reestablish,
+    resume_chain,
+    rotate,
+    send_to_chain,
+    start_chain,
+)
 from loom_orchestration._children import (
     ChildCancelledError,
     ChildFailedError,
@@ -53,6 +66,9 @@ from loom_orchestration._supervisor import (
 __all__ = [
     "DEFAULT_CATCHUP_WINDOW",
     "OVERLAP_POLICIES",
+    "ROTATED",
+    "ChainEndedError",
+    "ChainNotFoundError",
     "ChildCancelledError",
     "ChildFailedError",
     "ChildId",
@@ -65,12 +81,15 @@ __all__ = [
     "ScheduleInfo",
     "ScheduleNotFoundError",
     "SupervisorEscalationError",
+    "Suspension",
     "await_any",
     "await_child",
     "await_children",
     "backfill_schedule",
+    "chain_runs",
     "child_gate",
     "create_schedule",
+    "current_run",
     "delete_schedule",
     "fire_due_schedules",
     "format_supervision",
@@ -78,6 +97,11 @@ __all__ = [
     "install",
     "list_schedules",
     "pause_schedule",
+    "reestablish",
+    "resume_chain",
+    "rotate",
+    "send_to_chain",
+    "start_chain",
     "start_child",
     "supervise_children",
     "supervision",
@@ -88,6 +112,8 @@ __all__ = [
 
 # Shown as loom_orchestration.ChildFailedError (tracebacks, reprs, journal error records).
 for _error in (
+    ChainEndedError,
+    ChainNotFoundError,
     ChildCancelledError,
     ChildFailedError,
     ChildIdTakenError,

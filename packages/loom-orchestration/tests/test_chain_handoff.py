@@ -1,0 +1,169 @@
+"""ADR 0052 D2's frozen criterion, at every store call of a handoff: "kill the worker
+between terminal-commit and successor-start with a signal in flight; recover; assert
+exactly one live successor and exactly one delivery".
+
+The worker is an engine whose store dies at its k-th call (before the call, or after
+it landed), for every k from the message that makes run 1 rotate until a handoff
+with no death; as it dies, another process sends the chain a keyed signal. A dead
+engine makes no call again (kill -9). Then a rescuer, once the victim's lease has
+lapsed, recovers, and the sender and the client retry their sends (same keys): the
+chain has exactly two runs, run 1 rotated and ended, run 2 live, and the signal and
+the message were each received exactly once, the signal by run 2. On memory and on
+SQLite."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from chain_helpers import FLOWS, receipts
+from loom_kernel import Engine, MemoryStore, Status, open_store
+from loom_kernel.spi import JournalStore, NewRecord, Record
+from loom_kernel.testing import FakeClock
+from loom_orchestration import ROTATED, chain_runs, send_to_chain, start_chain
+from loom_orchestration._chains._inbox import items
+
+
+class Crash(BaseException):
+    """The victim's process dies here."""
+
+
+class DyingStore(JournalStore):
+    """`inner` until call `at`, which dies before it reaches the store or after it
+    landed (`after`); every call after a death dies too."""
+
+    def __init__(
+        self, inner: JournalStore, at: int, *, after: bool, as_it_dies: Callable[[], None]
+    ) -> None:
+        self.inner, self.at, self.after, self.as_it_dies = inner, at, after, as_it_dies
+        self.head_is_cheap = inner.head_is_cheap  # type: ignore[misc]
+        self.max_record_bytes = inner.max_record_bytes
+        self.calls = 0
+        self.dead = False
+        self._lock = threading.Lock()
+
+    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        with self._lock:
+            if self.dead:
+                raise Crash
+            self.calls += 1
+            dies = self.calls == self.at
+        if dies and not self.after:
+            self._die()
+        result = method(*args)
+        if dies:
+            self._die()
+        return result
+
+    def _die(self) -> None:
+        with self._lock:
+            self.dead = True
+        self.as_it_dies()
+        raise Crash
+
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        return int(self._call(self.inner.append, stream, expected, list(records)))
+
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Record]:
+        found: list[Record] = self._call(self.inner.read, stream, after, limit)
+        return found
+
+    def _head(self, stream: str) -> int:
+        return int(self._call(self.inner.head, stream))
+
+    def _streams(self, prefix: str, after: str | None, limit: int | None) -> list[str]:
+        found: list[str] = self._call(self.inner.streams, prefix, after, limit)
+        return found
+
+    def _trim(self, stream: str, before: int) -> None:
+        self._call(self.inner.trim, stream, before)
+
+    def _delete(self, stream: str) -> None:
+        self._call(self.inner.delete, stream)
+
+
+def _in_another_process(call: Callable[[], object]) -> None:
+    """Run `call` on a thread of its own (its own context: another process's flow of
+    control), and wait for it."""
+    failures: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the sender hung"
+    assert not failures, failures
+
+
+def _handoff_with_a_death(base: JournalStore, at: int, *, after: bool) -> bool:
+    """Run 1 parked; the victim's message makes it rotate, and its store dies at call
+    `at` while the signal is sent from elsewhere; then the rescue. Whether it died."""
+    clock = FakeClock(1000.0)
+    start_chain(Engine(base, FLOWS, clock=clock, worker_id="starter"), "c", "chain.relay")
+    sender = Engine(base, FLOWS, clock=clock, worker_id="sender")
+    sent: list[int] = []
+
+    def signal() -> None:
+        sent.append(send_to_chain(sender, "c", "sig", topic="sig", key="sig-1"))
+
+    dying = DyingStore(base, at, after=after, as_it_dies=lambda: _in_another_process(signal))
+    victim = Engine(dying, FLOWS, clock=clock, worker_id="victim")
+    with contextlib.suppress(Crash):
+        send_to_chain(victim, "c", "go", topic="go", key="go-1")
+    died = dying.dead
+    clock.advance(3600)  # the victim's lease lapses
+    rescuer = Engine(base, FLOWS, clock=clock, worker_id="rescuer")
+    rescuer.recover()
+    send_to_chain(rescuer, "c", "go", topic="go", key="go-1")  # the client retries
+    send_to_chain(rescuer, "c", "sig", topic="sig", key="sig-1")  # so does the sender
+    rescuer.recover()
+
+    runs = chain_runs(rescuer, "c")
+    assert [run.id for run in runs] == ["c@1", "c@2"], at
+    assert runs[0].status is Status.COMPLETED, at
+    assert runs[0].result == {ROTATED: "c@2"}, at
+    assert [run.id for run in runs if not run.status.finished] == ["c@2"], "one live successor"
+    got = receipts(rescuer, "c")
+    assert sorted(position for _run, position in got) == [1, 2], f"each once, at call {at}"
+    [signal_at] = [item.position for item in items(base, "c") if item.key == "sig-1"]
+    assert ("c@2", signal_at) in got, f"the signal reached the successor, at call {at}"
+    assert rescuer.get_event("c@2", "sig") == "sig", at
+    return died
+
+
+def _every_call(make: Callable[[int], JournalStore], *, after: bool) -> int:
+    at = 1
+    while _handoff_with_a_death(make(at), at, after=after):
+        at += 1
+        assert at < 1000, "the handoff never ended"
+    return at
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before the call", "after it landed"])
+def test_d2_on_memory_at_every_store_call(after: bool) -> None:
+    assert _every_call(lambda _at: MemoryStore(), after=after) > 10
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before the call", "after it landed"])
+def test_d2_on_sqlite_at_every_store_call(after: bool, tmp_path: Path) -> None:
+    stores: list[JournalStore] = []
+
+    def make(at: int) -> JournalStore:
+        store = open_store(f"sqlite:///{tmp_path}/{at}.db")
+        stores.append(store)
+        return store
+
+    try:
+        assert _every_call(make, after=after) > 10
+    finally:
+        for store in stores:
+            store.close()

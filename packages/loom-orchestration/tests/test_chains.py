@@ -1,0 +1,140 @@
+"""Run chains on one engine: a rotation starts one successor with its carry; what is
+sent to the chain by its name reaches the run current when it reads it, once, in send
+order per topic, unread messages handed on; keys dedupe across the whole chain; gates
+are re-established from carry-forward; the lineage is read from the journals; misuse
+is refused."""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import pytest
+from chain_helpers import FLOWS, receipts
+from loom_kernel import (
+    Context,
+    Engine,
+    InvalidArgumentError,
+    InvalidIdError,
+    MemoryStore,
+    Status,
+    flow,
+)
+from loom_kernel.testing import FakeClock
+from loom_orchestration import (
+    ROTATED,
+    ChainEndedError,
+    ChainNotFoundError,
+    chain_runs,
+    current_run,
+    resume_chain,
+    rotate,
+    send_to_chain,
+    start_chain,
+)
+
+
+def _engine(**options: Any) -> Engine:
+    return Engine(MemoryStore(), FLOWS, **options)
+
+
+def test_a_chain_rotates_with_its_carry_and_its_lineage_is_read_from_the_journals() -> None:
+    e = _engine()
+    first = start_chain(e, "s", "chain.pairs", {"limit": 6, "got": []})
+    assert (first.id, first.status) == ("s@1", Status.SUSPENDED)
+    assert start_chain(e, "s", "chain.pairs", {"limit": 99, "got": []}).input == first.input
+    for number in range(6):
+        send_to_chain(e, "s", f"m{number}", topic="a")
+    runs = chain_runs(e, "s")
+    assert [run.id for run in runs] == ["s@1", "s@2", "s@3"]
+    assert [run.result for run in runs[:2]] == [{ROTATED: "s@2"}, {ROTATED: "s@3"}]
+    assert runs[2].result == [f"m{n}" for n in range(6)]
+    assert runs[1].input["carry"] == {"limit": 6, "got": ["m0", "m1"]}
+    assert current_run(e, "s").id == "s@3"
+    with pytest.raises(ChainEndedError, match="its last run s@3 is completed") as ended:
+        send_to_chain(e, "s", "late", topic="a")
+    assert ended.value.position is None, "nothing was appended"
+    assert pickle.loads(pickle.dumps(ended.value)).execution_id == "s@3"
+
+
+def test_messages_a_run_did_not_read_go_to_its_successor_in_send_order_per_topic() -> None:
+    e = _engine()
+    start_chain(e, "m", "chain.mixed", {"per_run": 2})
+    sent = [("b", "b0"), ("b", "b1"), ("a", "a0"), ("b", "b2"), ("a", "a1"), ("a", "a2")]
+    positions = [send_to_chain(e, "m", value, topic=topic) for topic, value in sent]
+    got = receipts(e, "m")
+    assert sorted(position for _run, position in got) == positions, "each received once"
+    for topic in "ab":
+        mine = [p for p, (t, _v) in zip(positions, sent, strict=True) if t == topic]
+        assert [p for _run, p in got if p in mine] == mine, f"topic {topic} in send order"
+    assert len({run for run, _p in got}) == 3, "two a run, over three runs"
+
+
+def test_a_key_is_deduplicated_across_the_whole_chain() -> None:
+    e = _engine()
+    start_chain(e, "k", "chain.pairs", {"limit": 4, "got": []})
+    assert send_to_chain(e, "k", "x", topic="a", key="once") == 1
+    send_to_chain(e, "k", "y", topic="a")
+    assert current_run(e, "k").id == "k@2"
+    assert send_to_chain(e, "k", "x again", topic="a", key="once") == 1, "a resend: a no-op"
+    send_to_chain(e, "k", "z", topic="a")
+    send_to_chain(e, "k", "w", topic="a")
+    assert current_run(e, "k").result == ["x", "y", "z", "w"]
+
+
+def test_a_gate_is_re_established_by_the_successor_and_a_chain_resume_reaches_it() -> None:
+    clock = FakeClock(1000.0)
+    e = _engine(clock=clock)
+    start_chain(e, "g", "chain.gated", {"deadline": 1600.0})
+    successor = current_run(e, "g")
+    assert (successor.id, successor.status) == ("g@2", Status.SUSPENDED)
+    assert successor.wake_at == pytest.approx(1600.0), "the same absolute deadline"
+    assert resume_chain(e, "g", "yes", on="approve", key="r1") == 1
+    assert current_run(e, "g").result == {"kind": "gate", "name": "approve", "value": "yes"}
+    assert resume_chain(e, "g", "again", on="approve", key="r1") == 1, "a resend"
+
+    start_chain(e, "late", "chain.gated", {"deadline": 1300.0})
+    clock.advance(301)
+    e.fire_due_timers()
+    assert current_run(e, "late").result == {"kind": "timeout", "name": None, "value": None}
+
+
+def test_a_chain_resume_waits_for_a_run_parked_at_its_gate() -> None:
+    e = _engine()
+    start_chain(e, "w", "chain.relay")
+    position = resume_chain(e, "w", "early", on="nowhere")
+    assert position == 1, "kept in the chain's inbox until a run parks at that gate"
+    send_to_chain(e, "w", "go", topic="go")
+    assert current_run(e, "w").id == "w@2"
+
+
+def test_misuse_is_refused_and_writes_nothing() -> None:
+    e = _engine()
+    with pytest.raises(ChainNotFoundError, match="start it with start_chain"):
+        send_to_chain(e, "nobody", "x")
+    with pytest.raises(ChainNotFoundError):
+        current_run(e, "nobody")
+    assert chain_runs(e, "nobody") == []
+    for bad in ("a@b", "", "x/", 3, "n" * 200):
+        with pytest.raises(InvalidIdError):
+            start_chain(e, bad, "chain.pairs")  # type: ignore[arg-type]
+    start_chain(e, "c", "chain.relay")
+    head = e.store.head("chain-inbox/c")
+    for kwargs in ({"topic": ""}, {"key": ""}, {"key": 5}, {"topic": 3}):
+        with pytest.raises(InvalidArgumentError):
+            send_to_chain(e, "c", "x", **kwargs)
+    with pytest.raises(InvalidArgumentError):
+        send_to_chain(e, "c", {1: "x"})
+    with pytest.raises(InvalidArgumentError):
+        resume_chain(e, "c", "x", on="")
+    assert e.store.head("chain-inbox/c") == head
+
+    @flow(name="plain", version="1")
+    def plain(ctx: Context, _input: Any) -> Any:
+        return rotate(ctx, None)
+
+    e.register(plain)
+    run = e.start("plain", key="plain-1")
+    assert run.status is Status.FAILED
+    assert run.error is not None
+    assert "rotate is for a chain's run" in run.error.message
