@@ -134,8 +134,9 @@ def _flow_name(flow: str | Flow) -> str:
 
 def start_chain(engine: Engine, chain: str, flow: str | Flow, carry: Any = None) -> Execution:
     """Start a chain: its first run, `<chain>@1`, of `flow` (driven until it parks or
-    ends, as `Engine.start`). A K9 start: the same call again returns the run (and
-    starts nothing), whatever the chain has become since.
+    ends, as `Engine.start`; by an engine without the flow's code, started by name for
+    a worker that has it). A K9 start: the same call again returns the run (and starts
+    nothing), whatever the chain has become since.
 
     The run receives `{"chain": chain, "n": 1, "carry": carry, "suspensions": [],
     "inbox": {...}}` (the last is the chain's bookkeeping).
@@ -146,9 +147,12 @@ def start_chain(engine: Engine, chain: str, flow: str | Flow, carry: Any = None)
         InvalidArgumentError: `carry` is not JSON.
     """
     chain = check_chain(chain)
-    return engine.start(
-        _flow_name(flow), chain_input(chain, 1, carry, [], Ledger()), key=run_id(chain, 1)
-    )
+    name, first = _flow_name(flow), run_id(chain, 1)
+    data = chain_input(chain, 1, carry, [], Ledger())
+    if isinstance(flow, Flow) or engine.hosts(name):
+        return engine.start(flow, data, key=first)
+    engine.dispatch(name, data, key=first)  # no code here: a worker that has it drives it
+    return engine.get(first)
 
 
 def _chain_run(ctx: Context | AsyncContext) -> tuple[str, int]:
