@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from chain_helpers import FLOWS, receipts
 from loom_kernel import (
+    AsyncContext,
     Context,
     Engine,
     InvalidArgumentError,
@@ -25,8 +26,10 @@ from loom_orchestration import (
     ROTATED,
     ChainEndedError,
     ChainNotFoundError,
+    Suspension,
     chain_runs,
     current_run,
+    reestablish,
     resume_chain,
     rotate,
     send_to_chain,
@@ -138,3 +141,28 @@ def test_misuse_is_refused_and_writes_nothing() -> None:
     assert run.status is Status.FAILED
     assert run.error is not None
     assert "rotate is for a chain's run" in run.error.message
+
+
+@flow(name="chain.async", version="1")
+async def async_link(ctx: AsyncContext, run: dict[str, Any]) -> Any:
+    if run["n"] > 1:
+        woken = await reestablish(ctx, run)  # type: ignore[misc]
+        assert woken is not None
+        if woken.kind == "gate":
+            return woken.value
+    got = await ctx.receive("a")
+    suspensions = [Suspension("approve", ctx.now() + 60)]
+    return await rotate(ctx, {"got": got}, suspensions=suspensions)
+
+
+def test_an_async_flow_rotates_and_re_establishes_with_awaits() -> None:
+    clock = FakeClock(1000.0)
+    e = Engine(MemoryStore(), [async_link], clock=clock)
+    start_chain(e, "as", "chain.async")
+    send_to_chain(e, "as", "one", topic="a")
+    second = current_run(e, "as")
+    assert second.id == "as@2"
+    assert second.wake_at == pytest.approx(1060.0)
+    assert second.input["carry"] == {"got": "one"}
+    resume_chain(e, "as", "approved", on="approve")
+    assert current_run(e, "as").result == "approved"
