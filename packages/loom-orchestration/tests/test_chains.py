@@ -73,6 +73,17 @@ def test_messages_a_run_did_not_read_go_to_its_successor_in_send_order_per_topic
     assert len({run for run, _p in got}) == 3, "two a run, over three runs"
 
 
+def test_what_a_run_left_unread_reaches_its_successor_in_the_call_that_rotated_it() -> None:
+    e = _engine()
+    start_chain(e, "u", "chain.pairs", {"limit": 99, "got": []})
+    send_to_chain(e, "u", "never read by run 1", topic="b", key="b0")
+    send_to_chain(e, "u", "a0", topic="a")
+    send_to_chain(e, "u", "a1", topic="a")  # run 1 rotates in this call
+    assert current_run(e, "u").id == "u@2"
+    held = [(m.key, m.message) for m in e.inbox("u@2")]
+    assert held == [("chain:1", "never read by run 1")], "forwarded, with no further send"
+
+
 def test_a_key_is_deduplicated_across_the_whole_chain() -> None:
     e = _engine()
     start_chain(e, "k", "chain.pairs", {"limit": 4, "got": []})

@@ -204,17 +204,19 @@ def deliver(engine: Engine, chain: str) -> None:
         if not mine:
             return
         for _ in range(_ATTEMPTS):
-            if _forward_once(engine, chain):
+            number = current(engine, chain)
+            if number is None:
+                return
+            # A forward may have driven the run inline to its rotation: then its
+            # successor owns what is left, and gets it in this same call.
+            if _forward_once(engine, chain, number) and current(engine, chain) == number:
                 return
         logger.warning("loom: chain %s: its current run kept ending during a delivery", chain)
 
 
-def _forward_once(engine: Engine, chain: str) -> bool:
-    """One pass over the current run; False when it ended during the pass (look for
-    its successor again)."""
-    number = current(engine, chain)
-    if number is None:
-        return True
+def _forward_once(engine: Engine, chain: str, number: int) -> bool:
+    """One pass over run `number`; False when it ended during the pass (look for its
+    successor again)."""
     execution_id = run_id(chain, number)
     try:
         execution = engine.get(execution_id)
