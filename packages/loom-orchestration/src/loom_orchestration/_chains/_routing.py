@@ -207,36 +207,40 @@ def deliver(engine: Engine, chain: str) -> None:
             number = current(engine, chain)
             if number is None:
                 return
+            passed, forwarded = _forward_once(engine, chain, number)
             # A forward may have driven the run inline to its rotation: then its
             # successor owns what is left, and gets it in this same call.
-            if _forward_once(engine, chain, number) and current(engine, chain) == number:
+            if passed and (not forwarded or current(engine, chain) == number):
                 return
         logger.warning("loom: chain %s: its current run kept ending during a delivery", chain)
 
 
-def _forward_once(engine: Engine, chain: str, number: int) -> bool:
-    """One pass over run `number`; False when it ended during the pass (look for its
-    successor again)."""
+def _forward_once(engine: Engine, chain: str, number: int) -> tuple[bool, bool]:
+    """One pass over run `number`: whether it went through (False when the run ended
+    during it: look for its successor), and whether it forwarded anything."""
     execution_id = run_id(chain, number)
     try:
         execution = engine.get(execution_id)
     except ExecutionNotFoundError:
-        return True
+        return True, False
     ledger = ledger_of(chain, number, execution)
     if ledger is None or execution.status.finished:
-        return True  # not a chain's run, or the chain ended: nothing to deliver to
+        return True, False  # not a chain's run, or the chain ended: nothing to deliver to
     owned = [item for item in items(engine.store, chain) if ledger.owns(item.position)]
     if not owned:
-        return True
+        return True, False
     held = {p for m in engine.inbox(execution_id) if (p := _forwarded(m.key)) is not None}
     resumed = {p for key in engine.state(execution_id).resume_keys if (p := _forwarded(key))}
+    forwarded = False
     for item in owned:
         if item.kind == "message":
-            if item.position not in held and not _send(engine, execution_id, item):
-                return False
+            if item.position not in held:
+                if not _send(engine, execution_id, item):
+                    return False, True
+                forwarded = True
         elif item.position not in resumed:
-            _resume(engine, execution_id, item)
-    return True
+            forwarded = _resume(engine, execution_id, item) or forwarded
+    return True, forwarded
 
 
 def _send(engine: Engine, execution_id: str, item: Item) -> bool:
@@ -247,10 +251,13 @@ def _send(engine: Engine, execution_id: str, item: Item) -> bool:
     return True
 
 
-def _resume(engine: Engine, execution_id: str, item: Item) -> None:
+def _resume(engine: Engine, execution_id: str, item: Item) -> bool:
+    """Whether the resume was delivered."""
     try:
         engine.resume(execution_id, item.value, key=f"{FORWARD_KEY}{item.position}", on=item.name)
     except (NotSuspendedError, ConflictError):
-        pass  # not parked at that gate now: its listener delivers it when it parks
+        return False  # not parked at that gate now: its listener delivers it when it parks
     except LoomError as exc:
         logger.warning("loom: %s: chain resume %s not delivered: %s", execution_id, item, exc)
+        return False
+    return True
