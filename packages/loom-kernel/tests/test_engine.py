@@ -509,6 +509,23 @@ def test_crash_mid_flow_then_recover_completes_without_redoing_steps(
     assert ran == ["one", "two", "three"]
 
 
+def test_recover_with_an_id_drives_that_run_only(store: JournalStore, clock: FakeClock) -> None:
+    @flow
+    def two_steps(ctx: Context, _input: Any) -> Any:
+        return [ctx.step("a", lambda: "a"), ctx.step("b", lambda: "b")]
+
+    web = Engine(store, [], listeners=[], clock=clock)
+    for key in ("x", "y"):
+        web.dispatch("two_steps", key=key)  # no code here: journaled, not driven
+    worker = Engine(store, [two_steps], clock=clock)
+    assert worker.recover("x") == ["x"]
+    assert worker.get("x").result == ["a", "b"]
+    assert worker.get("y").status is Status.RUNNING, "the other is left alone"
+    assert worker.recover("x") == [], "nothing left to drive"
+    with pytest.raises(ExecutionNotFoundError):
+        worker.recover("nobody")
+
+
 def test_recover_and_timers_try_every_run_then_raise_the_first_error(
     store: JournalStore, clock: FakeClock
 ) -> None:

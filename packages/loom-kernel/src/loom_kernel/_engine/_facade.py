@@ -447,10 +447,13 @@ class Engine:
         """
         return self._parts.delivery.fire_due_timers()
 
-    def recover(self) -> list[str]:
+    def recover(self, execution_id: str | None = None) -> list[str]:
         """Drive every run left running (by a crash, or a process that stopped mid-run),
         and call the listeners again for every run still open (parked, or ended with a
-        listener not yet run to the end).
+        listener not yet run to the end). With `execution_id`, that run only: driven
+        if it is left running (no owner, or one gone for a lease) and this engine has
+        its code, its listeners called again; a run another live worker drives is left
+        to it.
 
         The runs are found through the run index, so the cost is the runs still open,
         however many have finished. On a store indexed by no engine yet (one written
@@ -463,7 +466,12 @@ class Engine:
 
         Returns:
             The ids of the executions it drove.
+
+        Raises:
+            ExecutionNotFoundError: with `execution_id`, there is no such run.
         """
+        if execution_id is not None:
+            return self._parts.recovery.recover_one(execution_id)
         return self._parts.recovery.recover()
 
     # -- reading --------------------------------------------------------------------

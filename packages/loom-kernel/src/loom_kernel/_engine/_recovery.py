@@ -72,6 +72,14 @@ class Recovery:
         raise_first(failures)
         return [execution_id for execution_id in driven if execution_id is not None]
 
+    def recover_one(self, execution_id: str) -> list[str]:
+        """See `Engine.recover` with an id."""
+        stream_of(execution_id)
+        outcome = drive_here(self._recovering_one(execution_id))
+        if isinstance(outcome, _Missing):
+            raise ExecutionNotFoundError(f"no execution {execution_id!r}")
+        return [outcome] if isinstance(outcome, str) else []
+
     def recover_open(self, hint: OpenHint) -> str | None:
         """Visit one run the index holds open: drive it if it is left running and may
         be taken over, call the listeners again if it parked or ended, and drop the

@@ -60,6 +60,8 @@ __all__ = [
 #: a rotated run ends with: `{"loom.rotated_to": "<chain>@<n+1>"}`.
 ROTATE_STEP: Final = "loom.chain.rotate"
 ROTATED: Final = "loom.rotated_to"
+#: How often the newest run is looked for again while each found has just rotated.
+_LOOKS: Final = 64
 
 
 class ChainNotFoundError(NotFoundError):
@@ -194,11 +196,22 @@ def rotate(
             raise InvalidArgumentError(f"{me} was not started as run {number} of chain {chain!r}")
         successor = run_id(chain, number + 1)
         made = next_ledger(engine, chain, execution, ledger)
-        engine.dispatch(
+        # Started, not driven here: a worker of this engine takes it at once; with
+        # none, the listener of this run's end drives it (after this run, never inside
+        # it: a chain of a thousand rotations is not a thousand frames deep).
+        engine.enqueue(
             execution.flow, chain_input(chain, number + 1, carry, kept, made), key=successor
         )
         deliver(engine, chain)
         return successor
+
+    here = ctx.position
+    if any(
+        frame.name == ROTATE_STEP and index < here for index, frame in engine.frames(me).items()
+    ):
+        raise InvalidArgumentError(
+            f"{me} rotated already: rotate is the last thing a run does (return rotate(...))"
+        )
 
     if isinstance(ctx, AsyncContext):
         return _rotated_async(ctx, handoff)
@@ -251,18 +264,47 @@ def _check_key(key: object) -> str | None:
 
 
 def _check_name(name: object, what: str) -> str | None:
+    """A topic (None: the default one) or a gate's name, as the kernel takes them: a
+    non-empty str of at most 200 characters that has a UTF-8 form."""
     if name is None and what == "topic":
         return None
-    if not isinstance(name, str) or not name:
-        raise InvalidArgumentError(f"a {what} is a non-empty str, not {name!r}")
-    return name
+    if isinstance(name, str) and 0 < len(name) <= MAX_ID_LENGTH:
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            pass
+        else:
+            return name
+    raise InvalidArgumentError(
+        f"a {what} is a non-empty str of at most {MAX_ID_LENGTH} characters (UTF-8, so no "
+        f"lone surrogate), not {name!r}"
+    )
+
+
+def _newest(engine: Engine, chain: str) -> Execution:
+    """The chain's newest run, looked for again while the one found has rotated (it
+    rotated between the look for it and its read).
+
+    Raises:
+        ChainNotFoundError: the chain has not been started.
+    """
+    for _ in range(_LOOKS):
+        number = current(engine, chain)
+        if number is None:
+            raise ChainNotFoundError(f"no chain {chain!r}: start it with start_chain")
+        execution = engine.get(run_id(chain, number))
+        if not _rotated(execution):
+            return execution
+    return execution
+
+
+def _rotated(execution: Execution) -> bool:
+    result = execution.result
+    return execution.status.finished and isinstance(result, dict) and ROTATED in result
 
 
 def _live_run(engine: Engine, chain: str) -> Execution:
-    number = current(engine, chain)
-    if number is None:
-        raise ChainNotFoundError(f"no chain {chain!r}: start it with start_chain")
-    execution = engine.get(run_id(chain, number))
+    execution = _newest(engine, chain)
     if execution.status.finished:
         raise ChainEndedError(chain, execution.id, execution.status.value)
     return execution
@@ -286,13 +328,13 @@ def _post(
 
 def _check_delivered(engine: Engine, chain: str, position: int) -> None:
     """Raise if the chain ended with the item unread (it ended as it was sent)."""
-    number = current(engine, chain)
-    if number is None:
-        return
-    execution = engine.get(run_id(chain, number))
+    execution = _newest(engine, chain)
     if not execution.status.finished:
         return
-    ledger = ledger_of(chain, number, execution)
+    parsed = number_of(execution.id)
+    if parsed is None:
+        return
+    ledger = ledger_of(chain, parsed[1], execution)
     if ledger is None or not ledger.owns(position):
         return  # an earlier run received it
     if position in received_by(engine, execution.id):

@@ -13,18 +13,22 @@ never rewritten: each is delivered by forwarding it to the run it belongs to (se
 from __future__ import annotations
 
 import json
+import threading
+import weakref
 from typing import Any, Final, Literal
 
 import attrs
-from loom_kernel import ConflictError, SchemaError, StoreUnavailableError
+from loom_kernel import ConflictError, InvalidArgumentError, SchemaError, StoreUnavailableError
 from loom_kernel.events import stable_stringify
 from loom_kernel.spi import JournalStore, NewRecord, Record
 
 from loom_orchestration._chains._names import INBOX_PREFIX
 
-__all__ = ["Item", "append", "items"]
+__all__ = ["Item", "append", "items", "read"]
 
 KIND: Final = "loom.chain_item"
+#: The chain inboxes whose parsed items a process keeps.
+_KEPT: Final = 256
 _APPEND_ATTEMPTS: Final = 64
 
 
@@ -57,17 +61,56 @@ def items(store: JournalStore, chain: str) -> list[Item]:
     Raises:
         SchemaError: a record is damaged.
     """
+    return read(store, chain)[1]
+
+
+@attrs.define
+class _Parsed:
+    """A chain inbox as parsed up to `head`: items never change once written, so a
+    reader keeps them and reads only what was appended since (one request on S3 when
+    nothing was)."""
+
+    head: int = 0
+    items: list[Item] = attrs.Factory(list)
+    keys: set[str] = attrs.Factory(set)
+    lock: threading.Lock = attrs.Factory(threading.Lock)
+
+
+#: The chain inboxes this process has parsed, by store (gone with it) and chain.
+_parsed: weakref.WeakKeyDictionary[JournalStore, dict[str, _Parsed]] = weakref.WeakKeyDictionary()
+_parsed_lock = threading.Lock()
+
+
+def read(store: JournalStore, chain: str) -> tuple[int, list[Item]]:
+    """The chain inbox's head and its items (resends left out), read from where this
+    process last read it.
+
+    Raises:
+        SchemaError: a record is damaged.
+    """
     stream = stream_of(chain)
-    found: list[Item] = []
-    keys: set[str] = set()
-    for record in store.read(stream):
-        item = _decode(record, stream)
-        if item.key is not None:
-            if item.key in keys:
-                continue
-            keys.add(item.key)
-        found.append(item)
-    return found
+    with _parsed_lock:
+        chains = _parsed.setdefault(store, {})
+        parsed = chains.get(chain)
+        if parsed is None:
+            if len(chains) >= _KEPT:
+                chains.pop(next(iter(chains)))
+            parsed = chains[chain] = _Parsed()
+    with parsed.lock:
+        since = parsed.head
+    records = store.read(stream, since)  # no lock held over a store call
+    decoded = [_decode(record, stream) for record in records]
+    with parsed.lock:
+        for item in decoded:
+            if item.position <= parsed.head:
+                continue  # another reader of this process added it meanwhile
+            parsed.head = item.position
+            if item.key is not None:
+                if item.key in parsed.keys:
+                    continue
+                parsed.keys.add(item.key)
+            parsed.items.append(item)
+        return parsed.head, list(parsed.items)
 
 
 def append(
@@ -86,22 +129,38 @@ def append(
     Raises:
         CanonicalJSONError: the value has no JSON form (a key that is not a str, a
             NaN, a set...).
+        InvalidArgumentError: the item, forwarded to a run, would be over the store's
+            largest record.
         StoreUnavailableError: the inbox kept moving under every attempt.
     """
     stream = stream_of(chain)
     payload = stable_stringify({"kind": kind, "name": name, "key": key, "value": value}).encode()
+    _refuse_too_big(store, name, value)
     for _ in range(_APPEND_ATTEMPTS):
-        present = items(store, chain)
+        head, present = read(store, chain)
         if key is not None:
             for item in present:
                 if item.key == key:
                     return item.position
-        head = store.head(stream)
-        try:
+        try:  # at the head this read saw: a resend that landed since makes it conflict
             return store.append(stream, head, [NewRecord(KIND, payload, at)])
         except ConflictError:
             continue  # another sender appended first: look for its key again
     raise StoreUnavailableError(f"{stream} kept moving at each of {_APPEND_ATTEMPTS} appends")
+
+
+def _refuse_too_big(store: JournalStore, name: str | None, value: Any) -> None:
+    """Refuse an item the run's inbox could not hold once forwarded (its record is
+    the kernel's: ASCII JSON with a `chain:<position>` key), before it is written."""
+    limit = store.max_record_bytes
+    if limit is None:
+        return
+    forwarded = json.dumps({"topic": name, "key": "chain:" + "9" * 15, "message": value})
+    if len(forwarded.encode()) > limit:
+        raise InvalidArgumentError(
+            f"the item is {len(forwarded.encode()):,} bytes forwarded to a run, over the "
+            f"store's limit of {limit:,} bytes a record; nothing was written"
+        )
 
 
 def _decode(record: Record, stream: str) -> Item:

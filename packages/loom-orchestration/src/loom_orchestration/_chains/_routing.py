@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, Final
@@ -32,11 +33,14 @@ from loom_kernel import (
     Engine,
     Execution,
     ExecutionNotFoundError,
+    InvalidArgumentError,
     LoomError,
     NotSuspendedError,
     RunFinishedError,
+    Status,
     StreamDeletedError,
 )
+from loom_kernel.spi import JournalStore
 
 from loom_orchestration._chains._inbox import Item, items
 from loom_orchestration._chains._names import run_id
@@ -47,6 +51,7 @@ __all__ = [
     "chain_input",
     "current",
     "deliver",
+    "drive_successor",
     "ledger_of",
     "next_ledger",
     "received_by",
@@ -56,11 +61,12 @@ logger = logging.getLogger("loom")
 
 #: The kernel dedupe key of an item forwarded to a run: `chain:<position>`.
 FORWARD_KEY: Final = "chain:"
-#: How often a delivery looks for the current run again when the one it forwarded
-#: to ended meanwhile (each rotation moves it on once).
-_ATTEMPTS: Final = 64
-#: The last run number seen of each (store, chain): where the next look starts.
-_hints: dict[tuple[int, str], int] = {}
+#: The most passes one delivery makes (each forwards something, or it stops): a
+#: backlog of a million rotations is left to the next delivery.
+_MOST_PASSES: Final = 1_000_000
+#: The last run number seen of each chain, by store (gone with it): where the next
+#: look starts.
+_hints: weakref.WeakKeyDictionary[JournalStore, dict[str, int]] = weakref.WeakKeyDictionary()
 _hints_lock = threading.Lock()
 #: The chains whose delivery runs in this flow of control (a forward that drives the
 #: run inline, which parks, calls the listener again: the outer delivery goes on).
@@ -155,9 +161,8 @@ def _exists(engine: Engine, chain: str, number: int) -> bool:
 def current(engine: Engine, chain: str) -> int | None:
     """The number of a chain's newest run (the runs 1..n exist: each is made by the
     one before it), or None when it has none."""
-    slot = (id(engine.store), chain)
     with _hints_lock:
-        hint = _hints.get(slot, 1)
+        hint = _hints.setdefault(engine.store, {}).get(chain, 1)
     if not _exists(engine, chain, hint):
         low, high = 0, hint  # the newest is below the hint (or there is none)
     else:
@@ -173,9 +178,28 @@ def current(engine: Engine, chain: str) -> int | None:
             high = middle
     if low == 0:
         return None
+    if low != hint and not _is_chain_run(engine, chain, low):
+        low = _walk(engine, chain)  # a run named like the chain's, started by hand: no gaps
+        if low == 0:
+            return None
     with _hints_lock:
-        _hints[slot] = low
+        _hints.setdefault(engine.store, {})[chain] = low
     return low
+
+
+def _is_chain_run(engine: Engine, chain: str, number: int) -> bool:
+    try:
+        return ledger_of(chain, number, engine.get(run_id(chain, number))) is not None
+    except ExecutionNotFoundError:
+        return True  # deleted by retention: it was one
+
+
+def _walk(engine: Engine, chain: str) -> int:
+    """The newest run of an unbroken line of the chain's runs from 1, one by one."""
+    number = 0
+    while _exists(engine, chain, number + 1) and _is_chain_run(engine, chain, number + 1):
+        number += 1
+    return number
 
 
 @contextmanager
@@ -203,16 +227,19 @@ def deliver(engine: Engine, chain: str) -> None:
     with _delivering(chain) as mine:
         if not mine:
             return
-        for _ in range(_ATTEMPTS):
+        for _ in range(_MOST_PASSES):
             number = current(engine, chain)
             if number is None:
                 return
             passed, forwarded = _forward_once(engine, chain, number)
-            # A forward may have driven the run inline to its rotation: then its
-            # successor owns what is left, and gets it in this same call.
-            if passed and (not forwarded or current(engine, chain) == number):
+            # A forward may have driven the run inline: to a gate an earlier resume of
+            # the pass was refused at, or to its rotation (its successor owns what is
+            # left). Pass again until a pass forwards nothing.
+            if passed and not forwarded:
                 return
-        logger.warning("loom: chain %s: its current run kept ending during a delivery", chain)
+        logger.warning(
+            "loom: chain %s: a delivery made %d passes; the rest at the next", chain, _MOST_PASSES
+        )
 
 
 def _forward_once(engine: Engine, chain: str, number: int) -> tuple[bool, bool]:
@@ -248,6 +275,10 @@ def _send(engine: Engine, execution_id: str, item: Item) -> bool:
         engine.send(execution_id, item.value, topic=item.name, key=f"{FORWARD_KEY}{item.position}")
     except RunFinishedError:
         return False
+    except InvalidArgumentError as exc:  # refused at its send: here only if written by hand
+        logger.error(
+            "loom: %s: chain item %d can never be delivered: %s", execution_id, item.position, exc
+        )
     return True
 
 
@@ -261,3 +292,33 @@ def _resume(engine: Engine, execution_id: str, item: Item) -> bool:
         logger.warning("loom: %s: chain resume %s not delivered: %s", execution_id, item, exc)
         return False
     return True
+
+
+#: The successors waiting to be driven by the outermost drive of this flow of control
+#: (a chain whose runs rotate without parking drives one run after another here,
+#: never one inside another).
+_SUCCESSORS: contextvars.ContextVar[list[tuple[Engine, str]] | None] = contextvars.ContextVar(
+    "loom_chain_successors", default=None
+)
+
+
+def drive_successor(engine: Engine, execution_id: str) -> None:
+    """Drive a rotation's successor that no worker took (one started with no worker
+    here): at once, or after the drive this call is made inside of, by it."""
+    waiting = _SUCCESSORS.get()
+    if waiting is not None:
+        waiting.append((engine, execution_id))
+        return
+    waiting = [(engine, execution_id)]
+    token = _SUCCESSORS.set(waiting)
+    try:
+        while waiting:
+            driver, successor = waiting.pop(0)
+            try:
+                execution = driver.get(successor)
+                if execution.status is Status.RUNNING and execution.owner is None:
+                    driver.recover(successor)
+            except LoomError as exc:  # a worker's sweep, or recover(), drives it
+                logger.warning("loom: chain successor %s not driven here: %s", successor, exc)
+    finally:
+        _SUCCESSORS.reset(token)
