@@ -71,6 +71,29 @@ def test_a_chain_of_sleeps_completes(make_engine: EngineFactory, clock: FakeCloc
     assert engine.fire_due_timers() == []
 
 
+def test_a_sleeping_run_is_not_a_gate_a_resume_can_wake(
+    make_engine: EngineFactory, clock: FakeClock
+) -> None:
+    """Mutation run gap (`wait_of` of the timer gate is None): a sleep is woken by its
+    timer only, never by a resume, named or not."""
+
+    @flow
+    def nap(ctx: Context, _input: Any) -> str:
+        ctx.sleep(60)
+        return "woke"
+
+    engine = make_engine([nap])
+    ex = engine.start("nap")
+    for on in (None, "loom.timer"):
+        with pytest.raises(NotSuspendedError):
+            engine.resume(ex.id, "too early", on=on)
+    assert engine.get(ex.id).status is Status.SUSPENDED, "still asleep"
+    assert engine.get(ex.id).gates == (), "waits for no gate"
+    clock.advance(60)
+    assert engine.fire_due_timers() == [ex.id]
+    assert engine.get(ex.id).result == "woke"
+
+
 def test_zero_sleep_passes_at_once(make_engine: EngineFactory) -> None:
     @flow
     def blink(ctx: Context, _input: Any) -> str:

@@ -281,3 +281,23 @@ def test_a_record_over_sqlites_limit_is_refused_as_bad_input_not_a_fault(
         assert store.append("s", 0, [NewRecord("k", b"x" * 100, 1.0)]) == 1, "the store goes on"
     finally:
         store.close()
+
+
+def test_a_lone_append_after_an_interrupt_left_a_transaction_open_lands_for_real(
+    tmp_path: Path,
+) -> None:
+    """A transaction an interrupt left open on the store's connection is rolled back
+    before the next append, which lands for every other connection to see."""
+    path = str(tmp_path / "left-open.db")
+    store = open_sqlite_store(f"sqlite://{path}")
+    for position in range(3):  # one thread, one record at a time: the uncrowded path
+        store.append("s", position, _records(1, f"r{position}-"))
+    real = raw_connection(store)
+    real.execute("BEGIN")  # what an interrupt between BEGIN and COMMIT leaves behind
+    real.execute("SELECT count(*) FROM loom_records").fetchone()
+    assert real.in_transaction
+    assert store.append("s", 3, _records(1, "after")) == 4
+    assert not real.in_transaction
+    other = open_sqlite_store(f"sqlite://{path}?timeout=0")  # another process
+    assert [r.payload for r in other.read("s", 3)] == [b"after0"], "committed, for real"
+    assert other.append("s", 4, _records(1, "other")) == 5, "no lock was left behind"
