@@ -256,8 +256,9 @@ def test_loom_ls_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
     )
     assert listing.stdout is not None
-    first = listing.stdout.readline()
+    header, first = listing.stdout.readline(), listing.stdout.readline()
     listing.stdout.close()
     _out, err = listing.communicate(timeout=60)
+    assert header.split() == [b"ID", b"FLOW", b"STATUS", b"WAITING", b"ON"]
     assert first.startswith(b"run-00000")
     assert b"Traceback" not in err, err.decode()

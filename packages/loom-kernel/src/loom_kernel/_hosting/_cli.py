@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import os
 import sys
 import tempfile
@@ -13,6 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any, Final
 
 from loom_kernel._core import LoomError, NewRecord
+from loom_kernel._hosting._operate import add_operate_commands, add_store_option
 from loom_kernel._spi import JournalStore, installed_stores, open_store, store_factory
 
 __all__ = ["COMMAND_GROUP", "check_store", "main"]
@@ -101,13 +104,19 @@ def _inspect_command(args: argparse.Namespace) -> int:
         with open_store(args.store, create=False) as store:
             engine = Engine(store, listeners=[])
             if args.command == "ls":
-                for execution in parts_of(engine).reading.listing(
-                    "", args.status, args.flow, report
-                ):
-                    waiting = (
-                        f"  waiting on {execution.waiting_on!r}" if execution.waiting_on else ""
+                listed = parts_of(engine).reading.listing("", args.status, args.flow, report)
+                if args.limit is not None:
+                    listed = itertools.islice(listed, args.limit)
+                if args.json:
+                    print(json.dumps([_listed(execution) for execution in listed], indent=2))
+                    return 1 if unreadable else 0
+                print(f"{'ID':<40} {'FLOW':<20} {'STATUS':<10} WAITING ON")
+                for execution in listed:
+                    waiting = repr(execution.waiting_on) if execution.waiting_on else "-"
+                    print(
+                        f"{execution.id:<40} {execution.flow:<20} "
+                        f"{execution.status.value:<10} {waiting}"
                     )
-                    print(f"{execution.id:<40} {execution.flow:<20} {execution.status}{waiting}")
             else:
                 execution = engine.get(args.execution_id)
                 print(f"{execution.id}: {execution.flow}, {execution.status}")
@@ -116,6 +125,27 @@ def _inspect_command(args: argparse.Namespace) -> int:
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     return 1 if unreadable else 0
+
+
+def _listed(execution: Any) -> dict[str, Any]:
+    """A run as `loom ls --json` prints it."""
+    return {
+        "id": execution.id,
+        "flow": execution.flow,
+        "status": execution.status.value,
+        "waiting_on": execution.waiting_on,
+        "parent": execution.parent,
+    }
+
+
+def _count(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"--limit is a whole number of 0 or more, not {text}")
+    return number
 
 
 def _worker_command(args: argparse.Namespace) -> int:
@@ -156,7 +186,7 @@ def _add_worker_command(commands: argparse._SubParsersAction[argparse.ArgumentPa
     worker = commands.add_parser(
         "worker", help="fire due timers and drive enqueued and abandoned runs until stopped"
     )
-    worker.add_argument("--store", required=True, help="store URL")
+    add_store_option(worker)
     worker.add_argument(
         "--flows",
         required=True,
@@ -261,7 +291,9 @@ def _main(argv: Sequence[str] | None) -> int:
         "else memory://)",
     )
     listing = commands.add_parser("ls", help="list the executions in a store with their status")
-    listing.add_argument("--store", required=True, help="store URL")
+    add_store_option(listing)
+    listing.add_argument("--limit", type=_count, default=None, help="list at most this many")
+    listing.add_argument("--json", action="store_true", help="print JSON")
     listing.add_argument(
         "--status",
         action="append",
@@ -271,7 +303,7 @@ def _main(argv: Sequence[str] | None) -> int:
     listing.add_argument("--flow", default=None, help="only runs of this flow")
     show = commands.add_parser("show", help="print an execution's journal as a timeline")
     show.add_argument("execution_id")
-    show.add_argument("--store", required=True, help="store URL")
+    add_store_option(show)
     lint = commands.add_parser(
         "lint", help="find what makes flows non-deterministic, by reading their source"
     )
@@ -280,6 +312,7 @@ def _main(argv: Sequence[str] | None) -> int:
     from loom_kernel._hosting._deploy import add_deploy_commands  # noqa: PLC0415 - imports the engine
 
     handlers = add_deploy_commands(commands)
+    handlers.update(add_operate_commands(commands))
     handlers.update(_installed_commands(commands))
     args = parser.parse_args(argv)
     if args.command in handlers:

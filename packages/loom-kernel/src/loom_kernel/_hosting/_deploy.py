@@ -14,6 +14,7 @@ from typing import Any
 from loom_kernel._coordination import Queue, execution_ids
 from loom_kernel._core import InvalidArgumentError, LoomError, NonDeterminismError
 from loom_kernel._engine import Engine, Execution, parts_of
+from loom_kernel._hosting._operate import add_store_option
 from loom_kernel._replay import Flow, flow
 from loom_kernel._spi import open_store
 
@@ -271,7 +272,7 @@ def add_deploy_commands(commands: Any) -> dict[str, Callable[[argparse.Namespace
         "migrate", help="move every live run whose history replays onto the given code (resume_as)"
     )
     for parser in (check, migrate):
-        parser.add_argument("--store", required=True, help="store URL")
+        add_store_option(parser)
         parser.add_argument(
             "--flows", required=True, help="module:attribute of the flows to check against"
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from datetime import datetime, timedelta
@@ -80,7 +81,13 @@ def add_schedule_commands(commands: Any) -> dict[str, _Handler]:
     delete = verbs.add_parser("delete", help="delete a schedule (its runs are left as they are)")
     delete.add_argument("name")
     for parser in verbs.choices.values():
-        parser.add_argument("--store", required=True, help="store URL")
+        store = os.environ.get("LOOM_STORE") or None
+        parser.add_argument(
+            "--store",
+            default=store,
+            required=store is None,
+            help="store URL (default: $LOOM_STORE)",
+        )
     return {"schedule": _run}
 
 

@@ -1,0 +1,221 @@
+"""The operator's verbs: `loom describe`, `loom steps`, `loom cancel`, `loom send`.
+
+They need no flow code: each opens the store (never creating one), reads or journals
+what it is asked, and leaves driving to the workers. Data is printed for people, or
+as JSON with `--json`; a bad id, a run in the wrong state or a store that cannot be
+opened is one `loom: ...` line on stderr and exit status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, Final
+
+from loom_kernel._core import InvalidArgumentError, LoomError
+from loom_kernel._engine import Engine, Execution
+from loom_kernel._spi import open_store
+
+__all__ = ["STORE_VARIABLE", "add_operate_commands", "add_store_option"]
+
+#: The environment variable that names the store when `--store` is not given.
+STORE_VARIABLE: Final = "LOOM_STORE"
+_Handler = Callable[[argparse.Namespace], int]
+
+
+def add_store_option(parser: argparse.ArgumentParser) -> None:
+    """`--store URL`, defaulting to `$LOOM_STORE` (required when that is not set)."""
+    default = os.environ.get(STORE_VARIABLE) or None
+    parser.add_argument(
+        "--store",
+        default=default,
+        required=default is None,
+        help=f"store URL (default: ${STORE_VARIABLE})",
+    )
+
+
+def add_operate_commands(commands: Any) -> dict[str, _Handler]:
+    """Add the operator's verbs to the `loom` command's subparsers."""
+    describe = commands.add_parser(
+        "describe", help="a run: status, flow and code, owner, what it waits for, children"
+    )
+    steps = commands.add_parser("steps", help="a run's steps: name, outcome, attempts, result")
+    for parser in (describe, steps):
+        parser.add_argument("execution_id")
+        parser.add_argument("--json", action="store_true", help="print JSON")
+    cancel = commands.add_parser("cancel", help="end a run: it starts no other step")
+    cancel.add_argument("execution_id")
+    cancel.add_argument("--reason", default=None, help="why (kept in its journal)")
+    send = commands.add_parser("send", help="send a message to a run (a worker delivers it)")
+    send.add_argument("execution_id")
+    send.add_argument("message", help="the message, as JSON (a string is quoted: '\"hi\"')")
+    send.add_argument("--topic", default=None, help="its topic (default: the default topic)")
+    send.add_argument("--key", default=None, help="dedupe key: the same key is delivered once")
+    for parser in (describe, steps, cancel, send):
+        add_store_option(parser)
+    return dict.fromkeys(("describe", "steps", "cancel", "send"), _run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        with open_store(args.store, create=False) as store:
+            engine = Engine(store, listeners=[])
+            return _VERBS[args.command](engine, args)
+    except LoomError as exc:
+        print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _when(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds")
+
+
+def described(engine: Engine, execution: Execution) -> dict[str, Any]:
+    """What `loom describe` shows of a run, as JSON-ready data."""
+    children = [
+        {"id": child.id, "flow": child.flow, "status": child.status.value}
+        for child in engine.executions(f"{execution.id}/")
+        if child.parent == execution.id
+    ]
+    inbox = engine.inbox(execution.id)
+    queue = engine.state(execution.id).queue
+    return {
+        "id": execution.id,
+        "flow": execution.flow,
+        "code": execution.code_hash,
+        "status": execution.status.value,
+        "owner": execution.owner,
+        "owner_seen_at": _when(execution.owner_seen_at),
+        "waiting_on": execution.waiting_on,
+        "gates": list(execution.gates),
+        "topics": list(execution.topics),
+        "wake_at": _when(execution.wake_at),
+        "queue": None
+        if queue is None
+        else {"name": queue.name, "priority": queue.priority, "key": queue.key},
+        "parent": execution.parent,
+        "children": children,
+        "input": execution.input,
+        "result": execution.result,
+        "error": None
+        if execution.error is None
+        else {"type": execution.error.type, "message": execution.error.message},
+        "cancel_reason": execution.cancel_reason,
+        "published": engine.get_events(execution.id),
+        "inbox": {"messages": len(inbox), "unread": sum(not m.received for m in inbox)},
+        "records": execution.position,
+    }
+
+
+def _text(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def _describe(engine: Engine, args: argparse.Namespace) -> int:
+    data = described(engine, engine.get(args.execution_id))
+    if args.json:
+        print(json.dumps(data, indent=2, ensure_ascii=False))
+        return 0
+    lines = [
+        f"{data['id']}: {data['flow']} (code {data['code'] or '-'}), {data['status']}",
+    ]
+    if data["owner"]:
+        lines.append(f"  driven by {data['owner']}, last seen {data['owner_seen_at']}")
+    if data["waiting_on"]:
+        waits = ", ".join(
+            [*(f"gate {gate!r}" for gate in data["gates"])]
+            + [f"topic {topic!r}" for topic in data["topics"]]
+        )
+        lines.append(f"  waiting on {waits or 'its timer'}")
+    if data["wake_at"]:
+        lines.append(f"  wakes at {data['wake_at']}")
+    if data["queue"]:
+        lines.append(f"  on queue {data['queue']['name']!r} (key {data['queue']['key']!r})")
+    if data["parent"]:
+        lines.append(f"  child of {data['parent']}")
+    for child in data["children"]:
+        lines.append(f"  child {child['id']} ({child['flow']}): {child['status']}")
+    lines.append(f"  input: {_text(data['input'])}")
+    if data["status"] == "completed":
+        lines.append(f"  result: {_text(data['result'])}")
+    if data["error"]:
+        lines.append(f"  error: {data['error']['type']}: {data['error']['message']}")
+    if data["cancel_reason"]:
+        lines.append(f"  cancelled: {data['cancel_reason']}")
+    for key, value in data["published"].items():
+        lines.append(f"  published {key!r}: {_text(value)}")
+    inbox = data["inbox"]
+    lines.append(f"  inbox: {inbox['messages']} message(s), {inbox['unread']} unread")
+    lines.append(f"  journal: {data['records']} record(s)")
+    print("\n".join(lines))
+    return 0
+
+
+def _steps(engine: Engine, args: argparse.Namespace) -> int:
+    frames = engine.frames(args.execution_id)
+    rows = [
+        {
+            "index": index,
+            "name": frame.name,
+            "outcome": "failed" if frame.error is not None else "ok",
+            "attempts": frame.attempts,
+            "result": frame.result,
+            "error": None
+            if frame.error is None
+            else {"type": frame.error.type, "message": frame.error.message},
+        }
+        for index, frame in sorted(frames.items())
+    ]
+    if args.json:
+        print(json.dumps(rows, indent=2, ensure_ascii=False))
+        return 0
+    print(f"{'#':>4}  {'STEP':<32} {'OUTCOME':<7} {'TRIES':>5}  RESULT")
+    for row in rows:
+        shown = (
+            _text(row["result"])
+            if row["error"] is None
+            else f"{row['error']['type']}: {row['error']['message']}"
+        )
+        index, name, outcome, tries = row["index"], row["name"], row["outcome"], row["attempts"]
+        print(f"{index:>4}  {name:<32} {outcome:<7} {tries:>5}  {shown}")
+    return 0
+
+
+def _cancel(engine: Engine, args: argparse.Namespace) -> int:
+    execution = engine.get(args.execution_id)
+    if execution.status.finished:
+        print(
+            f"loom: {execution.id} is {execution.status.value}: there is nothing to cancel",
+            file=sys.stderr,
+        )
+        return 1
+    cancelled = engine.cancel(args.execution_id, args.reason)
+    print(f"{cancelled.id}: {cancelled.status.value}")
+    return 0
+
+
+def _send(engine: Engine, args: argparse.Namespace) -> int:
+    try:
+        message = json.loads(args.message)
+    except ValueError as exc:
+        raise InvalidArgumentError(
+            f"MESSAGE is JSON (quote a string: '\"hi\"'), not {args.message!r}: {exc}"
+        ) from None
+    position = engine.send(args.execution_id, message, topic=args.topic, key=args.key, drive=False)
+    print(f"{args.execution_id}: message {position} in its inbox (a worker delivers it)")
+    return 0
+
+
+_VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
+    "describe": _describe,
+    "steps": _steps,
+    "cancel": _cancel,
+    "send": _send,
+}

@@ -1,0 +1,160 @@
+"""The operator's verbs as a user runs them (`python -m loom_kernel ...` in a
+subprocess, the store named by LOOM_STORE): describe, steps, cancel, send, and ls's
+header, --limit and --json; a bad id, a run in the wrong state or a store that
+cannot be opened is one `loom: ...` line and exit status 1."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loom_kernel import Context, Engine, RetryPolicy, Status, flow, open_store
+
+
+@flow(name="ops.parks", version="1")
+def parks(ctx: Context, _input: Any) -> Any:
+    ctx.step("prepare", lambda: {"ready": True})
+    ctx.set_event("progress", 1)
+    return ctx.suspend("approve")
+
+
+@flow(name="ops.listens", version="1")
+def listens(ctx: Context, _input: Any) -> Any:
+    return ctx.receive("orders")
+
+
+@flow(name="ops.fails", version="1")
+def fails(ctx: Context, _input: Any) -> Any:
+    def boom() -> None:
+        raise ValueError("no stock")
+
+    ctx.step("ok", lambda: 1)
+    return ctx.step("charge", boom, retry=RetryPolicy(attempts=2, backoff=0))
+
+
+FLOWS = [parks, listens, fails]
+
+
+def loom(url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "LOOM_STORE": url}
+    return subprocess.run(
+        [sys.executable, "-m", "loom_kernel", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment,
+        check=False,
+    )
+
+
+@pytest.fixture
+def url(tmp_path: Path) -> str:
+    address = f"sqlite:///{tmp_path}/ops.db"
+    with open_store(address) as store:
+        engine = Engine(store, FLOWS, listeners=[])
+        engine.start("ops.parks", {"order": 7}, key="order-7")
+        engine.start("ops.parks", None, key="order-7/c0", parent="order-7")
+        engine.start("ops.listens", key="inbox-1")
+        engine.send("inbox-1", "early", topic="other")
+        engine.start("ops.fails", key="broken")
+    return address
+
+
+def test_describe_says_what_a_run_is_and_waits_for(url: str) -> None:
+    done = loom(url, "describe", "order-7")
+    assert done.returncode == 0, done.stderr
+    text = done.stdout
+    assert text.startswith("order-7: ops.parks (code ")
+    assert "suspended" in text.splitlines()[0]
+    assert "waiting on gate 'approve'" in text
+    assert "child order-7/c0 (ops.parks): suspended" in text
+    assert "published 'progress': 1" in text
+    data = json.loads(loom(url, "describe", "inbox-1", "--json").stdout)
+    assert data["status"] == "suspended"
+    assert data["topics"] == ["orders"]
+    assert data["inbox"] == {"messages": 1, "unread": 1}
+    failed = json.loads(loom(url, "describe", "broken", "--json").stdout)
+    assert failed["error"]["type"] == "loom_kernel.StepFailedError"
+
+
+def test_steps_lists_each_step_its_outcome_and_attempts(url: str) -> None:
+    lines = loom(url, "steps", "broken").stdout.splitlines()
+    assert lines[0].split() == ["#", "STEP", "OUTCOME", "TRIES", "RESULT"]
+    assert lines[1].split()[:4] == ["0", "ok", "ok", "1"]
+    assert lines[2].split()[:4] == ["1", "charge", "failed", "2"]
+    assert "ValueError: no stock" in lines[2]
+    rows = json.loads(loom(url, "steps", "order-7", "--json").stdout)
+    assert [row["name"] for row in rows] == ["prepare", "loom.event:progress"]
+    assert rows[0]["result"] == {"ready": True}
+
+
+def test_cancel_ends_a_run_once_and_refuses_a_finished_one(url: str) -> None:
+    done = loom(url, "cancel", "order-7/c0", "--reason", "customer asked")
+    assert (done.returncode, done.stdout.strip()) == (0, "order-7/c0: cancelled")
+    again = loom(url, "cancel", "order-7/c0")
+    assert again.returncode == 1
+    assert again.stderr.strip() == "loom: order-7/c0 is cancelled: there is nothing to cancel"
+    with open_store(url) as store:
+        assert Engine(store, listeners=[]).get("order-7/c0").cancel_reason == "customer asked"
+
+
+def test_send_journals_a_message_a_worker_delivers(url: str) -> None:
+    done = loom(url, "send", "inbox-1", '{"sku": 42}', "--topic", "orders", "--key", "o-1")
+    assert done.returncode == 0, done.stderr
+    assert "message 2 in its inbox" in done.stdout
+    assert (
+        "message 2"
+        in loom(url, "send", "inbox-1", '"again"', "--topic", "orders", "--key", "o-1").stdout
+    )
+    with open_store(url) as store:
+        worker = Engine(store, FLOWS, listeners=[])
+        worker.recover()
+        assert worker.get("inbox-1").result == {"sku": 42}
+    bad = loom(url, "send", "order-7", "not json")
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("loom: InvalidArgumentError: MESSAGE is JSON")
+
+
+def test_ls_has_a_header_a_limit_and_json(url: str) -> None:
+    lines = loom(url, "ls").stdout.splitlines()
+    assert lines[0].split() == ["ID", "FLOW", "STATUS", "WAITING", "ON"]
+    assert len(lines) == 5
+    limited = json.loads(loom(url, "ls", "--json", "--limit", "2").stdout)
+    assert len(limited) == 2
+    assert set(limited[0]) == {"id", "flow", "status", "waiting_on", "parent"}
+    listed = {run["id"]: run for run in json.loads(loom(url, "ls", "--json").stdout)}
+    assert listed["order-7/c0"]["parent"] == "order-7"
+    assert listed["broken"]["status"] == Status.FAILED.value
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["describe", "nobody"], "loom: ExecutionNotFoundError"),
+        (["steps", "nobody"], "loom: ExecutionNotFoundError"),
+        (["cancel", "nobody"], "loom: ExecutionNotFoundError"),
+        (["send", "nobody", "1"], "loom: ExecutionNotFoundError"),
+        (["send", "broken", "1"], "loom: RunFinishedError"),
+        (["describe", "bad//id"], "loom: InvalidIdError"),
+    ],
+)
+def test_a_bad_id_or_a_run_in_the_wrong_state_is_one_line(
+    url: str, args: list[str], says: str
+) -> None:
+    done = loom(url, *args)
+    assert done.returncode == 1
+    assert done.stderr.startswith(says), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_store_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
+    done = loom(f"sqlite:///{tmp_path}/typo.db", "describe", "x")
+    assert done.returncode == 1
+    assert "no SQLite database at" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "typo.db").exists()
