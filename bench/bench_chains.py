@@ -22,13 +22,13 @@ rounds), and the store calls (S3: requests by operation) of one of each.
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
+from call_counter import CallCounter
 from loom_kernel import Context, Engine, flow, open_store
 from loom_kernel.spi import JournalStore
 from loom_orchestration import rotate, send_to_chain, start_chain
@@ -47,27 +47,6 @@ def link(ctx: Context, run: dict[str, Any]) -> Any:
 @flow(name="bench.plain", version="1")
 def plain(ctx: Context, _input: Any) -> Any:
     return {"last": ctx.receive("tick")}
-
-
-class CallCounter:
-    """Counts a store's SPI calls, by method."""
-
-    def __init__(self, store: JournalStore) -> None:
-        self.calls: collections.Counter[str] = collections.Counter()
-        for name in ("append", "read", "head", "streams", "trim", "delete"):
-            setattr(store, name, self._counted(name, getattr(store, name)))
-
-    def _counted(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return method(*args, **kwargs)
-
-        return counted
-
-    def take(self) -> dict[str, int]:
-        calls = dict(self.calls)
-        self.calls.clear()
-        return calls
 
 
 def _measure(label: str, make: Callable[[str], tuple[JournalStore, Callable[[], Any]]]) -> None:

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from call_counter import CallCounter
 from loom_kernel import Context, Engine, flow, open_store
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
@@ -55,27 +56,6 @@ PRICE_PER_1000 = {"ListObjectsV2": 0.005, "PutObject": 0.005, "GetObject": 0.000
 @flow(name="bench.tick", version="1")
 def tick(ctx: Context, data: Any) -> Any:
     return ctx.step("note", lambda: {"ok": True})
-
-
-class CallCounter:
-    """Counts a store's SPI calls, by method."""
-
-    def __init__(self, store: JournalStore) -> None:
-        self.calls: collections.Counter[str] = collections.Counter()
-        for name in ("append", "read", "head", "streams", "trim", "delete"):
-            setattr(store, name, self._counted(name, getattr(store, name)))
-
-    def _counted(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls[name] += 1
-            return method(*args, **kwargs)
-
-        return counted
-
-    def take(self) -> dict[str, int]:
-        calls = dict(self.calls)
-        self.calls.clear()
-        return calls
 
 
 class Monotonic:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loom_kernel import Engine, open_store
 from loom_kernel._engine import parts_of
-from message_flow import consume  # type: ignore[import-not-found]
+from message_flow import consume
 
 
 def main() -> int:

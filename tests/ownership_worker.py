@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from loom_kernel import Engine, open_store
-from ownership_flow import slow_then_after  # type: ignore[import-not-found]
+from ownership_flow import slow_then_after
 
 
 def main() -> int:

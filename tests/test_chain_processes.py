@@ -15,37 +15,26 @@ import time
 from pathlib import Path
 from unittest import mock
 
-import attrs
 import pytest
 from loom_kernel import Engine, LoomError, open_store
 from loom_orchestration import chain_runs, current_run, send_to_chain, start_chain
 from loom_orchestration._chains._inbox import items
 from loom_orchestration._chains._routing import FORWARD_KEY
-from loom_store_s3.testing import S3Server
+from process_targets import Target, make_target
 
 HERE = Path(__file__).parent
 
 
-@attrs.frozen
-class _Target:
-    url: str
-    environment: dict[str, str]
-    messages: int
+#: Rotations a test makes on each store: a worker on S3 polls once a second at most.
+MESSAGES = {"sqlite": 300, "rgw": 60}
 
 
 @pytest.fixture(params=["sqlite", "rgw"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> _Target:
-    if request.param == "sqlite":
-        db = tmp_path / "loom.db"
-        open_store(f"sqlite://{db}").close()
-        return _Target(f"sqlite://{db}?timeout=30", {}, 300)
-    server: S3Server = request.getfixturevalue("rgw_server")
-    bucket = server.new_bucket()
-    url = f"s3://{bucket}/chains?endpoint_url={server.endpoint_url}"
-    return _Target(url, server.environment(), 60)  # S3 workers poll each second at most
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    return make_target(request, tmp_path, "chains")
 
 
-def _worker(target: _Target, environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def _worker(target: Target, environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
@@ -70,7 +59,7 @@ def _received(engine: Engine, execution_id: str) -> list[int]:
 
 @pytest.mark.slow
 def test_a_chain_under_sigkilled_workers_receives_each_message_once_in_order(
-    target: _Target, tmp_path: Path
+    target: Target, tmp_path: Path
 ) -> None:
     seed = random.randrange(2**32)
     chance = random.Random(seed)
@@ -86,7 +75,7 @@ def test_a_chain_under_sigkilled_workers_receives_each_message_once_in_order(
 
     def send_all() -> None:
         try:
-            for number in range(target.messages):
+            for number in range(MESSAGES[target.kind]):
                 while True:
                     try:
                         sent.append(send_to_chain(web, "c", number, topic="tick", key=f"k{number}"))
@@ -112,7 +101,7 @@ def test_a_chain_under_sigkilled_workers_receives_each_message_once_in_order(
         sender.join()
         assert not failures, (seed, failures)
         deadline = time.monotonic() + 300
-        while current_run(web, "c").id != f"c@{target.messages + 1}":
+        while current_run(web, "c").id != f"c@{MESSAGES[target.kind] + 1}":
             assert time.monotonic() < deadline, (
                 seed,
                 current_run(web, "c"),
@@ -127,11 +116,14 @@ def test_a_chain_under_sigkilled_workers_receives_each_message_once_in_order(
             worker.wait(60)
 
     runs = chain_runs(web, "c")
-    assert [run.id for run in runs] == [f"c@{n}" for n in range(1, target.messages + 2)], seed
+    assert [run.id for run in runs] == [f"c@{n}" for n in range(1, MESSAGES[target.kind] + 2)], seed
     assert [run.id for run in runs if not run.status.finished] == [runs[-1].id], seed
     positions = [item.position for item in items(store, "c")]
     assert sorted(sent) == positions, f"seed {seed}: one item a message"
     got = [_received(web, run.id) for run in runs]
     assert got[:-1] == [[p] for p in positions], f"seed {seed}: each once, in order, one a run"
     assert got[-1] == []
-    assert runs[-1].input["carry"] == {"count": target.messages, "last": target.messages - 1}
+    assert runs[-1].input["carry"] == {
+        "count": MESSAGES[target.kind],
+        "last": MESSAGES[target.kind] - 1,
+    }

@@ -255,7 +255,7 @@ def _loom_worker(target: _Target, side: Path, log: Path) -> subprocess.Popen[byt
 def _soak_engine(target: _Target) -> Engine:
     sys.path.insert(0, str(SOAK_FLOWS_DIR))
     try:
-        from soak_flows import FLOWS  # type: ignore[import-not-found]
+        from soak_flows import FLOWS
     finally:
         sys.path.pop(0)
     with mock.patch.dict(os.environ, target.environment):

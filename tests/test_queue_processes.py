@@ -14,33 +14,20 @@ from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
-import attrs
 import pytest
 from loom_kernel import Engine, Status, open_store
 from loom_kernel.events import StepCompleted, decode_events
-from loom_store_s3.testing import S3Server
+from process_targets import Target, make_target
 
 HERE = Path(__file__).parent
 
 
-@attrs.frozen
-class _Target:
-    url: str
-    environment: dict[str, str]
-
-
 @pytest.fixture(params=["sqlite", "rgw"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> _Target:
-    if request.param == "sqlite":
-        db = tmp_path / "loom.db"
-        open_store(f"sqlite://{db}").close()
-        return _Target(f"sqlite://{db}?timeout=30", {})
-    server: S3Server = request.getfixturevalue("rgw_server")
-    bucket = server.new_bucket()
-    return _Target(f"s3://{bucket}/queues?endpoint_url={server.endpoint_url}", server.environment())
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    return make_target(request, tmp_path, "queues")
 
 
-def _environment(target: _Target, side: Path, hold: Path | None = None) -> dict[str, str]:
+def _environment(target: Target, side: Path, hold: Path | None = None) -> dict[str, str]:
     extra = {"LOOM_QUEUE_SIDE": str(side), "PYTHONPATH": str(HERE)}
     if hold is not None:
         extra["LOOM_QUEUE_HOLD"] = str(hold)
@@ -48,7 +35,7 @@ def _environment(target: _Target, side: Path, hold: Path | None = None) -> dict[
 
 
 def _worker(
-    target: _Target,
+    target: Target,
     environment: dict[str, str],
     log: Path,
     *,
@@ -68,10 +55,10 @@ def _worker(
     )
 
 
-def _engine(target: _Target) -> Engine:
+def _engine(target: Target) -> Engine:
     sys.path.insert(0, str(HERE))
     try:
-        from queue_flows import FLOWS, QUEUES  # type: ignore[import-not-found]
+        from queue_flows import FLOWS, QUEUES
     finally:
         sys.path.pop(0)
     with mock.patch.dict(os.environ, target.environment):
@@ -111,7 +98,7 @@ def _stop(workers: list[subprocess.Popen[bytes]], log: Path) -> None:
 
 @pytest.mark.slow
 def test_worker_processes_keep_a_cap_and_a_per_key_limit_together(
-    target: _Target, tmp_path: Path
+    target: Target, tmp_path: Path
 ) -> None:
     side, log = tmp_path / "side.txt", tmp_path / "workers.log"
     side.touch()
@@ -152,9 +139,7 @@ def test_worker_processes_keep_a_cap_and_a_per_key_limit_together(
 
 
 @pytest.mark.slow
-def test_a_worker_killed_holding_admissions_gives_them_back(
-    target: _Target, tmp_path: Path
-) -> None:
+def test_a_worker_killed_holding_admissions_gives_them_back(target: Target, tmp_path: Path) -> None:
     side, log, hold = tmp_path / "side.txt", tmp_path / "workers.log", tmp_path / "hold"
     side.touch()
     hold.touch()
@@ -193,7 +178,7 @@ def test_a_worker_killed_holding_admissions_gives_them_back(
 
 @pytest.mark.slow
 def test_a_run_a_stopping_worker_process_lets_go_is_taken_by_another_at_once(
-    target: _Target, tmp_path: Path
+    target: Target, tmp_path: Path
 ) -> None:
     """The stopping worker still drives another run, so its process lives on and its
     lease is fresh: only its beat at the let-go frees the run for the other worker

@@ -17,37 +17,22 @@ from datetime import datetime
 from pathlib import Path
 from unittest import mock
 
-import attrs
 import pytest
 from loom_kernel import Engine, Status, open_store
 from loom_kernel.events import StepCompleted, decode_events
 from loom_orchestration import create_schedule, get_schedule, pause_schedule
-from loom_store_s3.testing import S3Server
+from process_targets import Target, make_target
 
 HERE = Path(__file__).parent
 CHAOS_SECONDS = 60.0
 
 
-@attrs.frozen
-class _Target:
-    url: str
-    environment: dict[str, str]
-
-
 @pytest.fixture(params=["sqlite", "rgw"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> _Target:
-    if request.param == "sqlite":
-        db = tmp_path / "loom.db"
-        open_store(f"sqlite://{db}").close()
-        return _Target(f"sqlite://{db}?timeout=30", {})
-    server: S3Server = request.getfixturevalue("rgw_server")
-    bucket = server.new_bucket()
-    return _Target(
-        f"s3://{bucket}/schedules?endpoint_url={server.endpoint_url}", server.environment()
-    )
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    return make_target(request, tmp_path, "schedules")
 
 
-def _worker(target: _Target, environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
+def _worker(target: Target, environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [
             *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
@@ -66,7 +51,7 @@ def _tick_of(execution_id: str) -> float:
 
 @pytest.mark.slow
 def test_a_per_second_schedule_under_sigkilled_workers_starts_each_tick_once(
-    target: _Target, tmp_path: Path
+    target: Target, tmp_path: Path
 ) -> None:
     seed = random.randrange(2**32)
     chance = random.Random(seed)
