@@ -94,6 +94,23 @@ def test_a_sleeping_run_is_not_a_gate_a_resume_can_wake(
     assert engine.get(ex.id).result == "woke"
 
 
+def test_a_resume_from_an_engine_without_the_code_is_journaled_for_a_worker() -> None:
+    store = MemoryStore()
+    worker = Engine(store, [two_gates], listeners=[])
+    worker.start("two_gates", key="g")
+    web = Engine(store, [], listeners=[])  # a web tier, or `loom resume`: no flow code
+    with pytest.raises(NotSuspendedError):
+        web.resume("g", "P1", on="finance")  # refused: parked at another gate
+    woken = web.resume("g", "P1", key="first", on="manager")
+    assert (woken.status, woken.owner) == (Status.RUNNING, None), "journaled, not driven"
+    assert web.resume("g", "P1 again", key="first").status is Status.RUNNING, "a resend"
+    assert worker.recover() == ["g"]
+    assert worker.get("g").waiting_on == "finance"
+    assert web.resume("g", "P2", on="finance").status is Status.RUNNING
+    worker.recover()
+    assert worker.get("g").result == {"first": "P1", "second": "P2"}
+
+
 def test_zero_sleep_passes_at_once(make_engine: EngineFactory) -> None:
     @flow
     def blink(ctx: Context, _input: Any) -> str:

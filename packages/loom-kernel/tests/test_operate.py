@@ -120,6 +120,24 @@ def test_send_journals_a_message_a_worker_delivers(url: str) -> None:
     assert bad.stderr.startswith("loom: InvalidArgumentError: MESSAGE is JSON")
 
 
+def test_resume_journals_a_gate_resume_a_worker_drives_on(url: str) -> None:
+    wrong = loom(url, "resume", "order-7", '"yes"', "--on", "finance")
+    assert wrong.returncode == 1
+    assert wrong.stderr.startswith("loom: NotSuspendedError")
+    done = loom(url, "resume", "order-7", '{"ok": true}', "--on", "approve", "--key", "r-1")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "order-7: resumed at 'approve'; a worker drives it on"
+    again = loom(url, "resume", "order-7", '{"ok": true}', "--key", "r-1")
+    assert "delivered already" in again.stdout
+    with open_store(url) as store:
+        worker = Engine(store, FLOWS, listeners=[])
+        worker.recover()
+        assert worker.get("order-7").result == {"ok": True}
+    finished = loom(url, "resume", "order-7", "1")
+    assert finished.returncode == 1
+    assert finished.stderr.startswith("loom: NotSuspendedError")
+
+
 def test_ls_has_a_header_a_limit_and_json(url: str) -> None:
     lines = loom(url, "ls").stdout.splitlines()
     assert lines[0].split() == ["ID", "FLOW", "STATUS", "WAITING", "ON"]

@@ -8,6 +8,8 @@ import contextlib
 import logging
 from typing import Any, Final
 
+import attrs
+
 from loom_kernel._coordination import TimerEntry
 from loom_kernel._core import (
     MAX_ID_LENGTH,
@@ -118,6 +120,9 @@ class Delivery:
             if state.queue is not None:
                 execution = self._enqueueing.wake_queued(state, resumed)
                 return driver.settled(execution) if settle else execution
+            if not driver.flows.hosts(state.flow):
+                execution = self._wake_for_workers(state, resumed)
+                return driver.settled(execution) if settle else execution
             # The resume is journaled with the drive's first new work, not before: a
             # replay that diverges before then journals nothing, and the run stays
             # parked at its gate for fixed code to take the same payload.
@@ -125,6 +130,28 @@ class Delivery:
             state.apply(resumed)
             execution = yield from driver.driving_owned(state, control)
         return driver.settled(execution) if settle else execution
+
+    def _wake_for_workers(self, state: ExecutionState, resumed: ExecutionResumed) -> Execution:
+        """Journal the wake of a parked run this engine has no code for (held by the
+        caller, who holds its lock), with no owner, and have every worker look at it.
+
+        Raises:
+            ConflictError: another writer moved the run first.
+        """
+        driver = self._driver
+        try:
+            driver.append(state, [attrs.evolve(resumed, by=None)])
+        except BaseException:
+            driver.cache.drop(state.id)
+            raise
+        execution = Execution.of(state)
+        flow = state.flow
+        driver.cache.give_back(state)
+        try:
+            driver.runs.nudged(execution.id, flow)
+        except LoomError as exc:  # journaled: a worker's sweep finds it
+            logger.warning("loom: %s: resumed, but no worker was told: %s", execution.id, exc)
+        return execution
 
     # -- messages -----------------------------------------------------------------
 

@@ -362,7 +362,10 @@ class Engine:
         key: str | None = None,
         on: str | None = None,
     ) -> Execution:
-        """Deliver `payload` to the gate the run is parked at, then run it on.
+        """Deliver `payload` to the gate the run is parked at, then run it on. An engine
+        without the run's flow code (a web tier, `loom resume`) journals the resume with
+        no owner and leaves the drive to a worker (the run index has every worker look at
+        the run at once); the view it returns is the run's, running.
 
         Args:
             execution_id: the execution.

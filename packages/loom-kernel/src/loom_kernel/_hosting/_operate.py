@@ -1,4 +1,5 @@
-"""The operator's verbs: `loom describe`, `loom steps`, `loom cancel`, `loom send`.
+"""The operator's verbs: `loom describe`, `loom steps`, `loom cancel`, `loom send`,
+`loom resume`.
 
 They need no flow code: each opens the store (never creating one), reads or journals
 what it is asked, and leaves driving to the workers. Data is printed for people, or
@@ -55,9 +56,16 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
     send.add_argument("message", help="the message, as JSON (a string is quoted: '\"hi\"')")
     send.add_argument("--topic", default=None, help="its topic (default: the default topic)")
     send.add_argument("--key", default=None, help="dedupe key: the same key is delivered once")
-    for parser in (describe, steps, cancel, send):
+    resume = commands.add_parser(
+        "resume", help="deliver a payload to the gate a run is parked at (a worker drives it)"
+    )
+    resume.add_argument("execution_id")
+    resume.add_argument("payload", help="what the gate returns, as JSON")
+    resume.add_argument("--on", default=None, help="the gate meant (refused at another)")
+    resume.add_argument("--key", default=None, help="dedupe key: the same key is delivered once")
+    for parser in (describe, steps, cancel, send, resume):
         add_store_option(parser)
-    return dict.fromkeys(("describe", "steps", "cancel", "send"), _run)
+    return dict.fromkeys(_VERBS, _run)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -201,15 +209,30 @@ def _cancel(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
-def _send(engine: Engine, args: argparse.Namespace) -> int:
+def _json(text: str, what: str) -> Any:
     try:
-        message = json.loads(args.message)
+        return json.loads(text)
     except ValueError as exc:
         raise InvalidArgumentError(
-            f"MESSAGE is JSON (quote a string: '\"hi\"'), not {args.message!r}: {exc}"
+            f"{what} is JSON (quote a string: '\"hi\"'), not {text!r}: {exc}"
         ) from None
+
+
+def _send(engine: Engine, args: argparse.Namespace) -> int:
+    message = _json(args.message, "MESSAGE")
     position = engine.send(args.execution_id, message, topic=args.topic, key=args.key, drive=False)
     print(f"{args.execution_id}: message {position} in its inbox (a worker delivers it)")
+    return 0
+
+
+def _resume(engine: Engine, args: argparse.Namespace) -> int:
+    payload = _json(args.payload, "PAYLOAD")
+    before = engine.get(args.execution_id)
+    resumed = engine.resume(args.execution_id, payload, key=args.key, on=args.on)
+    if resumed.position == before.position:
+        print(f"{resumed.id}: {resumed.status.value} (this key was delivered already)")
+    else:
+        print(f"{resumed.id}: resumed at {before.waiting_on!r}; a worker drives it on")
     return 0
 
 
@@ -218,4 +241,5 @@ _VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "steps": _steps,
     "cancel": _cancel,
     "send": _send,
+    "resume": _resume,
 }
