@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from loom_kernel import Context, Engine, RetryPolicy, Status, flow, open_store
+from loom_kernel import Context, Engine, Queue, Rate, RetryPolicy, Status, flow, open_store
 
 
 @flow(name="ops.parks", version="1")
@@ -136,6 +136,41 @@ def test_resume_journals_a_gate_resume_a_worker_drives_on(url: str) -> None:
     finished = loom(url, "resume", "order-7", "1")
     assert finished.returncode == 1
     assert finished.stderr.startswith("loom: NotSuspendedError")
+
+
+def test_queues_shows_each_queues_limits_waiting_and_active(url: str, tmp_path: Path) -> None:
+    (tmp_path / "ops_queues.py").write_text(
+        "from loom_kernel import Queue, Rate\n"
+        "QUEUES = [Queue('mail', concurrency=2, per_key=1, rate=Rate(10, per=60)), Queue('idle')]\n"
+    )
+    with open_store(url) as store:
+        engine = Engine(
+            store,
+            FLOWS,
+            listeners=[],
+            queues=[Queue("mail", concurrency=2, per_key=1, rate=Rate(10, per=60)), Queue("idle")],
+        )
+        for number in range(3):
+            engine.enqueue("ops.listens", key=f"mail-{number}", queue="mail")
+    environment = {**os.environ, "LOOM_STORE": url, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-m", "loom_kernel", "queues", "--queues", "ops_queues:QUEUES"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=environment,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split() == ["QUEUE", "WAITING", "ACTIVE", "LIMITS"]
+    assert lines[1].split()[:3] == ["mail", "3", "0"]
+    assert "concurrency 2, per key 1, rate 10 per 60 s" in lines[1]
+    assert lines[2].split() == ["idle", "0", "0", "none"]
+    bad = loom(url, "queues", "--queues", "no_such_module:QUEUES")
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("loom: ")
 
 
 def test_ls_has_a_header_a_limit_and_json(url: str) -> None:

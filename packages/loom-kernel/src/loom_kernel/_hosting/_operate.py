@@ -1,5 +1,5 @@
 """The operator's verbs: `loom describe`, `loom steps`, `loom cancel`, `loom send`,
-`loom resume`.
+`loom resume`, `loom queues`.
 
 They need no flow code: each opens the store (never creating one), reads or journals
 what it is asked, and leaves driving to the workers. Data is printed for people, or
@@ -63,15 +63,30 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
     resume.add_argument("payload", help="what the gate returns, as JSON")
     resume.add_argument("--on", default=None, help="the gate meant (refused at another)")
     resume.add_argument("--key", default=None, help="dedupe key: the same key is delivered once")
-    for parser in (describe, steps, cancel, send, resume):
+    queues = commands.add_parser(
+        "queues", help="each queue's limits, and the runs waiting on it and being driven"
+    )
+    queues.add_argument(
+        "--queues",
+        required=True,
+        action="append",
+        help="module:attribute naming a Queue or a list of queues (repeatable): their limits "
+        "live in code",
+    )
+    queues.add_argument("--json", action="store_true", help="print JSON")
+    for parser in (describe, steps, cancel, send, resume, queues):
         add_store_option(parser)
     return dict.fromkeys(_VERBS, _run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    from loom_kernel._hosting._deploy import load_queues  # noqa: PLC0415 - imports modules
+
     try:
+        queues = [item for spec in getattr(args, "queues", []) for item in load_queues(spec)]
+        args.loaded_queues = queues
         with open_store(args.store, create=False) as store:
-            engine = Engine(store, listeners=[])
+            engine = Engine(store, listeners=[], queues=queues)
             return _VERBS[args.command](engine, args)
     except LoomError as exc:
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
@@ -236,10 +251,47 @@ def _resume(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _queues(engine: Engine, args: argparse.Namespace) -> int:
+    rows = []
+    for spec in args.loaded_queues:
+        view = engine.queue(spec.name)
+        rate = None if spec.rate is None else {"limit": spec.rate.limit, "per": spec.rate.per}
+        rows.append(
+            {
+                "name": spec.name,
+                "concurrency": spec.concurrency,
+                "per_key": spec.per_key,
+                "rate": rate,
+                "waiting": view.waiting,
+                "active": view.active,
+            }
+        )
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'QUEUE':<24} {'WAITING':>7} {'ACTIVE':>6}  LIMITS")
+    for row in rows:
+        limits = [
+            *([f"concurrency {row['concurrency']}"] if row["concurrency"] is not None else []),
+            *([f"per key {row['per_key']}"] if row["per_key"] is not None else []),
+            *(
+                [f"rate {row['rate']['limit']} per {row['rate']['per']:g} s"]
+                if row["rate"] is not None
+                else []
+            ),
+        ]
+        print(
+            f"{row['name']:<24} {len(row['waiting']):>7} {len(row['active']):>6}  "
+            f"{', '.join(limits) or 'none'}"
+        )
+    return 0
+
+
 _VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "describe": _describe,
     "steps": _steps,
     "cancel": _cancel,
     "send": _send,
     "resume": _resume,
+    "queues": _queues,
 }
