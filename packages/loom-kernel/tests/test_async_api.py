@@ -305,7 +305,7 @@ def parks(ctx: Context, value: Any) -> Any:
 #: The calls that read or write the store: each has an `_async` twin (the rule in
 #: `_engine/_twins.py`); the calls that touch no store have none.
 STORE_CALLS = [
-    *("start", "enqueue", "dispatch", "resume", "send", "cancel", "fire_due_timers"),
+    *("start", "enqueue", "dispatch", "fork", "resume", "send", "cancel", "fire_due_timers"),
     *("recover", "get", "state", "frames", "history", "executions", "get_event"),
     *("get_events", "inbox", "queue", "replay_check", "resume_as", "compact"),
 ]

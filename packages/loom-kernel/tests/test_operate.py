@@ -173,6 +173,27 @@ def test_queues_shows_each_queues_limits_waiting_and_active(url: str, tmp_path: 
     assert bad.stderr.startswith("loom: ")
 
 
+def test_retry_starts_an_ended_run_again_for_a_worker(url: str) -> None:
+    refused = loom(url, "retry", "order-7")
+    assert refused.returncode == 1
+    assert "only a run that ended" in refused.stderr
+    done = loom(url, "retry", "broken", "--from-step", "1", "--key", "broken-2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "broken-2: started again from broken; a worker drives it"
+    too_far = loom(url, "retry", "broken", "--from-step", "5")
+    assert too_far.returncode == 1
+    assert too_far.stderr.startswith("loom: InvalidArgumentError: from_step is at most 2")
+    with open_store(url) as store:
+        worker = Engine(store, FLOWS, listeners=[])
+        worker.recover()
+        again = worker.get("broken-2")
+        assert (again.status, again.retry_of) == (Status.FAILED, "broken")
+    assert "started again from broken" in loom(url, "describe", "broken-2").stdout
+    with open_store(url) as store:
+        worker = Engine(store, FLOWS, listeners=[])
+        assert [frame.name for frame in worker.frames("broken-2").values()] == ["ok", "charge"]
+
+
 def test_ls_has_a_header_a_limit_and_json(url: str) -> None:
     lines = loom(url, "ls").stdout.splitlines()
     assert lines[0].split() == ["ID", "FLOW", "STATUS", "WAITING", "ON"]

@@ -33,7 +33,7 @@ __all__ = [
     "known_event_types",
 ]
 
-EVENT_SCHEMA: Final = "1.18.0"
+EVENT_SCHEMA: Final = "1.19.0"
 
 
 @attrs.frozen
@@ -66,8 +66,9 @@ class QueuePlace:
 @attrs.frozen
 class ExecutionStarted:
     """An execution began: the flow, the pinned hash of its code, its input, the
-    worker that drives it (`by`, from 1.17.0), and the queue whose workers alone drive
-    it (`queue`, from 1.18.0)."""
+    worker that drives it (`by`, from 1.17.0), the queue whose workers alone drive it
+    (`queue`, from 1.18.0), and the run it starts again (`retry_of`, from 1.19.0:
+    `Engine.fork`)."""
 
     KIND: ClassVar[str] = "EXECUTION_STARTED"
     flow: str
@@ -77,6 +78,7 @@ class ExecutionStarted:
     parent: str | None = None
     by: str | None = None
     queue: QueuePlace | None = None
+    retry_of: str | None = None
 
 
 @attrs.frozen

@@ -343,6 +343,25 @@ class Engine:
         `start`; an existing key gives a handle to the existing run (K9)."""
         return self._parts.enqueueing.dispatch(flow_name, input, key, parent)
 
+    def fork(self, execution_id: str, *, from_step: int = 0, key: str | None = None) -> Execution:
+        """Start a run that ended (failed, cancelled or completed) again, as a new run:
+        the same flow (its newest version here; by name, for a worker, where this engine
+        has no code for it), the same input, and `retry_of` naming the old run in its
+        start (and its view). With `from_step`, the old run's first `from_step` step
+        outcomes are journaled into the new run as they are and not run again (DBOS's
+        fork): the new run replays them, and runs from the next. Driven here until it
+        parks or ends, as `start` (with a `key`, a K9 start: the same key again
+        returns that run).
+
+        Raises:
+            ExecutionNotFoundError: there is no such run.
+            InvalidArgumentError: the run has not ended; `from_step` is negative, or
+                its first `from_step` steps are not all its own steps before its first
+                gate, timer, message or end (a published value or a child's start is
+                never reused), or its journal was compacted below them.
+        """
+        return self._parts.starts.fork(execution_id, from_step, key)
+
     def handle(self, execution_id: str) -> RunHandle:
         """A handle to an existing run, to wait for its result.
 
@@ -638,6 +657,7 @@ class Engine:
     start_async = async_twin(start)
     enqueue_async = async_twin(enqueue)
     dispatch_async = async_twin(dispatch)
+    fork_async = async_twin(fork)
     resume_async = async_twin(resume)
     send_async = async_twin(send)
     cancel_async = async_twin(cancel)

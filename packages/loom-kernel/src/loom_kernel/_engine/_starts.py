@@ -7,14 +7,25 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any, Final
+
+import attrs
 
 from loom_kernel._core import (
     ConflictError,
+    Event,
+    ExecutionClaimed,
+    ExecutionMigrated,
     ExecutionNotFoundError,
     ExecutionStarted,
     ExecutionState,
+    InvalidArgumentError,
+    StepCompleted,
+    StepFailed,
     StreamDeletedError,
+    TrimmedError,
+    decode_events,
     encode_event,
     new_execution_id,
     stream_of,
@@ -25,6 +36,9 @@ from loom_kernel._engine._views import Execution
 from loom_kernel._replay import Flow, check_flow_name
 
 __all__ = ["Starts", "fresh_execution_id"]
+
+#: The kernel's own steps (a published value, ...) start with this: never reused.
+KERNEL_STEP_PREFIX: Final = "loom."
 
 logger = logging.getLogger("loom")
 
@@ -48,6 +62,72 @@ class Starts:
             state.apply(event)
             execution = driver.drive_owned(state)
         return driver.settled(execution)
+
+    def fork(self, old_id: str, from_step: int, key: str | None) -> Execution:
+        """Start an ended run again as a new run (see `Engine.fork`)."""
+        if isinstance(from_step, bool) or not isinstance(from_step, int) or from_step < 0:
+            raise InvalidArgumentError(
+                f"from_step is a whole number of 0 or more, not {from_step!r}"
+            )
+        driver = self._driver
+        old = driver.execution(old_id)
+        if not old.status.finished:
+            raise InvalidArgumentError(
+                f"{old_id} is {old.status.value}: only a run that ended (failed, cancelled or "
+                "completed) is started again"
+            )
+        reused = self._first_steps(old_id, from_step)
+        hosted = driver.flows.hosts(old.flow)
+        execution_id, event = self.new_start(
+            old.flow, old.input, key, None, driver.worker_id if hosted else None, unhosted=True
+        )
+        event = attrs.evolve(event, retry_of=old_id)
+        if not hosted:  # no code here: the first worker that has it drives it
+            self.append_start(event, execution_id, reused)
+            return driver.execution(execution_id)
+        with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
+            if not self.append_start(event, execution_id, reused):
+                return driver.execution(execution_id)
+            state = ExecutionState(id=execution_id)
+            state.apply(event)
+            for step in reused:
+                state.apply(step)
+            execution = driver.drive_owned(state)
+        return driver.settled(execution)
+
+    def _first_steps(self, old_id: str, count: int) -> list[StepCompleted | StepFailed]:
+        """The outcomes of an ended run's first `count` steps, to be reused as they are.
+
+        Raises:
+            InvalidArgumentError: they are not all before the run's first gate, timer,
+                message or end (a reused step would stand where the new run may go
+                otherwise), one of them is the kernel's own (a published value, a
+                child's start: its effect would not happen again), or the journal was
+                compacted below them.
+        """
+        if count == 0:
+            return []
+        stream = stream_of(old_id)
+        try:
+            records = self._driver.store.read(stream)
+        except TrimmedError:
+            raise InvalidArgumentError(
+                f"{old_id}'s journal was compacted: its steps can only be run again (from_step=0)"
+            ) from None
+        steps: list[StepCompleted | StepFailed] = []
+        for event in decode_events(records, stream)[1:]:
+            if isinstance(event, StepCompleted | StepFailed) and event.index == len(steps):
+                if event.name.startswith(KERNEL_STEP_PREFIX):
+                    break
+                steps.append(event)
+                if len(steps) == count:
+                    return steps
+            elif not isinstance(event, ExecutionClaimed | ExecutionMigrated):
+                break
+        raise InvalidArgumentError(
+            f"from_step is at most {len(steps)} for {old_id}: its first {count} steps are not "
+            "all its own steps before its first gate, timer, message or end"
+        )
 
     def new_start(
         self,
@@ -82,9 +162,11 @@ class Starts:
         execution_id = new_execution_id(key) if key is not None else fresh_execution_id()
         return execution_id, ExecutionStarted(name, code, data, key, parent, by)
 
-    def append_start(self, event: ExecutionStarted, execution_id: str) -> bool:
-        """Index the run (the hint first), then journal its start. False when a run
-        with that id exists already.
+    def append_start(
+        self, event: ExecutionStarted, execution_id: str, then: Sequence[Event] = ()
+    ) -> bool:
+        """Index the run (the hint first), then journal its start (and `then`, in the
+        same append). False when a run with that id exists already.
 
         Raises:
             ExecutionNotFoundError: the id belongs to a deleted run.
@@ -97,7 +179,8 @@ class Starts:
                 return False  # a start by key of a run that exists: no second hint
             hinted = time.monotonic()
             driver.runs.opened(execution_id, event.flow, driver.worker_id, queue)
-            driver.store.append(stream, 0, [encode_event(event, driver.clock())])
+            now = driver.clock()
+            driver.store.append(stream, 0, [encode_event(item, now) for item in (event, *then)])
         except ConflictError:
             return False
         except StreamDeletedError:

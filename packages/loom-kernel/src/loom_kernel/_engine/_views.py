@@ -29,6 +29,7 @@ class Execution:
             timeout, its deadline.
         key: the idempotency key, if any.
         parent: the execution that started it, if any.
+        retry_of: the run this one starts again (`Engine.fork`), if any.
         code_hash: the pinned hash of the flow's code.
         position: how many journal records it has.
         cancel_reason: why it was cancelled, once cancelled.
@@ -52,6 +53,7 @@ class Execution:
     cancel_reason: str | None = None
     owner: str | None = None
     owner_seen_at: float | None = None
+    retry_of: str | None = None
 
     @property
     def gates(self) -> tuple[str, ...]:
@@ -91,6 +93,7 @@ class Execution:
             position=state.position,
             cancel_reason=state.cancel_reason,
             owner=state.owner if state.status is Status.RUNNING else None,
+            retry_of=state.retry_of,
         )
 
 

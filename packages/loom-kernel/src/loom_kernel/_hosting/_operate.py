@@ -1,5 +1,5 @@
 """The operator's verbs: `loom describe`, `loom steps`, `loom cancel`, `loom send`,
-`loom resume`, `loom queues`.
+`loom resume`, `loom retry`, `loom queues`.
 
 They need no flow code: each opens the store (never creating one), reads or journals
 what it is asked, and leaves driving to the workers. Data is printed for people, or
@@ -63,6 +63,17 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
     resume.add_argument("payload", help="what the gate returns, as JSON")
     resume.add_argument("--on", default=None, help="the gate meant (refused at another)")
     resume.add_argument("--key", default=None, help="dedupe key: the same key is delivered once")
+    retry = commands.add_parser(
+        "retry", help="start a run that ended again as a new run (--from-step: DBOS's fork)"
+    )
+    retry.add_argument("execution_id")
+    retry.add_argument(
+        "--from-step",
+        type=int,
+        default=0,
+        help="reuse the outcomes of the old run's first N steps instead of running them",
+    )
+    retry.add_argument("--key", default=None, help="the new run's id (a K9 start)")
     queues = commands.add_parser(
         "queues", help="each queue's limits, and the runs waiting on it and being driven"
     )
@@ -74,7 +85,7 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
         "live in code",
     )
     queues.add_argument("--json", action="store_true", help="print JSON")
-    for parser in (describe, steps, cancel, send, resume, queues):
+    for parser in (describe, steps, cancel, send, resume, retry, queues):
         add_store_option(parser)
     return dict.fromkeys(_VERBS, _run)
 
@@ -123,6 +134,7 @@ def described(engine: Engine, execution: Execution) -> dict[str, Any]:
         if queue is None
         else {"name": queue.name, "priority": queue.priority, "key": queue.key},
         "parent": execution.parent,
+        "retry_of": execution.retry_of,
         "children": children,
         "input": execution.input,
         "result": execution.result,
@@ -163,6 +175,8 @@ def _describe(engine: Engine, args: argparse.Namespace) -> int:
         lines.append(f"  on queue {data['queue']['name']!r} (key {data['queue']['key']!r})")
     if data["parent"]:
         lines.append(f"  child of {data['parent']}")
+    if data["retry_of"]:
+        lines.append(f"  started again from {data['retry_of']}")
     for child in data["children"]:
         lines.append(f"  child {child['id']} ({child['flow']}): {child['status']}")
     lines.append(f"  input: {_text(data['input'])}")
@@ -251,6 +265,12 @@ def _resume(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _retry(engine: Engine, args: argparse.Namespace) -> int:
+    forked = engine.fork(args.execution_id, from_step=args.from_step, key=args.key)
+    print(f"{forked.id}: started again from {args.execution_id}; a worker drives it")
+    return 0
+
+
 def _queues(engine: Engine, args: argparse.Namespace) -> int:
     rows = []
     for spec in args.loaded_queues:
@@ -294,4 +314,5 @@ _VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "send": _send,
     "resume": _resume,
     "queues": _queues,
+    "retry": _retry,
 }
