@@ -194,16 +194,24 @@ def test_retry_starts_an_ended_run_again_for_a_worker(url: str) -> None:
         assert [frame.name for frame in worker.frames("broken-2").values()] == ["ok", "charge"]
 
 
-def test_ls_has_a_header_a_limit_and_json(url: str) -> None:
+def test_ls_lists_newest_first_with_times_a_limit_a_since_and_json(url: str) -> None:
     lines = loom(url, "ls").stdout.splitlines()
-    assert lines[0].split() == ["ID", "FLOW", "STATUS", "WAITING", "ON"]
+    assert lines[0].split() == ["ID", "FLOW", "STATUS", "STARTED", "ENDED", "WAITING", "ON"]
     assert len(lines) == 5
-    limited = json.loads(loom(url, "ls", "--json", "--limit", "2").stdout)
-    assert len(limited) == 2
-    assert set(limited[0]) == {"id", "flow", "status", "waiting_on", "parent"}
-    listed = {run["id"]: run for run in json.loads(loom(url, "ls", "--json").stdout)}
-    assert listed["order-7/c0"]["parent"] == "order-7"
-    assert listed["broken"]["status"] == Status.FAILED.value
+    listed = json.loads(loom(url, "ls", "--json").stdout)
+    assert [run["id"] for run in listed] == ["broken", "inbox-1", "order-7/c0", "order-7"]
+    starts = [run["started_at"] for run in listed]
+    assert starts == sorted(starts, reverse=True), "newest first"
+    assert listed[0]["ended_at"] is not None
+    assert listed[1]["ended_at"] is None, "a parked run has not ended"
+    assert listed[2]["parent"] == "order-7"
+    assert listed[0]["status"] == Status.FAILED.value
+    assert len(json.loads(loom(url, "ls", "--json", "--limit", "2").stdout)) == 2
+    assert json.loads(loom(url, "ls", "--json", "--since", "2h").stdout) == listed
+    assert json.loads(loom(url, "ls", "--json", "--since", "2999-01-01T00:00Z").stdout) == []
+    bad = loom(url, "ls", "--since", "yesterday")
+    assert bad.returncode == 2
+    assert "--since is an ISO 8601 time" in bad.stderr
 
 
 @pytest.mark.parametrize(

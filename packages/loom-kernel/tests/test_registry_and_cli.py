@@ -259,6 +259,6 @@ def test_loom_ls_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
     header, first = listing.stdout.readline(), listing.stdout.readline()
     listing.stdout.close()
     _out, err = listing.communicate(timeout=60)
-    assert header.split() == [b"ID", b"FLOW", b"STATUS", b"WAITING", b"ON"]
-    assert first.startswith(b"run-00000")
+    assert header.split() == [b"ID", b"FLOW", b"STATUS", b"STARTED", b"ENDED", b"WAITING", b"ON"]
+    assert first.startswith(b"run-00")
     assert b"Traceback" not in err, err.decode()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import sys
@@ -11,11 +10,12 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from importlib.metadata import entry_points
 from typing import Any, Final
 
 from loom_kernel._core import LoomError, NewRecord
-from loom_kernel._hosting._operate import add_operate_commands, add_store_option
+from loom_kernel._hosting._operate import add_operate_commands, add_store_option, run_times, since
 from loom_kernel._spi import JournalStore, installed_stores, open_store, store_factory
 
 __all__ = ["COMMAND_GROUP", "check_store", "main"]
@@ -104,18 +104,29 @@ def _inspect_command(args: argparse.Namespace) -> int:
         with open_store(args.store, create=False) as store:
             engine = Engine(store, listeners=[])
             if args.command == "ls":
-                listed = parts_of(engine).reading.listing("", args.status, args.flow, report)
+                listed = [
+                    (execution, *run_times(engine, execution))
+                    for execution in parts_of(engine).reading.listing(
+                        "", args.status, args.flow, report
+                    )
+                ]
+                if args.since is not None:
+                    listed = [row for row in listed if row[1] is not None and row[1] >= args.since]
+                listed.sort(key=lambda row: (row[1] is None, -(row[1] or 0.0), row[0].id))
                 if args.limit is not None:
-                    listed = itertools.islice(listed, args.limit)
+                    listed = listed[: args.limit]
                 if args.json:
-                    print(json.dumps([_listed(execution) for execution in listed], indent=2))
+                    print(json.dumps([_listed(*row) for row in listed], indent=2))
                     return 1 if unreadable else 0
-                print(f"{'ID':<40} {'FLOW':<20} {'STATUS':<10} WAITING ON")
-                for execution in listed:
+                print(
+                    f"{'ID':<40} {'FLOW':<20} {'STATUS':<10} {'STARTED':<24} {'ENDED':<24} "
+                    "WAITING ON"
+                )
+                for execution, started, ended in listed:
                     waiting = repr(execution.waiting_on) if execution.waiting_on else "-"
                     print(
-                        f"{execution.id:<40} {execution.flow:<20} "
-                        f"{execution.status.value:<10} {waiting}"
+                        f"{execution.id:<40} {execution.flow:<20} {execution.status.value:<10} "
+                        f"{_when(started) or '-':<24} {_when(ended) or '-':<24} {waiting}"
                     )
             else:
                 execution = engine.get(args.execution_id)
@@ -127,15 +138,23 @@ def _inspect_command(args: argparse.Namespace) -> int:
     return 1 if unreadable else 0
 
 
-def _listed(execution: Any) -> dict[str, Any]:
+def _listed(execution: Any, started: float | None, ended: float | None) -> dict[str, Any]:
     """A run as `loom ls --json` prints it."""
     return {
         "id": execution.id,
         "flow": execution.flow,
         "status": execution.status.value,
+        "started_at": _when(started),
+        "ended_at": _when(ended),
         "waiting_on": execution.waiting_on,
         "parent": execution.parent,
     }
+
+
+def _when(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="seconds")
 
 
 def _count(text: str) -> int:
@@ -290,9 +309,14 @@ def _main(argv: Sequence[str] | None) -> int:
         help="store URL (default: sqlite://loom-demo.db when loom-store-sqlite is installed, "
         "else memory://)",
     )
-    listing = commands.add_parser("ls", help="list the executions in a store with their status")
+    listing = commands.add_parser(
+        "ls", help="list the executions in a store, newest first, with their status and times"
+    )
     add_store_option(listing)
     listing.add_argument("--limit", type=_count, default=None, help="list at most this many")
+    listing.add_argument(
+        "--since", type=since, default=None, help="started since: 2026-12-01T00:00Z, or 30m, 6h, 7d"
+    )
     listing.add_argument("--json", action="store_true", help="print JSON")
     listing.add_argument(
         "--status",

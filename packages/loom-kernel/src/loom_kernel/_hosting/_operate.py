@@ -13,15 +13,16 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from loom_kernel._core import InvalidArgumentError, LoomError
+from loom_kernel._core import InvalidArgumentError, LoomError, TrimmedError
 from loom_kernel._engine import Engine, Execution
 from loom_kernel._spi import open_store
 
-__all__ = ["STORE_VARIABLE", "add_operate_commands", "add_store_option"]
+__all__ = ["STORE_VARIABLE", "add_operate_commands", "add_store_option", "run_times", "since"]
 
 #: The environment variable that names the store when `--store` is not given.
 STORE_VARIABLE: Final = "LOOM_STORE"
@@ -146,6 +147,47 @@ def described(engine: Engine, execution: Execution) -> dict[str, Any]:
         "inbox": {"messages": len(inbox), "unread": sum(not m.received for m in inbox)},
         "records": execution.position,
     }
+
+
+def run_times(engine: Engine, execution: Execution) -> tuple[float | None, float | None]:
+    """When a run started and (if it has) ended, from its first and last records (its
+    start is unknown once compaction trimmed its first record)."""
+    stream = engine.stream_of(execution.id)
+    try:
+        first = engine.store.read(stream, 0, 1)
+    except TrimmedError:
+        first = []
+    started = first[0].timestamp if first else None
+    ended = None
+    if execution.status.finished:
+        last = engine.store.read(stream, execution.position - 1, 1)
+        ended = last[0].timestamp if last else None
+    return started, ended
+
+
+_UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def since(text: str) -> float:
+    """`--since`: an ISO 8601 time with a zone, or a span back from now (30m, 6h, 7d),
+    as Unix seconds.
+
+    Raises:
+        argparse.ArgumentTypeError: it is neither.
+    """
+    unit = _UNITS.get(text[-1:])
+    if unit is not None and text[:-1].isdigit():
+        return time.time() - int(text[:-1]) * unit
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError:
+        moment = None
+    if moment is None or moment.tzinfo is None:
+        raise argparse.ArgumentTypeError(
+            f"--since is an ISO 8601 time with a zone (2026-12-01T00:00Z) or a span back "
+            f"from now (30m, 6h, 7d), not {text!r}"
+        )
+    return moment.timestamp()
 
 
 def _text(value: Any) -> str:
