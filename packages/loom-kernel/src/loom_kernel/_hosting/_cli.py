@@ -15,7 +15,8 @@ from importlib.metadata import entry_points
 from typing import Any, Final
 
 from loom_kernel._core import LoomError, NewRecord
-from loom_kernel._hosting._operate import add_operate_commands, add_store_option, run_times, since
+from loom_kernel._hosting._operate import add_operate_commands, run_times, since
+from loom_kernel._hosting._store_option import add_store_option
 from loom_kernel._spi import JournalStore, installed_stores, open_store, store_factory
 
 __all__ = ["COMMAND_GROUP", "check_store", "main"]

@@ -14,7 +14,7 @@ from typing import Any
 from loom_kernel._coordination import Queue, execution_ids
 from loom_kernel._core import InvalidArgumentError, LoomError, NonDeterminismError
 from loom_kernel._engine import Engine, Execution, parts_of
-from loom_kernel._hosting._operate import add_store_option
+from loom_kernel._hosting._store_option import add_store_option
 from loom_kernel._replay import Flow, flow
 from loom_kernel._spi import open_store
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -20,24 +19,13 @@ from typing import Any, Final
 
 from loom_kernel._core import InvalidArgumentError, LoomError, TrimmedError
 from loom_kernel._engine import Engine, Execution
+from loom_kernel._hosting._deploy import load_queues
+from loom_kernel._hosting._store_option import add_store_option
 from loom_kernel._spi import open_store
 
-__all__ = ["STORE_VARIABLE", "add_operate_commands", "add_store_option", "run_times", "since"]
+__all__ = ["add_operate_commands", "run_times", "since"]
 
-#: The environment variable that names the store when `--store` is not given.
-STORE_VARIABLE: Final = "LOOM_STORE"
 _Handler = Callable[[argparse.Namespace], int]
-
-
-def add_store_option(parser: argparse.ArgumentParser) -> None:
-    """`--store URL`, defaulting to `$LOOM_STORE` (required when that is not set)."""
-    default = os.environ.get(STORE_VARIABLE) or None
-    parser.add_argument(
-        "--store",
-        default=default,
-        required=default is None,
-        help=f"store URL (default: ${STORE_VARIABLE})",
-    )
 
 
 def add_operate_commands(commands: Any) -> dict[str, _Handler]:
@@ -92,8 +80,6 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from loom_kernel._hosting._deploy import load_queues  # noqa: PLC0415 - imports modules
-
     try:
         queues = [item for spec in getattr(args, "queues", []) for item in load_queues(spec)]
         args.loaded_queues = queues
