@@ -16,7 +16,6 @@ from loom_kernel import (
     MemoryStore,
     NotSuspendedError,
     Status,
-    UnknownFlowError,
     flow,
 )
 from loom_kernel.spi import ConflictError, JournalStore, NewRecord
@@ -147,12 +146,15 @@ def test_resume_of_a_run_not_at_a_gate_is_refused(
     assert _journal(store, done.id) == before
 
 
-def test_resuming_a_run_whose_flow_this_engine_lacks_names_the_flow_and_changes_nothing(
+def test_resuming_a_run_whose_flow_this_engine_lacks_leaves_the_drive_to_one_that_has_it(
     make_engine: EngineFactory, store: JournalStore
 ) -> None:
-    make_engine([flow(lambda ctx, _i: ctx.suspend("g"), name="gate")]).start("gate", key="r")
-    journal = store.read("ex/r")
+    gate = flow(lambda ctx, _i: ctx.suspend("g"), name="gate")
+    make_engine([gate]).start("gate", key="r")
     other = make_engine([flow(lambda ctx, _i: 1, name="other")])
-    with pytest.raises(UnknownFlowError, match=r"no flow named 'gate'.*registered: other"):
-        other.resume("r", 1)
-    assert store.read("ex/r") == journal
+    resumed = other.resume("r", 1)
+    assert (resumed.status, resumed.owner) == (Status.RUNNING, None), "journaled, not driven"
+    assert [entry.event.KIND for entry in other.history("r")][-1] == "EXECUTION_RESUMED"
+    worker = make_engine([gate])
+    assert worker.recover() == ["r"]
+    assert worker.get("r").result == 1
