@@ -338,6 +338,9 @@ def _main(argv: Sequence[str] | None) -> int:
 
     handlers = add_deploy_commands(commands)
     handlers.update(add_operate_commands(commands))
+    from loom_kernel._hosting._ui import add_ui_command  # noqa: PLC0415 - imports the engine
+
+    handlers.update(add_ui_command(commands))
     handlers.update(_installed_commands(commands))
     args = parser.parse_args(argv)
     if args.command in handlers:
