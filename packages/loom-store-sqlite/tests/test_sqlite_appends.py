@@ -301,3 +301,17 @@ def test_a_lone_append_after_an_interrupt_left_a_transaction_open_lands_for_real
     other = open_sqlite_store(f"sqlite://{path}?timeout=0")  # another process
     assert [r.payload for r in other.read("s", 3)] == [b"after0"], "committed, for real"
     assert other.append("s", 4, _records(1, "other")) == 5, "no lock was left behind"
+
+
+def test_a_lone_append_to_the_in_memory_database_rolls_back_what_an_interrupt_left_open() -> None:
+    """The in-memory database takes no WAL witness, so its lone append itself must roll
+    back a transaction an interrupt left open (mutation run gap, #46): else its one
+    statement joins that transaction and commits nothing."""
+    store = open_sqlite_store("sqlite://:memory:")
+    store.append("s", 0, _records(1))
+    real = raw_connection(store)
+    real.execute("BEGIN")
+    real.execute("SELECT count(*) FROM loom_records").fetchone()
+    assert store.append("s", 1, _records(1, "after")) == 2
+    assert not real.in_transaction, "rolled back, then committed on its own"
+    assert [r.payload for r in store.read("s")] == [b"r0", b"after0"]
