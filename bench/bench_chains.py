@@ -28,12 +28,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from call_counter import CallCounter
+from call_counter import CallCounter, on_servers
 from loom_kernel import Context, Engine, flow, open_store
 from loom_kernel.spi import JournalStore
 from loom_orchestration import rotate, send_to_chain, start_chain
 from loom_store_s3 import S3Options, S3Store
-from loom_store_s3.testing import MotoServer, RadosGateway, RequestCounter, S3Server
+from loom_store_s3.testing import RequestCounter, S3Server
 
 ROUNDS = 5
 ROTATIONS = 40
@@ -122,16 +122,7 @@ def main() -> None:
             return store, CallCounter(store).take
 
         _measure("SQLite (synchronous=full)", make)
-    if chosen in ("rgw", "both"):
-        missing = RadosGateway.missing()
-        if missing:
-            print(f"\nCeph RGW is not installed (missing {missing}): run scripts/install-rgw")
-        else:
-            with RadosGateway() as rgw:
-                _s3(rgw)
-    if chosen in ("moto", "both"):
-        with MotoServer() as moto:
-            _s3(moto)
+    on_servers(chosen, _s3)
 
 
 if __name__ == "__main__":

@@ -36,14 +36,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from call_counter import CallCounter
+from call_counter import CallCounter, on_servers
 from loom_kernel import Context, Engine, flow, open_store
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
 from loom_orchestration import create_schedule
 from loom_orchestration._schedules._poller import FULL_EVERY, REFRESH_COSTLY, SchedulePoller
 from loom_store_s3 import S3Options, S3Store
-from loom_store_s3.testing import MotoServer, RadosGateway, RequestCounter, S3Server
+from loom_store_s3.testing import RequestCounter, S3Server
 
 ROUNDS = 5
 TICKS = 20
@@ -209,16 +209,7 @@ def main() -> None:
             lambda name: open_store(f"sqlite://{directory}/{name}.db"),
             lambda store: CallCounter(store).take,
         )
-    if chosen in ("rgw", "both"):
-        missing = RadosGateway.missing()
-        if missing:
-            print(f"\nCeph RGW is not installed (missing {missing}): run scripts/install-rgw")
-        else:
-            with RadosGateway() as rgw:
-                _s3(rgw)
-    if chosen in ("moto", "both"):
-        with MotoServer() as moto:
-            _s3(moto)
+    on_servers(chosen, _s3)
 
 
 if __name__ == "__main__":

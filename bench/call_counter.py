@@ -1,5 +1,6 @@
-"""Counts a store's SPI calls, by method: what the benchmarks print beside their
-ratios (on S3 they count requests with `loom_store_s3.testing.RequestCounter`)."""
+"""What the benchmarks share: counting a store's SPI calls, by method (on S3 they
+count requests with `loom_store_s3.testing.RequestCounter`), and measuring on each
+local S3 server asked for."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from loom_kernel.spi import JournalStore
+from loom_store_s3.testing import MotoServer, RadosGateway, S3Server
 
 
 class CallCounter:
@@ -30,3 +32,18 @@ class CallCounter:
         calls = dict(self.calls)
         self.calls.clear()
         return calls
+
+
+def on_servers(chosen: str, measure: Callable[[S3Server], None]) -> None:
+    """`measure` on Ceph RGW ("rgw", "both"; said when it is not installed) and on
+    moto ("moto", "both")."""
+    if chosen in ("rgw", "both"):
+        missing = RadosGateway.missing()
+        if missing:
+            print(f"\nCeph RGW is not installed (missing {missing}): run scripts/install-rgw")
+        else:
+            with RadosGateway() as rgw:
+                measure(rgw)
+    if chosen in ("moto", "both"):
+        with MotoServer() as moto:
+            measure(moto)

@@ -9,7 +9,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from loom_kernel import Engine, LoomError, open_store
 from loom_orchestration import chain_runs, current_run, send_to_chain, start_chain
 from loom_orchestration._chains._inbox import items
 from loom_orchestration._chains._routing import FORWARD_KEY
-from process_targets import Target, make_target
+from process_targets import Target, loom_worker, make_target
 
 HERE = Path(__file__).parent
 
@@ -35,16 +34,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
 
 
 def _worker(target: Target, environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
-            *("--flows", "chain_flows:FLOWS", "--concurrency", "4"),
-            *("--lease", "2", "--idle-poll", "0.1", "--grace", "5"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-        env=environment,
-    )
+    return loom_worker(target, environment, log, "chain_flows:FLOWS", concurrency=4)
 
 
 def _received(engine: Engine, execution_id: str) -> list[int]:

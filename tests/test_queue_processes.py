@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 from loom_kernel import Engine, Status, open_store
 from loom_kernel.events import StepCompleted, decode_events
-from process_targets import Target, make_target
+from process_targets import Target, loom_worker, make_target
 
 HERE = Path(__file__).parent
 
@@ -42,17 +42,10 @@ def _worker(
     lease: float = 2.0,
     grace: float = 5.0,
 ) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
-            *("--flows", "queue_flows:FLOWS", "--queues", "queue_flows:QUEUES"),
-            *("--concurrency", "8", "--lease", str(lease), "--idle-poll", "0.1"),
-            *("--grace", str(grace)),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-        env=environment,
-    )
+    return loom_worker(
+        target, environment, log, "queue_flows:FLOWS", queues="queue_flows:QUEUES",
+        lease=lease, grace=grace,
+    )  # fmt: skip
 
 
 def _engine(target: Target) -> Engine:

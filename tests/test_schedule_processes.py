@@ -11,7 +11,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from datetime import datetime
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 from loom_kernel import Engine, Status, open_store
 from loom_kernel.events import StepCompleted, decode_events
 from loom_orchestration import create_schedule, get_schedule, pause_schedule
-from process_targets import Target, make_target
+from process_targets import Target, loom_worker, make_target
 
 HERE = Path(__file__).parent
 CHAOS_SECONDS = 60.0
@@ -33,16 +32,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
 
 
 def _worker(target: Target, environment: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [
-            *(sys.executable, "-m", "loom_kernel", "worker", "--store", target.url),
-            *("--flows", "schedule_flows:FLOWS", "--concurrency", "8"),
-            *("--lease", "2", "--idle-poll", "0.1", "--grace", "5"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=log.open("ab"),
-        env=environment,
-    )
+    return loom_worker(target, environment, log, "schedule_flows:FLOWS")
 
 
 def _tick_of(execution_id: str) -> float:
