@@ -54,7 +54,7 @@ def test_known_event_types_equal_pinned() -> None:
 
 
 def test_schema_version_is_1_17_0() -> None:
-    assert EVENT_SCHEMA == "1.19.0"
+    assert EVENT_SCHEMA == "1.20.0"
 
 
 def test_every_kind_has_an_example_here() -> None:

@@ -33,7 +33,7 @@ __all__ = [
     "known_event_types",
 ]
 
-EVENT_SCHEMA: Final = "1.19.0"
+EVENT_SCHEMA: Final = "1.20.0"
 
 
 @attrs.frozen
@@ -67,8 +67,9 @@ class QueuePlace:
 class ExecutionStarted:
     """An execution began: the flow, the pinned hash of its code, its input, the
     worker that drives it (`by`, from 1.17.0), the queue whose workers alone drive it
-    (`queue`, from 1.18.0), and the run it starts again (`retry_of`, from 1.19.0:
-    `Engine.fork`)."""
+    (`queue`, from 1.18.0), the run it starts again (`retry_of`, from 1.19.0:
+    `Engine.fork`), and the trace context of its starter (`trace`, a W3C
+    `traceparent`, from 1.20.0: `loom_kernel.otel`)."""
 
     KIND: ClassVar[str] = "EXECUTION_STARTED"
     flow: str
@@ -79,6 +80,7 @@ class ExecutionStarted:
     by: str | None = None
     queue: QueuePlace | None = None
     retry_of: str | None = None
+    trace: str | None = None
 
 
 @attrs.frozen

@@ -115,6 +115,7 @@ class ExecutionState:
         key: the idempotency key it was started with, if any.
         parent: the execution that started it, if any.
         retry_of: the run this one starts again (`Engine.fork`), if any.
+        trace: the trace context its start journaled (`loom_kernel.otel`), if any.
         steps: recorded steps by call index.
         gates: every recorded suspend, in order; gate i is resumed by payload i.
         result: the flow's return value, once completed.
@@ -137,6 +138,7 @@ class ExecutionState:
     key: str | None = None
     parent: str | None = None
     retry_of: str | None = None
+    trace: str | None = None
     steps: dict[int, StepFrame] = attrs.Factory(dict)
     gates: list[Gate] = attrs.Factory(list)
     result: Any = None
@@ -209,7 +211,7 @@ class ExecutionState:
         elif isinstance(event, ExecutionStarted):
             self.flow, self.code_hash, self.input = event.flow, event.code_hash, event.input
             self.key, self.parent, self.queue = event.key, event.parent, event.queue
-            self.retry_of = event.retry_of
+            self.retry_of, self.trace = event.retry_of, event.trace
             self.status, self.owner = Status.RUNNING, event.by
         elif isinstance(event, StepFailed):
             self.steps[event.index] = StepFrame(event.name, None, event.error, event.attempts)

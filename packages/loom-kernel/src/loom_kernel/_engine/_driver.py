@@ -56,6 +56,7 @@ from loom_kernel._replay import (
     Host,
     Message,
     RetryPolicy,
+    Tracing,
     drive_here,
     run_flow,
 )
@@ -85,6 +86,7 @@ class Settings:
     lease: float
     worker_id: str | None
     cache_size: int
+    tracing: Tracing | None = None
 
 
 class Driver:
@@ -114,6 +116,11 @@ class Driver:
         self._finishes = threading.Condition()  # notified when a drive here ends a run
         self.finished_count = 0
         self.host = self._host_of(settings)
+
+    def trace_with(self, tracing: Tracing | None) -> None:
+        """Trace the drives that begin from now on with `tracing` (None: stop)."""
+        self.settings = attrs.evolve(self.settings, tracing=tracing)
+        self.host = self._host_of(self.settings)
 
     def configure(
         self,
@@ -149,6 +156,7 @@ class Driver:
             self._add_timer,
             self._next_message,
             self._publish,
+            settings.tracing,
         )
 
     @property
@@ -234,16 +242,28 @@ class Driver:
             return
         control = control or DriveControl()
         definition = self.flows.pinned(state)
-        if not state.code_hash:  # started by name, with no code: pinned at its first drive
-            pin = ExecutionMigrated("", definition.code_hash, "pinned at its first drive")
-            self.append(state, [pin], control)
-        ending = yield from run_flow(definition, self.host, state, control)
-        if ending is not None:
-            self.append(state, [ending], control)
-        elif control.pending:  # parked without new work: the resume still happened
-            stream = stream_of(state.id)
-            self.store.append(stream, state.position - len(control.pending), control.pending)
-            control.pending.clear()
+        host = self.host
+        if host.tracing is not None and control.span is None and not control.replay_only:
+            control.span = host.tracing.drive(state.id, state.flow, state.trace)
+        try:
+            if not state.code_hash:  # started by name, with no code: pinned at its first drive
+                pin = ExecutionMigrated("", definition.code_hash, "pinned at its first drive")
+                self.append(state, [pin], control)
+            ending = yield from run_flow(definition, host, state, control)
+            if ending is not None:
+                self.append(state, [ending], control)
+            elif control.pending:  # parked without new work: the resume still happened
+                stream = stream_of(state.id)
+                self.store.append(stream, state.position - len(control.pending), control.pending)
+                control.pending.clear()
+        except BaseException as exc:
+            if control.span is not None:
+                control.span.end(state.status.value, exc)
+                control.span = None
+            raise
+        if control.span is not None:
+            control.span.end(state.status.value)
+            control.span = None
 
     def drive_owned(self, state: ExecutionState, control: DriveControl | None = None) -> Execution:
         """`driving_owned` on this thread."""

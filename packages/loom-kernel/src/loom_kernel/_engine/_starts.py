@@ -160,7 +160,9 @@ class Starts:
             name, code = definition.name, definition.code_hash
         data = to_json(input, "the flow input")
         execution_id = new_execution_id(key) if key is not None else fresh_execution_id()
-        return execution_id, ExecutionStarted(name, code, data, key, parent, by)
+        tracing = self._driver.host.tracing
+        trace = None if tracing is None else tracing.current()
+        return execution_id, ExecutionStarted(name, code, data, key, parent, by, trace=trace)
 
     def append_start(
         self, event: ExecutionStarted, execution_id: str, then: Sequence[Event] = ()

@@ -20,6 +20,7 @@ from loom_kernel._replay._flows import NO_RETRY, Flow, RetryPolicy, check_flow_n
 from loom_kernel._replay._host import RELEASE, DriveControl, Host, Unwind
 from loom_kernel._replay._servant import FLOW_LOOP, LoopStoppedError, LoopThread, Outcome, Servant
 from loom_kernel._replay._threads import CallThreads, call_threads, in_a_thread, let_go
+from loom_kernel._replay._tracing import DriveSpan, Tracing
 from loom_kernel._replay._waits import (
     RESERVED_RESUME_KEYS,
     TIMER_GATE,
@@ -44,6 +45,7 @@ __all__ = [
     "Context",
     "Drive",
     "DriveControl",
+    "DriveSpan",
     "Flow",
     "FlowPass",
     "Host",
@@ -53,6 +55,7 @@ __all__ = [
     "Outcome",
     "RetryPolicy",
     "Servant",
+    "Tracing",
     "Unwind",
     "awaitable_sleep",
     "call_threads",

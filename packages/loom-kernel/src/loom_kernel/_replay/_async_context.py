@@ -9,6 +9,7 @@ blocking calls go to the drive's thread when its code runs on another thread's l
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import itertools
@@ -16,7 +17,7 @@ import threading
 from collections.abc import Callable, Coroutine, Generator
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from loom_kernel._core import ExecutionState, InvalidArgumentError, LoomError
 from loom_kernel._replay._context import BaseContext
@@ -96,6 +97,10 @@ class _Resumptions:
                 error = exc
             if error is None:
                 error = self._check()
+
+
+#: A step's attempt where the engine has no tracer.
+_NO_SPAN: Final = contextlib.nullcontext()
 
 
 class AsyncContext(BaseContext):
@@ -435,20 +440,25 @@ class AsyncContext(BaseContext):
         returns: type[T] | None,
     ) -> Any:
         servant = None if inspect.iscoroutinefunction(call) else self._servant
+        span = self._control.span
         for attempt in itertools.count(1):
             running = _RUNNING_STEP.set((self, name))
             try:
                 try:
-                    if servant is None:
-                        value = call()
-                    else:  # a sync function: on the drive's thread, never holding the loop
-                        copied = contextvars.copy_context()
-                        # A flow it drives inline gets a loop of its own, as it would
-                        # have under this loop, so this loop closing does not stop it.
-                        copied.run(FLOW_LOOP.set, None)
-                        value = unwrap(await servant.call(call, context=copied))
-                    if inspect.isawaitable(value):
-                        value = await value
+                    # Inline, not a coroutine of its own: a StopIteration the step
+                    # raises must reach the handler below as itself (PEP 479).
+                    with _NO_SPAN if span is None else span.step(index, name, attempt):
+                        if servant is None:
+                            value = call()
+                        else:  # a sync function: on the drive's thread, never the loop's
+                            copied = contextvars.copy_context()
+                            # A flow it drives inline gets a loop of its own, as it
+                            # would have under this loop, so this loop closing does
+                            # not stop it.
+                            copied.run(FLOW_LOOP.set, None)
+                            value = unwrap(await servant.call(call, context=copied))
+                        if inspect.isawaitable(value):
+                            value = await value
                 finally:
                     _RUNNING_STEP.reset(running)
             except Unwind:

@@ -183,11 +183,16 @@ class Context(BaseContext):
         writer = self._writer
         writer.check_owner()
         policy = retry or self._host.retry
+        span = self._control.span
         for attempt in itertools.count(1):
             self._inside_step = name
             try:
                 try:
-                    value = fn(*args, **kwargs)
+                    if span is None:
+                        value = fn(*args, **kwargs)
+                    else:
+                        with span.step(index, name, attempt):
+                            value = fn(*args, **kwargs)
                 finally:
                     self._inside_step = None
             except Unwind:

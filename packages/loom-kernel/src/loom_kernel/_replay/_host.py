@@ -17,6 +17,7 @@ import attrs
 
 from loom_kernel._core import LoomError, NewRecord
 from loom_kernel._replay._flows import RetryPolicy
+from loom_kernel._replay._tracing import DriveSpan, Tracing
 from loom_kernel._replay._waits import Message
 from loom_kernel._spi import JournalStore
 
@@ -44,6 +45,7 @@ class Host:
         next_message: the first message in a run's inbox on one of `topics` that is
             not among the positions it consumed (execution id, topics, consumed).
         publish: publishes a value of `ctx.set_event` (execution id, key, value).
+        tracing: makes the spans of drives and steps (`loom_kernel.otel`), if any.
     """
 
     engine: Any
@@ -57,6 +59,7 @@ class Host:
     add_timer: Callable[[str, int, float], None]
     next_message: Callable[[str, tuple[str | None, ...], set[int]], Message | None]
     publish: Callable[[str, str, Any], None]
+    tracing: Tracing | None = None
 
 
 #: Set by a worker around the drives it makes: once the event is set (the worker is
@@ -79,9 +82,10 @@ class DriveControl:
             replay that diverges before any journals nothing.
         replay_only: a replay-check: the drive stops, as if parked, at the first new
             work, having written nothing and run no new step.
+        span: the drive's span, where the engine has a tracer.
     """
 
-    __slots__ = ("_release", "_stopped", "pending", "replay_only")
+    __slots__ = ("_release", "_stopped", "pending", "replay_only", "span")
 
     def __init__(
         self, pending: list[NewRecord] | None = None, *, replay_only: bool = False
@@ -90,6 +94,7 @@ class DriveControl:
         self._release = RELEASE.get()
         self.pending: list[NewRecord] = pending or []
         self.replay_only = replay_only
+        self.span: DriveSpan | None = None
 
     @property
     def stopped(self) -> bool:

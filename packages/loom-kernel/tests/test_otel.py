@@ -1,0 +1,116 @@
+"""`loom_kernel.otel` (the `otel` extra), with the SDK's in-memory exporter: a span per
+drive and per step attempt that runs, with the run's id, flow, step index, attempt
+and outcome; replayed steps make none; a run's drives, by any engine, continue the
+trace of the caller that started it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from loom_kernel import Context, Engine, MemoryStore, RetryPolicy, flow
+from loom_kernel.otel import instrument, uninstrument
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+tries = {"flaky": 0}
+
+
+def _flaky() -> str:
+    tries["flaky"] += 1
+    if tries["flaky"] == 1:
+        raise ConnectionError("try again")
+    return "ok"
+
+
+@flow(name="otel.order", version="1")
+def order(ctx: Context, _input: Any) -> Any:
+    ctx.step("quote", lambda: 42)
+    ctx.step("charge", _flaky, retry=RetryPolicy(attempts=3, backoff=0))
+    approved = ctx.suspend("approve")
+    return ctx.step("ship", lambda: approved)
+
+
+@pytest.fixture
+def spans() -> Iterator[tuple[TracerProvider, InMemorySpanExporter]]:
+    tries["flaky"] = 0
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    yield provider, exporter
+    provider.shutdown()
+
+
+def _named(finished: tuple[ReadableSpan, ...], prefix: str) -> list[ReadableSpan]:
+    return [span for span in finished if span.name.startswith(prefix)]
+
+
+def test_a_drive_and_each_step_attempt_that_runs_is_a_span(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    engine = Engine(MemoryStore(), [order], listeners=[])
+    instrument(engine, provider)
+    engine.start("otel.order", key="o-1")
+    finished = exporter.get_finished_spans()
+    [drive] = _named(finished, "drive ")
+    assert drive.name == "drive otel.order"
+    assert drive.attributes is not None
+    assert drive.attributes["loom.execution.id"] == "o-1"
+    assert drive.attributes["loom.execution.status"] == "suspended"
+    steps = _named(finished, "step ")
+    seen = [
+        (
+            s.attributes["loom.step.name"],
+            s.attributes["loom.step.attempt"],
+            s.attributes["loom.step.outcome"],
+        )
+        for s in steps
+        if s.attributes is not None
+    ]
+    assert seen == [("quote", 1, "ok"), ("charge", 1, "error"), ("charge", 2, "ok")]
+    assert all(s.parent is not None and s.parent.span_id == drive.context.span_id for s in steps)
+    failed = steps[1]
+    assert [event.name for event in failed.events] == ["exception"]
+
+    exporter.clear()
+    engine.resume("o-1", "yes")
+    finished = exporter.get_finished_spans()
+    assert len(_named(finished, "drive ")) == 1
+    assert [s.name for s in _named(finished, "step ")] == ["step ship"], "replayed: no span"
+
+
+def test_every_drive_of_a_run_continues_its_starters_trace(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    store = MemoryStore()
+    web = Engine(store, [order], listeners=[])
+    instrument(web, provider)
+    with provider.get_tracer("app").start_as_current_span("POST /orders") as request:
+        web.start("otel.order", key="o-2")
+    worker = Engine(store, [order], listeners=[])  # another process, later
+    instrument(worker, provider)
+    worker.resume("o-2", "yes")
+    drives = _named(exporter.get_finished_spans(), "drive ")
+    assert len(drives) == 2
+    trace_id = request.get_span_context().trace_id
+    assert all(span.context.trace_id == trace_id for span in drives), "one trace"
+    assert all(span.parent is not None for span in drives)
+    assert b'"trace":"00-' in store.read("ex/o-2")[0].payload, "journaled with the start"
+    assert worker.state("o-2").trace is not None
+
+
+def test_an_engine_not_instrumented_or_no_longer_makes_no_span(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = spans
+    engine = Engine(MemoryStore(), [order], listeners=[])
+    engine.start("otel.order", key="plain")
+    instrument(engine, provider)
+    uninstrument(engine)
+    engine.start("otel.order", key="after")
+    assert exporter.get_finished_spans() == ()
+    assert engine.state("plain").trace is None
