@@ -21,9 +21,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from call_counter import on_servers
 from loom_kernel import Context, Engine, flow
 from loom_store_s3 import S3Options, S3Store
-from loom_store_s3.testing import MotoServer, RadosGateway, RequestCounter, S3Server
+from loom_store_s3.testing import RequestCounter, S3Server
 
 ROUNDS = 5
 BODY = b'{"v":1,"commit":"0123456789abcdef0123456789abcdef","start":7,"count":1}\n' + b"x" * 90
@@ -121,16 +122,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", choices=("rgw", "moto", "both"), default="both")
     chosen = parser.parse_args().server
-    if chosen in ("rgw", "both"):
-        missing = RadosGateway.missing()
-        if missing:
-            print(f"Ceph RGW is not installed (missing {missing}): run scripts/install-rgw")
-        else:
-            with RadosGateway() as rgw:
-                _measure(rgw)
-    if chosen in ("moto", "both"):
-        with MotoServer() as moto:
-            _measure(moto)
+    on_servers(chosen, _measure)
 
 
 if __name__ == "__main__":
