@@ -11,7 +11,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from concurrent.futures.thread import _worker as _pool_worker
 from typing import Any
 
 import pytest
@@ -186,8 +187,28 @@ def test_a_flows_thread_that_never_ends_holds_a_workers_stop_for_its_grace_only(
         release.set()
 
 
-def _drive_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("loom-drive")]
+def _drive_threads(besides: Iterable[threading.Thread] = ()) -> list[threading.Thread]:
+    """The pool threads of workers, but those in `besides` (left by earlier tests)."""
+    earlier = set(besides)
+    return [
+        t for t in threading.enumerate() if t.name.startswith("loom-drive") and t not in earlier
+    ]
+
+
+def _busy_drive_threads(besides: Iterable[threading.Thread], wait: float = 5.0) -> list[str]:
+    """The pool threads doing work rather than waiting for it, once none is, or after
+    `wait` seconds (a thread that just handed back its work is idle a moment later)."""
+    deadline = time.monotonic() + wait
+    while True:
+        frames = sys._current_frames()
+        busy = [
+            t.name
+            for t in _drive_threads(besides)
+            if t.ident in frames and frames[t.ident].f_code is not _pool_worker.__code__
+        ]
+        if not busy or time.monotonic() > deadline:
+            return busy
+        time.sleep(0.01)
 
 
 def _threads_serving_a_flow() -> list[str]:
@@ -230,6 +251,7 @@ def test_a_workers_async_runs_hold_no_thread_while_their_code_awaits() -> None:
     awaiting = _awaiting_flow("loop.awaiting", arrived, go, ran)
     engine = Engine(MemoryStore(), [awaiting], listeners=[])
     runs = 20
+    earlier = _drive_threads()  # another test's pool may still be winding down
     with Worker(engine, concurrency=runs, idle_poll=0.02) as worker:
         handles = []
         try:
@@ -238,7 +260,7 @@ def test_a_workers_async_runs_hold_no_thread_while_their_code_awaits() -> None:
                 assert arrived.acquire(timeout=10)
             assert worker.stats.in_flight == runs, "every run holds its slot"
             assert _threads_serving_a_flow() == []
-            assert len(_drive_threads()) <= 3, [t.name for t in _drive_threads()]
+            assert _busy_drive_threads(besides=earlier) == []
         finally:
             go.set()  # a failure above still lets the worker stop
         assert [handle.result(timeout=20) for handle in handles] == [n + 1 for n in range(runs)]
