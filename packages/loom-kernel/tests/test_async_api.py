@@ -307,7 +307,7 @@ def parks(ctx: Context, value: Any) -> Any:
 STORE_CALLS = [
     *("start", "enqueue", "dispatch", "fork", "resume", "send", "cancel", "fire_due_timers"),
     *("recover", "get", "state", "frames", "history", "executions", "get_event"),
-    *("get_events", "inbox", "queue", "replay_check", "resume_as", "compact"),
+    *("get_events", "inbox", "queue", "replay_check", "resume_as", "compact", "gc"),
 ]
 PURE_CALLS = ["register", "hosts", "newest", "stream_of", "handle", "add_listener"]
 

@@ -226,9 +226,11 @@ def test_a_keyed_send_racing_its_own_resend_is_not_reported_unread() -> None:
     first.resume("k", None)  # at its receive
     appended = parts_of(second).driver.inbox.append
 
-    def resent_meanwhile(execution_id: str, topic: Any, key: Any, message: Any) -> int:
+    def resent_meanwhile(
+        execution_id: str, topic: Any, key: Any, message: Any, generation: int = 1
+    ) -> int:
         first.send("k", message, key=key)  # lands (and is read) before this copy
-        return appended(execution_id, topic, key, message)
+        return appended(execution_id, topic, key, message, generation)
 
     parts_of(second).driver.inbox.append = resent_meanwhile  # type: ignore[method-assign]
     assert second.send("k", "hello", key="k1") == 1, "the first copy's position"

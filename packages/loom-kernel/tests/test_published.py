@@ -68,9 +68,9 @@ def test_get_event_waiting_returns_what_a_run_published_as_it_finished() -> None
     real = parts_of(engine).driver.published.values
     reads: list[str] = []
 
-    def racing(execution_id: str) -> dict[str, Any]:
+    def racing(execution_id: str, generation: int = 1) -> dict[str, Any]:
         reads.append(execution_id)  # the first read is from before the run published
-        return {} if len(reads) == 1 else real(execution_id)
+        return {} if len(reads) == 1 else real(execution_id, generation)
 
     parts_of(engine).driver.published.values = racing  # type: ignore[method-assign]
     assert engine.get_event("p", "done", timeout=5) == 1, "read again once it finished"

@@ -17,6 +17,7 @@ from loom_kernel.events import (
     Event,
     ExecutionCancelled,
     ExecutionClaimed,
+    ExecutionDeleted,
     ExecutionCompleted,
     ExecutionFailed,
     ExecutionMigrated,
@@ -45,6 +46,7 @@ ALL_EVENTS: list[Event] = [
     ExecutionMigrated(from_hash="sha256:aa", to_hash="sha256:bb", reason="fix"),
     ExecutionClaimed(by="host.1:42:ab12", previous="host.2:7:cd34"),
     ExecutionResumed(payload=None, key="timer:1", by="host.1:42:ab12"),
+    ExecutionDeleted(generation=2, reason="retention"),
 ]
 
 
@@ -53,8 +55,8 @@ def test_known_event_types_equal_pinned() -> None:
     assert known_event_types() == PINNED
 
 
-def test_schema_version_is_1_17_0() -> None:
-    assert EVENT_SCHEMA == "1.20.0"
+def test_schema_version_is_1_21_0() -> None:
+    assert EVENT_SCHEMA == "1.21.0"
 
 
 def test_every_kind_has_an_example_here() -> None:

@@ -38,6 +38,7 @@ from loom_kernel._core._reachability import reachable
 from loom_kernel._core._state import ExecutionState, Gate, Status, StepFrame
 from loom_kernel._engine._facade import Engine, Listener
 from loom_kernel._engine._handles import RunHandle
+from loom_kernel._engine._retention import Retention, RetentionSweep
 from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
 from loom_kernel._hosting._worker import Worker, WorkerStats
 from loom_kernel._replay._async_context import AsyncContext
@@ -76,6 +77,8 @@ __all__ = [
     "QueueView",
     "Rate",
     "ResultTimeoutError",
+    "Retention",
+    "RetentionSweep",
     "RetryPolicy",
     "RunBusyError",
     "RunFinishedError",

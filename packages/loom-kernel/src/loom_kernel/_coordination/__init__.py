@@ -4,6 +4,7 @@ published values, snapshots), each a fold over streams of its own. It imports th
 core, the SPI and the replay layer's gate names.
 """
 
+from loom_kernel._coordination._deletion import delete_ended, finish_deletion
 from loom_kernel._coordination._executions import SNAPSHOT_KIND, compact, execution_ids, load
 from loom_kernel._coordination._inbox import Inbox
 from loom_kernel._coordination._leases import (
@@ -51,10 +52,12 @@ __all__ = [
     "abandoned_here",
     "compact",
     "default_worker_id",
+    "delete_ended",
     "driving_here",
     "earlier_process_exited",
     "execution_ids",
     "exited_here",
+    "finish_deletion",
     "last_record",
     "load",
     "partition_of",

@@ -86,18 +86,27 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def load(store: JournalStore, execution_id: str, cached: ExecutionState | None) -> ExecutionState:
+def load(
+    store: JournalStore,
+    execution_id: str,
+    cached: ExecutionState | None,
+    *,
+    deleted: bool = False,
+) -> ExecutionState:
     """The execution's current state: `cached` brought up to date, or a fresh fold.
 
     `cached` is folded into in place, so the caller must own it. A finished run's
-    journal never changes, so a finished `cached` state is returned as it is.
+    state is brought up to date too: retention may have deleted it since (and a
+    start with its id begun the next run of the id).
+
+    Args:
+        deleted: return the state of a run retention deleted (`state.deleted`), with
+            the generation a start with its id begins, instead of raising.
 
     Raises:
         ExecutionNotFoundError: no such execution, or it was deleted.
         SchemaError: the journal cannot be folded (a damaged record, a gap).
     """
-    if cached is not None and cached.status.finished:
-        return cached
     stream = stream_of(execution_id)
     try:
         with _gc_paused():
@@ -106,6 +115,8 @@ def load(store: JournalStore, execution_id: str, cached: ExecutionState | None) 
         raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted") from None
     if state.position == 0:
         raise ExecutionNotFoundError(f"no execution with id {execution_id!r}")
+    if state.deleted and not deleted:
+        raise ExecutionNotFoundError(f"execution {execution_id!r} was deleted (by retention)")
     return state
 
 

@@ -20,7 +20,7 @@ from typing import Any, Final
 import attrs
 
 from loom_kernel._coordination._streams import StreamFolds
-from loom_kernel._core import INBOX_PREFIX, NewRecord, Record, SchemaError, validate_stream_id
+from loom_kernel._core import INBOX_PREFIX, NewRecord, Record, SchemaError, inbox_stream
 from loom_kernel._replay import Message
 from loom_kernel._spi import JournalStore
 
@@ -61,33 +61,45 @@ class Inbox:
         self._folds = StreamFolds(store, _Parsed, _fold, kept=_KEPT, checkpointed=False)
 
     @staticmethod
-    def stream(execution_id: str) -> str:
-        return validate_stream_id(INBOX_PREFIX + execution_id)
+    def stream(execution_id: str, generation: int = 1) -> str:
+        """The inbox of generation `generation` of a run id (see `inbox_stream`)."""
+        return inbox_stream(execution_id, generation)
 
-    def append(self, execution_id: str, topic: str | None, key: str | None, message: Any) -> int:
+    def append(
+        self,
+        execution_id: str,
+        topic: str | None,
+        key: str | None,
+        message: Any,
+        generation: int = 1,
+    ) -> int:
         """Append a message wherever the inbox's head is now; its position."""
         payload = json.dumps({"topic": topic, "key": key, "message": message}).encode()
         record = NewRecord(MESSAGE_KIND, payload, self._clock())
-        return self._folds.append(self.stream(execution_id), [record])
+        return self._folds.append(self.stream(execution_id, generation), [record])
 
-    def sent(self, execution_id: str, key: str) -> int | None:
+    def sent(self, execution_id: str, key: str, generation: int = 1) -> int | None:
         """The position of the first message sent with `key`, if any."""
-        stream = self.stream(execution_id)
+        stream = self.stream(execution_id, generation)
         with self._folds.holding(stream):
             return self._folds.refresh(stream).keys.get(key)
 
-    def messages(self, execution_id: str) -> list[Message]:
+    def messages(self, execution_id: str, generation: int = 1) -> list[Message]:
         """Every message of the inbox, in send order (resends left out)."""
-        stream = self.stream(execution_id)
+        stream = self.stream(execution_id, generation)
         with self._folds.holding(stream):
             return list(self._folds.refresh(stream).messages)
 
     def next_for(
-        self, execution_id: str, topics: Iterable[str | None], consumed: set[int]
+        self,
+        execution_id: str,
+        topics: Iterable[str | None],
+        consumed: set[int],
+        generation: int = 1,
     ) -> Message | None:
         """The first message on one of `topics` that is not in `consumed` (nor a resend)."""
         wanted = set(topics)
-        stream = self.stream(execution_id)
+        stream = self.stream(execution_id, generation)
         with self._folds.holding(stream):
             for message in self._folds.refresh(stream).messages:
                 if message.topic in wanted and message.position not in consumed:

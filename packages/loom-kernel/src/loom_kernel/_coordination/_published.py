@@ -16,7 +16,7 @@ from typing import Any, Final
 import attrs
 
 from loom_kernel._coordination._streams import StreamFolds
-from loom_kernel._core import EVENTS_PREFIX, NewRecord, Record, SchemaError, validate_stream_id
+from loom_kernel._core import EVENTS_PREFIX, NewRecord, Record, SchemaError, events_stream
 from loom_kernel._spi import JournalStore
 
 __all__ = ["EVENTS_PREFIX", "Published"]
@@ -64,16 +64,18 @@ class Published:
         self._folds = StreamFolds(store, _Values, _fold, kept=_KEPT, checkpointed=False)
 
     @staticmethod
-    def stream(execution_id: str) -> str:
-        return validate_stream_id(EVENTS_PREFIX + execution_id)
+    def stream(execution_id: str, generation: int = 1) -> str:
+        """The published values of generation `generation` of a run id."""
+        return events_stream(execution_id, generation)
 
-    def set(self, execution_id: str, key: str, value: Any) -> None:
+    def set(self, execution_id: str, key: str, value: Any, generation: int = 1) -> None:
         """Append `key`'s new value wherever the stream's head is now."""
         payload = json.dumps({"key": key, "value": value}).encode()
         self._folds.append(
-            self.stream(execution_id), [NewRecord(EVENT_KIND, payload, self._clock())]
+            self.stream(execution_id, generation),
+            [NewRecord(EVENT_KIND, payload, self._clock())],
         )
 
-    def values(self, execution_id: str) -> dict[str, Any]:
+    def values(self, execution_id: str, generation: int = 1) -> dict[str, Any]:
         """Every key's latest value (read from where this reader last stopped)."""
-        return self._folds.read(self.stream(execution_id)).values
+        return self._folds.read(self.stream(execution_id, generation)).values

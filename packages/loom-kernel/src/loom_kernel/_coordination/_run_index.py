@@ -36,7 +36,7 @@ import contextlib
 import hashlib
 import json
 import logging
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final
 
 import attrs
@@ -109,13 +109,16 @@ class _Partition:
     head: int = 0
     open: dict[str, OpenHint] = attrs.Factory(dict)
     closed: dict[str, tuple[str, Status, str]] = attrs.Factory(dict)
+    closed_at: dict[str, float] = attrs.Factory(dict)  # id -> when it was closed
 
     def copy(self) -> _Partition:
-        return _Partition(self.stream, self.head, dict(self.open), dict(self.closed))
+        return _Partition(
+            self.stream, self.head, dict(self.open), dict(self.closed), dict(self.closed_at)
+        )
 
 
 def _fold(partition: _Partition, record: Record) -> None:
-    _fold_record(record, partition.stream, partition.open, partition.closed)
+    _fold_record(record, partition.stream, partition.open, partition.closed, partition.closed_at)
 
 
 def _dump(data: Any) -> bytes:
@@ -191,12 +194,18 @@ class RunIndex:
                 self._store.append(_BUILT, 0, [marker])
         self._built = True
 
-    def index_ended(self, runs: Iterable[tuple[str, Status, str]]) -> None:
-        """File finished runs (id, status, flow) under their status."""
-        by_stream: dict[str, list[list[str]]] = {}
+    def index_ended(
+        self, runs: Iterable[tuple[str, Status, str]], at: Mapping[str, float] | None = None
+    ) -> None:
+        """File finished runs (id, status, flow) under their status, each with when it
+        was closed (`at`, where known: retention measures from it)."""
+        by_stream: dict[str, list[list[Any]]] = {}
         for execution_id, status, flow in runs:
             stream = _ended_stream(status, partition_of(execution_id))
-            by_stream.setdefault(stream, []).append([execution_id, flow])
+            entry: list[Any] = [execution_id, flow]
+            if at is not None and execution_id in at:
+                entry.append(at[execution_id])
+            by_stream.setdefault(stream, []).append(entry)
         for stream, batch in sorted(by_stream.items()):
             self._add(stream, NewRecord(_ENDED_KIND, _dump({"runs": batch}), 0.0))
 
@@ -233,13 +242,46 @@ class RunIndex:
         for partition in self.partitions():
             stream = _ended_stream(status, partition)
             for record in retained(self._store, stream) or []:
+                yield from ((str(e[0]), str(e[1])) for e in _entries(record, stream))
+
+    def ended_in(self, partition: str) -> Iterator[tuple[str, Status, float]]:
+        """(id, status, when it was closed) of the runs one partition files as ended:
+        in its status streams and closed in its open partition. An id may repeat (a
+        run filed twice, or two runs of one id: one deleted, one ended since); an
+        entry an older Loom filed gives the time it was filed, later than its close.
+        """
+        for status in ENDED:
+            stream = _ended_stream(status, partition)
+            for record in retained(self._store, stream) or []:
+                for entry in _entries(record, stream):
+                    at = float(entry[2]) if len(entry) > 2 else record.timestamp
+                    yield str(entry[0]), status, at
+        found = self._folds.read(_open_stream(partition))
+        for execution_id, status, _flow in found.closed.values():
+            yield execution_id, status, found.closed_at.get(execution_id, self._clock())
+
+    def forget(self, partition: str, execution_ids: Iterable[str]) -> None:
+        """Drop runs from one partition's status streams (retention deleted them): each
+        stream is rewritten as one batch at the exact head read, and trimmed below it.
+        Runs still closed in the open partition are dropped there."""
+        gone = set(execution_ids)
+        for execution_id in gone & self._folds.read(_open_stream(partition)).closed.keys():
+            self.dropped(execution_id)
+        for status in ENDED:
+            stream = _ended_stream(status, partition)
+            while True:
+                records = retained(self._store, stream) or []
+                entries = [e for r in records for e in _entries(r, stream)]
+                kept = [e for e in entries if str(e[0]) not in gone]
+                if len(kept) == len(entries):
+                    break
+                batch = NewRecord(_ENDED_KIND, _dump({"runs": kept}), self._clock())
                 try:
-                    runs = [
-                        (str(run[0]), str(run[1])) for run in json.loads(record.payload)["runs"]
-                    ]
-                except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
-                    raise _damaged(record, exc, stream) from None
-                yield from runs
+                    head = self._store.append(stream, records[-1].position, [batch])
+                except ConflictError:
+                    continue  # runs were filed meanwhile: read them too
+                self._store.trim(stream, head)
+                break
 
     def closed_runs(self) -> Iterator[tuple[str, Status, str]]:
         """(id, status, flow) of runs closed but not yet moved to their status streams."""
@@ -295,12 +337,26 @@ class RunIndex:
         """Move closed runs to their status streams, then checkpoint and trim (a run
         opened or closed meanwhile: compacted on a later read)."""
         try:
-            self.index_ended(found.closed.values())
+            self.index_ended(found.closed.values(), found.closed_at)
             hints = [_hint_data(hint) for hint in found.open.values()]
             record = NewRecord(_CHECKPOINT, _dump({"open": hints}), self._clock())
             self._folds.checkpoint(found.stream, found, record)
         except LoomError as exc:  # the partition stays as it was; a later read compacts it
             _log.warning("loom: run index %s not compacted: %s", found.stream, exc)
+
+
+def _entries(record: Record, stream: str) -> list[list[Any]]:
+    """The entries of a status stream's batch: [id, flow] or [id, flow, closed at]."""
+    try:
+        entries = json.loads(record.payload)["runs"]
+        for entry in entries:
+            if not isinstance(entry[0], str) or not isinstance(entry[1], str):
+                raise TypeError("an entry is [id, flow, ...]")
+            if len(entry) > 2:
+                float(entry[2])
+        return list(entries)
+    except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
+        raise _damaged(record, exc, stream) from None
 
 
 def _hint_data(hint: OpenHint) -> dict[str, Any]:
@@ -361,6 +417,7 @@ def _fold_record(
     stream: str,
     opened: dict[str, OpenHint],
     closed: dict[str, tuple[str, Status, str]],
+    closed_at: dict[str, float] | None = None,
 ) -> None:
     """Fold one partition record into the open and closed runs.
 
@@ -398,8 +455,12 @@ def _fold_record(
         elif record.kind == _CLOSED:
             execution_id = str(data["id"])
             opened.pop(execution_id, None)
-            if data["status"] is not None:  # None: a dropped hint, filed nowhere
+            if data["status"] is None:  # a dropped hint (or a deleted run): filed nowhere
+                closed.pop(execution_id, None)
+            else:
                 closed[execution_id] = (execution_id, Status(data["status"]), str(data["flow"]))
+                if closed_at is not None:
+                    closed_at[execution_id] = record.timestamp
         else:
             raise ValueError(f"unknown kind {record.kind!r}")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:

@@ -20,6 +20,7 @@ __all__ = [
     "ExecutionCancelled",
     "ExecutionClaimed",
     "ExecutionCompleted",
+    "ExecutionDeleted",
     "ExecutionFailed",
     "ExecutionMigrated",
     "ExecutionResumed",
@@ -33,7 +34,7 @@ __all__ = [
     "known_event_types",
 ]
 
-EVENT_SCHEMA: Final = "1.20.0"
+EVENT_SCHEMA: Final = "1.21.0"
 
 
 @attrs.frozen
@@ -171,6 +172,19 @@ class ExecutionMigrated:
     reason: str | None = None
 
 
+@attrs.frozen
+class ExecutionDeleted:
+    """Retention deleted the run that ended before this record (from 1.21.0): a fold
+    starts over here, as no run. A start with the run's id after it is a new run,
+    number `generation` of that id, whose inbox and published values are streams of
+    their own (the deleted run's are gone), so it never sees what the deleted run
+    recorded (see docs/retention.md)."""
+
+    KIND: ClassVar[str] = "EXECUTION_DELETED"
+    generation: int
+    reason: str | None = None
+
+
 Event = (
     ExecutionStarted
     | StepCompleted
@@ -182,6 +196,7 @@ Event = (
     | ExecutionCancelled
     | ExecutionMigrated
     | ExecutionClaimed
+    | ExecutionDeleted
 )
 
 _CLASSES: Final[tuple[type[Any], ...]] = (
@@ -195,6 +210,7 @@ _CLASSES: Final[tuple[type[Any], ...]] = (
     ExecutionCancelled,
     ExecutionMigrated,
     ExecutionClaimed,
+    ExecutionDeleted,
 )
 _BY_KIND: Final[dict[str, type[Any]]] = {cls.KIND: cls for cls in _CLASSES}
 
@@ -211,6 +227,7 @@ PINNED: Final = frozenset(
         "EXECUTION_CANCELLED",
         "EXECUTION_MIGRATED",
         "EXECUTION_CLAIMED",
+        "EXECUTION_DELETED",
     }
 )
 

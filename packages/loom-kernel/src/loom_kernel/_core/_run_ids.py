@@ -1,5 +1,11 @@
 """A run's id and the names of its streams: its journal `ex/<id>`, its snapshot
 `snap/<id>`, its inbox `inbox/<id>` and its published values `events/<id>`.
+
+A run started with the id of a run that retention deleted (generation 2, 3, ...)
+goes on in the same journal and snapshot streams, after the deletion's record, but
+its inbox and published values are new streams, `in~<generation>/<id>` and
+`ev~<generation>/<id>`: the deleted run's are gone, and a reader that folded them
+before can never mistake them for the new run's.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ __all__ = [
     "INBOX_PREFIX",
     "MAX_EXECUTION_ID_LENGTH",
     "SNAPSHOT_PREFIX",
+    "events_stream",
+    "inbox_stream",
     "new_execution_id",
     "stream_of",
 ]
@@ -59,3 +67,35 @@ def new_execution_id(execution_id: str) -> str:
             "events and snapshot streams are named by it too)",
         )
     return execution_id
+
+
+def inbox_stream(execution_id: str, generation: int = 1) -> str:
+    """The inbox stream of generation `generation` of a run id.
+
+    Raises:
+        InvalidIdError: the name is not a valid stream id (a long id, restarted after
+            deletions, may not fit one).
+    """
+    return _generation_stream(INBOX_PREFIX, "in", execution_id, generation)
+
+
+def events_stream(execution_id: str, generation: int = 1) -> str:
+    """The published-values stream of generation `generation` of a run id.
+
+    Raises:
+        InvalidIdError: as `inbox_stream`.
+    """
+    return _generation_stream(EVENTS_PREFIX, "ev", execution_id, generation)
+
+
+def _generation_stream(first: str, short: str, execution_id: str, generation: int) -> str:
+    if generation == 1:
+        return validate_stream_id(first + execution_id)
+    if type(generation) is not int or generation < 1:
+        raise InvalidIdError(generation, "a generation is an int >= 1")
+    try:
+        return validate_stream_id(f"{short}~{generation}/{execution_id}")
+    except InvalidIdError as exc:
+        raise InvalidIdError(
+            execution_id, f"{exc.reason} (its run number {generation}'s streams cannot be named)"
+        ) from None

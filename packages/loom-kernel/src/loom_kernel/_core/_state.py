@@ -18,6 +18,7 @@ from loom_kernel._core._events import (
     ExecutionCancelled,
     ExecutionClaimed,
     ExecutionCompleted,
+    ExecutionDeleted,
     ExecutionFailed,
     ExecutionMigrated,
     ExecutionResumed,
@@ -127,6 +128,10 @@ class ExecutionState:
         owner: the worker driving the run while it is running (the `by` of its last
             start, resume or claim), else None.
         queue: the queue whose workers alone drive it, if it was enqueued on one.
+        generation: which run of this id it is: 1, then one more for each run of the
+            id that retention deleted before it started (EXECUTION_DELETED).
+        deleted: whether the fold ended at a deletion: there is no run (until a start
+            with the id begins generation `generation`).
     """
 
     id: str
@@ -148,6 +153,8 @@ class ExecutionState:
     resume_keys: list[str] = attrs.Factory(list)
     owner: str | None = None
     queue: QueuePlace | None = None
+    generation: int = 1
+    deleted: bool = False
 
     @property
     def resume_payloads(self) -> list[Any]:
@@ -209,6 +216,7 @@ class ExecutionState:
                 self.resume_keys.append(event.key)
             self.status, self.owner = Status.RUNNING, event.by
         elif isinstance(event, ExecutionStarted):
+            self.deleted = False
             self.flow, self.code_hash, self.input = event.flow, event.code_hash, event.input
             self.key, self.parent, self.queue = event.key, event.parent, event.queue
             self.retry_of, self.trace = event.retry_of, event.trace
@@ -228,6 +236,24 @@ class ExecutionState:
                 {"from": event.from_hash, "to": event.to_hash, "reason": event.reason}
             )
             self.code_hash = event.to_hash
+        elif isinstance(event, ExecutionDeleted):
+            self._start_over(event.generation)
+
+    def _start_over(self, generation: int) -> None:
+        """Become no run at this position: every field but the id and the position as
+        a fresh state has it, the next generation's number, and `deleted`.
+
+        Raises:
+            SchemaError: the number is not past this state's generation.
+        """
+        if type(generation) is not int or generation <= self.generation:
+            raise SchemaError(
+                f"a deletion names generation {generation!r}, not one past {self.generation}",
+                kind=ExecutionDeleted.KIND,
+            )
+        blank = ExecutionState(self.id, self.position, generation=generation, deleted=True)
+        for field in attrs.fields(ExecutionState):
+            setattr(self, field.name, getattr(blank, field.name))
 
     def copy(self) -> ExecutionState:
         """An independent copy (folding into it leaves this state alone)."""

@@ -10,6 +10,7 @@ from loom_kernel._engine._enqueueing import LocalSlots, QueuedDrive
 from loom_kernel._engine._facade import Engine, EngineParts, Listener, parts_of
 from loom_kernel._engine._handles import RunHandle
 from loom_kernel._engine._recovery import NOT_STARTED
+from loom_kernel._engine._retention import Retention, RetentionSweep
 from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
 
 __all__ = [
@@ -24,6 +25,8 @@ __all__ = [
     "Listener",
     "LocalSlots",
     "QueuedDrive",
+    "Retention",
+    "RetentionSweep",
     "RunHandle",
     "parts_of",
     "raise_first",

@@ -168,15 +168,17 @@ class Delivery:
                 f"not {key!r}"
             )
         data = to_json(message, "the message")
-        status = driver.view(execution_id, lambda state: state.status)
-        first = None if key is None else driver.inbox.sent(execution_id, key)
+        status, generation = driver.view(
+            execution_id, lambda state: (state.status, state.generation)
+        )
+        first = None if key is None else driver.inbox.sent(execution_id, key, generation)
         if first is not None:
             return first  # a resend: a no-op, whatever the run has done since
         if status.finished:
             raise RunFinishedError(execution_id, status.value)
-        position = driver.inbox.append(execution_id, topic, key, data)
+        position = driver.inbox.append(execution_id, topic, key, data, generation)
         if key is not None:  # a racing resend may have landed first: that one counts
-            position = driver.inbox.sent(execution_id, key) or position
+            position = driver.inbox.sent(execution_id, key, generation) or position
         try:
             if drive and driver.locks.holding_any():
                 # From inside a drive (a step): waiting for a run another drive holds
@@ -285,7 +287,7 @@ class Delivery:
         if wait is None or not wait.topics:
             return None
         consumed = consumed_positions(state.resume_keys)
-        return self._driver.inbox.next_for(state.id, wait.topics, consumed)
+        return self._driver.inbox.next_for(state.id, wait.topics, consumed, state.generation)
 
     # -- timers -------------------------------------------------------------------
 

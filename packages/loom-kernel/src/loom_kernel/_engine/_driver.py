@@ -178,12 +178,12 @@ class Driver:
         self.timers.add(execution_id, gate, wake_at)
 
     def _next_message(
-        self, execution_id: str, topics: tuple[str | None, ...], consumed: set[int]
+        self, state: ExecutionState, topics: tuple[str | None, ...], consumed: set[int]
     ) -> Message | None:
-        return self.inbox.next_for(execution_id, topics, consumed)
+        return self.inbox.next_for(state.id, topics, consumed, state.generation)
 
-    def _publish(self, execution_id: str, key: str, value: Any) -> None:
-        self.published.set(execution_id, key, value)
+    def _publish(self, state: ExecutionState, key: str, value: Any) -> None:
+        self.published.set(state.id, key, value, state.generation)
 
     # -- states -----------------------------------------------------------------
 

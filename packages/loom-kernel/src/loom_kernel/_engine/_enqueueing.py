@@ -139,11 +139,9 @@ class Enqueueing:
         event = attrs.evolve(event, queue=place)
         with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
             added = self._starts.append_start(event, execution_id)
-            if added:
-                state = ExecutionState(id=execution_id)
-                state.apply(event)
-                driver.cache.give_back(state)
-        if added:
+            if added is not None:
+                driver.cache.give_back(added)
+        if added is not None:
             self.queue_up(place, execution_id, event.flow, event.code_hash)
         return RunHandle(driver, execution_id)
 
@@ -175,9 +173,9 @@ class Enqueueing:
         added = handed = False
         try:
             with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
-                added = starts.append_start(event, execution_id)
-                state = ExecutionState(id=execution_id)
-                state.apply(event)
+                started = starts.append_start(event, execution_id)
+                added = started is not None
+                state = started or ExecutionState(id=execution_id)
                 if added and taker is not None:
                     # Held until the worker's drive holds it: no beat in between may
                     # say this worker dropped the run, or another could take it over.

@@ -39,6 +39,7 @@ from loom_kernel._engine._handles import RunHandle
 from loom_kernel._engine._listeners import installed_listeners
 from loom_kernel._engine._reading import Reading
 from loom_kernel._engine._recovery import Recovery
+from loom_kernel._engine._retention import Retention, RetentionSweep, Sweeper
 from loom_kernel._engine._starts import Starts
 from loom_kernel._engine._twins import async_twin
 from loom_kernel._engine._versions import Versions
@@ -67,6 +68,7 @@ class EngineParts:
         recovery: runs left running, listeners to call again, the run index rebuilt.
         versions: replay checks and migrations (K11).
         reading: views, histories, listings, published values.
+        sweeper: retention's sweeps.
     """
 
     driver: Driver
@@ -76,6 +78,7 @@ class EngineParts:
     recovery: Recovery
     versions: Versions
     reading: Reading
+    sweeper: Sweeper
 
 
 class Engine:
@@ -110,6 +113,9 @@ class Engine:
             may take its running runs over; see docs/running.md.
         queues: the queues `enqueue(..., queue=name)` may put runs on, and whose
             limits this engine's workers keep; see docs/queues.md.
+        retention: which ended runs the store keeps: this engine's workers sweep the
+            rest every `retention.every` seconds (see `gc` and docs/retention.md).
+            None (the default) keeps every run.
     """
 
     def __init__(
@@ -126,7 +132,11 @@ class Engine:
         worker_id: str | None = None,
         lease: float = DEFAULT_LEASE,
         queues: Iterable[Queue] = (),
+        retention: Retention | None = None,
     ) -> None:
+        if retention is not None and not isinstance(retention, Retention):
+            raise InvalidArgumentError(f"retention is a Retention or None, not {retention!r}")
+        self.retention = retention
         if not finite_number(lease) or not 0 < lease <= MAX_LEASE:
             raise InvalidArgumentError(
                 f"a lease is a number of seconds above 0 and at most {MAX_LEASE:.0f}, not {lease!r}"
@@ -151,7 +161,9 @@ class Engine:
         recovery = Recovery(driver, enqueueing, delivery)
         versions = Versions(driver, enqueueing)
         reading = Reading(driver)
-        self._parts = EngineParts(driver, starts, enqueueing, delivery, recovery, versions, reading)
+        self._parts = EngineParts(
+            driver, starts, enqueueing, delivery, recovery, versions, reading, Sweeper(driver)
+        )
         for item in flows:
             self.register(item)
 
@@ -496,6 +508,28 @@ class Engine:
             return self._parts.recovery.recover_one(execution_id)
         return self._parts.recovery.recover()
 
+    def gc(self, retention: Retention | None = None, *, dry_run: bool = False) -> RetentionSweep:
+        """Delete the ended runs past `retention` (by default the engine's), at most
+        `retention.batch` of them: each leaves one EXECUTION_DELETED record in its
+        journal, and a start with its id afterwards is a new run that never sees what
+        the deleted one recorded (see docs/retention.md). Workers call it every
+        `retention.every` seconds.
+
+        Args:
+            retention: what to keep; the engine's `retention` when None.
+            dry_run: only say what would be deleted.
+
+        Raises:
+            InvalidArgumentError: no retention given, and the engine has none.
+        """
+        chosen = retention if retention is not None else self.retention
+        if not isinstance(chosen, Retention):
+            raise InvalidArgumentError(
+                "gc needs a Retention: pass one, or give the engine one (Engine(..., "
+                "retention=Retention(keep_for=...)))"
+            )
+        return self._parts.sweeper.sweep(chosen, dry_run=dry_run)
+
     # -- reading --------------------------------------------------------------------
 
     def get(self, execution_id: str) -> Execution:
@@ -663,6 +697,7 @@ class Engine:
     cancel_async = async_twin(cancel)
     fire_due_timers_async = async_twin(fire_due_timers)
     recover_async = async_twin(recover)
+    gc_async = async_twin(gc)
     get_async = async_twin(get)
     state_async = async_twin(state)
     frames_async = async_twin(frames)

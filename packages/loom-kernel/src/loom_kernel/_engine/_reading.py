@@ -145,8 +145,8 @@ class Reading:
             raise InvalidArgumentError(event_key_refusal(key))
         if timeout is not None and (not finite_number(timeout) or timeout < 0):
             raise InvalidArgumentError(f"a timeout is a number of seconds >= 0, not {timeout!r}")
-        self._driver.view(execution_id, _exists)  # an unknown run is no run to wait for
-        return EventLooks(self._driver, execution_id, key, timeout)
+        generation = self._driver.view(execution_id, _generation)  # an unknown run: refused
+        return EventLooks(self._driver, execution_id, key, timeout, generation)
 
     def get_event(self, execution_id: str, key: str, timeout: float | None) -> Any:
         """See `Engine.get_event`."""
@@ -159,32 +159,37 @@ class Reading:
 
     def inbox(self, execution_id: str) -> list[InboxMessage]:
         """See `Engine.inbox`."""
-        consumed = consumed_positions(self._driver.view(execution_id, _resume_keys))
+        keys, generation = self._driver.view(execution_id, _resume_keys)
+        consumed = consumed_positions(keys)
+        messages = self._driver.inbox.messages(execution_id, generation)
         return [
             InboxMessage(m.position, m.topic, m.key, m.message, m.sent_at, m.position in consumed)
-            for m in self._driver.inbox.messages(execution_id)
+            for m in messages
         ]
 
     def get_events(self, execution_id: str) -> dict[str, Any]:
         """See `Engine.get_events`."""
-        self._driver.view(execution_id, _exists)
-        return self._driver.published.values(execution_id)
+        generation = self._driver.view(execution_id, _generation)
+        return self._driver.published.values(execution_id, generation)
 
 
 class EventLooks:
     """A `get_event`'s looks at what a run published: each says how long to wait
     before the next, or (None, the value) once the wait is over."""
 
-    def __init__(self, driver: Driver, execution_id: str, key: str, timeout: float | None) -> None:
+    def __init__(
+        self, driver: Driver, execution_id: str, key: str, timeout: float | None, generation: int
+    ) -> None:
         self._driver = driver
         self._id = execution_id
+        self._generation = generation
         self._key = key
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._pause = 0.005
 
     def look(self) -> tuple[float | None, Any]:
-        driver, execution_id = self._driver, self._id
-        values = driver.published.values(execution_id)
+        driver, execution_id, generation = self._driver, self._id, self._generation
+        values = driver.published.values(execution_id, generation)
         if self._key in values:
             return None, values[self._key]
         left = 0.0 if self._deadline is None else self._deadline - time.monotonic()
@@ -192,18 +197,21 @@ class EventLooks:
             return None, None
         with contextlib.suppress(ExecutionNotFoundError):
             if driver.view(execution_id, lambda state: state.status.finished):
-                return None, driver.published.values(execution_id).get(self._key)
+                return None, driver.published.values(execution_id, generation).get(self._key)
         pause = min(self._pause, left)
         self._pause = min(self._pause * 2, 0.25)
         return pause, None
 
 
-def _exists(_state: ExecutionState) -> None:
-    """A look at a run that only says it exists (its checkout raises if it does not)."""
+def _generation(state: ExecutionState) -> int:
+    """A look at a run that says which of its id's runs it is (and that it exists:
+    its checkout raises if it does not)."""
+    return state.generation
 
 
-def _resume_keys(state: ExecutionState) -> list[str]:
-    return list(state.resume_keys)
+def _resume_keys(state: ExecutionState) -> tuple[list[str], int]:
+    return list(state.resume_keys), state.generation
+
 
 
 def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset[Status] | None:

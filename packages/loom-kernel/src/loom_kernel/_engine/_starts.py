@@ -12,6 +12,7 @@ from typing import Any, Final
 
 import attrs
 
+from loom_kernel._coordination import finish_deletion, load
 from loom_kernel._core import (
     ConflictError,
     Event,
@@ -56,10 +57,9 @@ class Starts:
         driver = self._driver
         execution_id, event = self.new_start(flow_name, input, key, parent, driver.worker_id)
         with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
-            if not self.append_start(event, execution_id):
+            state = self.append_start(event, execution_id)
+            if state is None:
                 return driver.execution(execution_id)
-            state = ExecutionState(id=execution_id)
-            state.apply(event)
             execution = driver.drive_owned(state)
         return driver.settled(execution)
 
@@ -86,12 +86,9 @@ class Starts:
             self.append_start(event, execution_id, reused)
             return driver.execution(execution_id)
         with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
-            if not self.append_start(event, execution_id, reused):
+            state = self.append_start(event, execution_id, reused)
+            if state is None:
                 return driver.execution(execution_id)
-            state = ExecutionState(id=execution_id)
-            state.apply(event)
-            for step in reused:
-                state.apply(step)
             execution = driver.drive_owned(state)
         return driver.settled(execution)
 
@@ -166,35 +163,49 @@ class Starts:
 
     def append_start(
         self, event: ExecutionStarted, execution_id: str, then: Sequence[Event] = ()
-    ) -> bool:
+    ) -> ExecutionState | None:
         """Index the run (the hint first), then journal its start (and `then`, in the
-        same append). False when a run with that id exists already.
+        same append). None when a run with that id exists already; else the new run's
+        state, folded.
+
+        A start with the id of a run that retention deleted is the id's next run
+        (generation): it first completes the deletion (the deleted run's inbox and
+        published values go), then appends its start after the deletion's record, so
+        it never sees what the deleted run recorded.
 
         Raises:
-            ExecutionNotFoundError: the id belongs to a deleted run.
+            ExecutionNotFoundError: the journal's name was retired (a store's own
+                `delete`, not retention): no run can be started with the id.
         """
         driver = self._driver
         stream = stream_of(execution_id)
         queue = None if event.queue is None else event.queue.name
+        state = ExecutionState(id=execution_id)
         try:
             if event.key is not None and driver.store.head(stream) > 0:
-                return False  # a start by key of a run that exists: no second hint
+                state = load(driver.store, execution_id, None, deleted=True)
+                if not state.deleted:
+                    return None  # a start by key of a run that exists: no second hint
+                finish_deletion(driver.store, state, driver.clock)
             hinted = time.monotonic()
             driver.runs.opened(execution_id, event.flow, driver.worker_id, queue)
             now = driver.clock()
-            driver.store.append(stream, 0, [encode_event(item, now) for item in (event, *then)])
+            records = [encode_event(item, now) for item in (event, *then)]
+            driver.store.append(stream, state.position, records)
         except ConflictError:
-            return False
+            return None
         except StreamDeletedError:
             raise ExecutionNotFoundError(
                 f"execution {execution_id!r} was deleted; its key cannot start another run"
             ) from None
+        for item in (event, *then):
+            state.apply(item)
         if time.monotonic() - hinted > driver.lease / 2:
             # Paused between the hint and the start (a frozen VM, say): another worker
             # may have judged the hint abandoned and dropped it. Write it again.
             driver.runs.opened(execution_id, event.flow, driver.worker_id, queue)
         logger.info("loom: %s started (%s)", execution_id, event.flow)
-        return True
+        return state
 
 
 def fresh_execution_id() -> str:

@@ -1,5 +1,5 @@
 """The operator's verbs: `loom describe`, `loom steps`, `loom cancel`, `loom send`,
-`loom resume`, `loom retry`, `loom queues`.
+`loom resume`, `loom retry`, `loom queues`, `loom gc`.
 
 They need no flow code: each opens the store (never creating one), reads or journals
 what it is asked, and leaves driving to the workers. Data is printed for people, or
@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any, Final
 
 from loom_kernel._core import InvalidArgumentError, LoomError, TrimmedError
-from loom_kernel._engine import Engine, Execution
+from loom_kernel._engine import Engine, Execution, Retention
 from loom_kernel._hosting._deploy import load_queues
 from loom_kernel._hosting._store_option import add_store_option
 from loom_kernel._spi import open_store
@@ -74,7 +74,16 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
         "live in code",
     )
     queues.add_argument("--json", action="store_true", help="print JSON")
-    for parser in (describe, steps, cancel, send, resume, retry, queues):
+    gc = commands.add_parser(
+        "gc", help="delete the ended runs past a retention (see docs/retention.md)"
+    )
+    gc.add_argument(
+        "--keep-for", type=_span, default=None, help="keep runs this long after their end (7d)"
+    )
+    gc.add_argument("--keep-last", type=int, default=None, help="keep the newest N ended runs")
+    gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
+    gc.add_argument("--json", action="store_true", help="print JSON")
+    for parser in (describe, steps, cancel, send, resume, retry, queues, gc):
         add_store_option(parser)
     return dict.fromkeys(_VERBS, _run)
 
@@ -174,6 +183,21 @@ def since(text: str) -> float:
             f"from now (30m, 6h, 7d), not {text!r}"
         )
     return moment.timestamp()
+
+
+def _span(text: str) -> float:
+    """`--keep-for`: a span (90s, 30m, 6h, 7d) or a number of seconds."""
+    unit = _UNITS.get(text[-1:])
+    number = text[:-1] if unit is not None else text
+    try:
+        seconds = float(number) * (unit or 1)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0 or seconds == float("inf"):
+        raise argparse.ArgumentTypeError(
+            f"--keep-for is a span (90s, 30m, 6h, 7d) or seconds, not {text!r}"
+        )
+    return seconds
 
 
 def _text(value: Any) -> str:
@@ -335,6 +359,33 @@ def _queues(engine: Engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _gc(engine: Engine, args: argparse.Namespace) -> int:
+    if args.keep_for is None and args.keep_last is None:
+        raise InvalidArgumentError("loom gc needs --keep-for, --keep-last or both")
+    batch = 2**31 if args.dry_run else 1000  # a dry run deletes nothing: one pass says all
+    retention = Retention(keep_for=args.keep_for, keep_last=args.keep_last, batch=batch)
+    deleted: list[str] = []
+    finished: list[str] = []
+    while True:
+        swept = engine.gc(retention, dry_run=args.dry_run)
+        deleted.extend(swept.deleted)
+        finished.extend(swept.finished)
+        if not swept.more:
+            break
+    if args.json:
+        data = {"dry_run": args.dry_run, "deleted": deleted, "finished": finished}
+        print(json.dumps({**data, "kept": swept.kept}, indent=2))
+        return 0
+    verb = "would delete" if args.dry_run else "deleted"
+    for execution_id in deleted:
+        print(f"{verb} {execution_id}")
+    print(
+        f"loom gc: {verb} {len(deleted)} ended runs, kept {swept.kept}"
+        + (f", finished {len(finished)} half-done deletions" if finished else "")
+    )
+    return 0
+
+
 _VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "describe": _describe,
     "steps": _steps,
@@ -343,4 +394,5 @@ _VERBS: dict[str, Callable[[Engine, argparse.Namespace], int]] = {
     "resume": _resume,
     "queues": _queues,
     "retry": _retry,
+    "gc": _gc,
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import signal
 import sys
 import threading
@@ -130,6 +131,8 @@ class Worker:
         self._released_runs: list[str] = []  # the runs in flight as the grace ended
         self._thread: threading.Thread | None = None
         self._threads_left = False  # threads its async flows started outlived its stop
+        self._gc: threading.Thread | None = None  # a retention sweep in progress
+        self._next_gc: float | None = None  # when the next sweep is due (monotonic)
         self._signals = 0
 
     @property
@@ -255,6 +258,7 @@ class Worker:
                     busy += self._fire_timers()  # due already: before the queues' runs
                 busy += self._serving.serve(sweep=sweep)
                 busy += self._pollers.poll()
+                self._collect(now)
             except Exception:  # a poll that failed never ends the worker: the next tries
                 self.stats.failures += 1
                 logger.exception("loom: a poll of worker %s failed", self.engine.worker_id)
@@ -271,6 +275,38 @@ class Worker:
             spacing = now + fastest - time.monotonic()  # a wake-up polls no sooner than this
             if spacing > 0:
                 self._stopping.wait(spacing)
+
+    def _collect(self, now: float) -> None:
+        """Start a retention sweep on a thread of its own (polls go on meanwhile) every
+        `retention.every` seconds, the first at a random point of the first period so
+        that workers started together sweep apart."""
+        retention = self.engine.retention
+        if retention is None or (self._gc is not None and self._gc.is_alive()):
+            return
+        if self._next_gc is None:
+            self._next_gc = now + random.uniform(0, retention.every)  # noqa: S311 - spread, not secret
+        if now < self._next_gc:
+            return
+        self._next_gc = now + retention.every
+        self._gc = threading.Thread(target=self._sweep, name="loom-gc", daemon=True)
+        self._gc.start()
+
+    def _sweep(self) -> None:
+        try:
+            swept = self.engine.gc()
+        except Exception:  # the next period tries again
+            self.stats.failures += 1
+            logger.exception("loom: a retention sweep of worker %s failed", self.engine.worker_id)
+            return
+        if swept.deleted or swept.finished:
+            logger.info(
+                "loom: retention deleted %d runs (%d left half-deleted finished)%s",
+                len(swept.deleted),
+                len(swept.finished),
+                ", more to go" if swept.more else "",
+            )
+        if swept.more:
+            self._next_gc = time.monotonic()  # the next batch at the next poll
 
     def _fire_timers(self) -> int:
         """Hand the due timers to the slots (the run's drive happens there, counted in

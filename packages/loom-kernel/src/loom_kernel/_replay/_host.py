@@ -15,7 +15,7 @@ from typing import Any, Final
 
 import attrs
 
-from loom_kernel._core import LoomError, NewRecord
+from loom_kernel._core import ExecutionState, LoomError, NewRecord
 from loom_kernel._replay._flows import RetryPolicy
 from loom_kernel._replay._tracing import DriveSpan, Tracing
 from loom_kernel._replay._waits import Message
@@ -43,8 +43,8 @@ class Host:
         add_timer: writes the hint of a timer gate (execution id, gate, wake time),
             before the suspend that it points at.
         next_message: the first message in a run's inbox on one of `topics` that is
-            not among the positions it consumed (execution id, topics, consumed).
-        publish: publishes a value of `ctx.set_event` (execution id, key, value).
+            not among the positions it consumed (the run's state, topics, consumed).
+        publish: publishes a value of `ctx.set_event` (the run's state, key, value).
         tracing: makes the spans of drives and steps (`loom_kernel.otel`), if any.
     """
 
@@ -57,8 +57,8 @@ class Host:
     worker_id: Callable[[], str]
     lease_in_doubt: Callable[[], bool]
     add_timer: Callable[[str, int, float], None]
-    next_message: Callable[[str, tuple[str | None, ...], set[int]], Message | None]
-    publish: Callable[[str, str, Any], None]
+    next_message: Callable[[ExecutionState, tuple[str | None, ...], set[int]], Message | None]
+    publish: Callable[[ExecutionState, str, Any], None]
     tracing: Tracing | None = None
 
 

@@ -216,7 +216,7 @@ class RunWriter:
     def publish(self, key: str, value: Any) -> None:
         """Publish a value of `ctx.set_event` (before the step that records the call)."""
         try:
-            self._host.publish(self._state.id, key, value)
+            self._host.publish(self._state, key, value)
         except LoomError as exc:
             raise self._halt(exc) from None
 
@@ -224,7 +224,7 @@ class RunWriter:
         """The first message in the run's inbox on one of `topics` it has not consumed."""
         state = self._state
         try:
-            return self._host.next_message(state.id, topics, consumed_positions(state.resume_keys))
+            return self._host.next_message(state, topics, consumed_positions(state.resume_keys))
         except LoomError as exc:
             raise self._halt(exc) from None
 
