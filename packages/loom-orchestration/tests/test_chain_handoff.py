@@ -19,7 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from chain_helpers import FLOWS, Crash, DyingStore, receipts
+from chain_helpers import FLOWS, receipts
+from dying_store import Crash, DyingStore
 from loom_kernel import Engine, MemoryStore, Status, open_store
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock

@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from chain_helpers import FLOWS, Crash, DyingStore, receipts
+from chain_helpers import FLOWS, receipts
+from dying_store import Crash, DyingStore
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom_kernel import Engine, MemoryStore

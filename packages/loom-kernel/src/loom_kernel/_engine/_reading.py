@@ -213,7 +213,6 @@ def _resume_keys(state: ExecutionState) -> tuple[list[str], int]:
     return list(state.resume_keys), state.generation
 
 
-
 def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset[Status] | None:
     """The statuses asked for, validated."""
     if status is None:

@@ -1,0 +1,368 @@
+"""Retention on every store: what a sweep deletes, what it never deletes, a crash at
+every store call of a deletion, and an id started again after its run was deleted
+(the DBOS #769 scenario: a reused workflow id replayed a stale step result)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from dying_store import Crash, DyingStore
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from loom_kernel import (
+    Context,
+    Engine,
+    ExecutionNotFoundError,
+    InvalidArgumentError,
+    MemoryStore,
+    Retention,
+    Status,
+    Worker,
+    flow,
+    open_store,
+)
+from loom_kernel.spi import JournalStore
+from loom_kernel.testing import FakeClock
+
+StoreFactory = Callable[[], JournalStore]
+
+effects: list[tuple[str, Any]] = []
+
+
+@flow(name="ret.once")
+def once(ctx: Context, value: Any) -> Any:
+    """One step with an effect, a published value, and the step's result returned."""
+    got = ctx.step("effect", lambda: effects.append(("effect", value)) or value)
+    ctx.set_event("got", got)
+    return got
+
+
+@flow(name="ret.parks")
+def parks(ctx: Context, value: Any) -> Any:
+    """Parks until a message comes."""
+    return [value, ctx.receive("go")]
+
+
+@flow(name="ret.parent")
+def parent(ctx: Context, value: Any) -> Any:
+    """Starts a child that ends at once, then parks."""
+    ctx.step(
+        "child",
+        lambda: ctx.engine.start(
+            "ret.once", value, key=f"child-of-{value}", parent=ctx.execution_id
+        ).id,
+    )
+    return ctx.receive("go")
+
+
+FLOWS = [once, parks, parent]
+
+
+@pytest.fixture(params=["memory", "sqlite", "moto"])
+def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
+    opened: list[JournalStore] = []
+
+    def make() -> JournalStore:
+        if request.param == "memory":
+            store: JournalStore = MemoryStore()
+        elif request.param == "sqlite":
+            store = open_store(f"sqlite:///{tempfile.mkdtemp(dir=tmp_path)}/loom.db")
+        else:
+            store = request.getfixturevalue("moto_server").store()
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+def _engine(store: JournalStore, clock: FakeClock, **options: Any) -> Engine:
+    return Engine(store, FLOWS, clock=clock, listeners=[], **options)
+
+
+def test_an_id_started_after_its_run_was_deleted_is_a_new_run(new_store: StoreFactory) -> None:
+    """DBOS #769: the new run of the id runs its step again and sees nothing of the
+    deleted run: not its step results, its messages or its published values."""
+    effects.clear()
+    store, clock = new_store(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    assert engine.start("ret.once", "old", key="order-7").result == "old"
+    clock.advance(3600)
+    swept = engine.gc(Retention(keep_for=60))
+    assert swept.deleted == ("order-7",)
+    with pytest.raises(ExecutionNotFoundError, match="deleted"):
+        engine.get("order-7")
+    with pytest.raises(ExecutionNotFoundError):
+        engine.send("order-7", "late")
+    again = engine.start("ret.once", "new", key="order-7")
+    assert again.id == "order-7" and again.result == "new"
+    assert effects == [("effect", "old"), ("effect", "new")], "the step ran again"
+    assert engine.get_events("order-7") == {"got": "new"}
+    assert engine.state("order-7").generation == 2
+    other = _engine(store, clock)  # a fresh reader sees the same
+    assert other.get("order-7").result == "new"
+    assert engine.start("ret.once", "third", key="order-7").result == "new", "a K9 start"
+
+
+def test_a_cached_reader_never_answers_with_the_deleted_run(new_store: StoreFactory) -> None:
+    """An engine that folded the run before it was deleted (its cache holds the ended
+    state) starts the id again as a new run, not as the old one's result."""
+    effects.clear()
+    store, clock = new_store(), FakeClock(1_000.0)
+    reader = _engine(store, clock)
+    assert reader.start("ret.once", "old", key="k").result == "old"
+    clock.advance(100)
+    _engine(store, clock).gc(Retention(keep_last=0))
+    with pytest.raises(ExecutionNotFoundError):
+        reader.get("k")
+    assert reader.start("ret.once", "new", key="k").result == "new"
+
+
+def test_a_new_generation_has_an_inbox_of_its_own(new_store: StoreFactory) -> None:
+    store, clock = new_store(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    engine.start("ret.parks", 1, key="p")
+    engine.send("p", "first", topic="go")
+    assert engine.get("p").result == [1, "first"]
+    clock.advance(10)
+    assert engine.gc(Retention(keep_last=0)).deleted == ("p",)
+    run = engine.start("ret.parks", 2, key="p")
+    assert run.status is Status.SUSPENDED, "the old message is not the new run's"
+    assert engine.inbox("p") == []
+    engine.send("p", "second", topic="go")
+    assert engine.get("p").result == [2, "second"]
+
+
+def test_sweeps_keep_what_is_not_ended_or_still_awaited(new_store: StoreFactory) -> None:
+    store, clock = new_store(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    engine.start("ret.parks", 0, key="parked")
+    engine.enqueue("ret.once", 0, key="queued")  # no worker: it waits
+    engine.start("ret.parent", 1, key="parent")  # its child ended, the parent parks
+    engine.start("ret.once", 2, key="done")
+    clock.advance(10_000)
+    swept = engine.gc(Retention(keep_for=0))
+    assert swept.deleted == ("done",)
+    assert engine.get("parked").status is Status.SUSPENDED
+    assert engine.get("queued").status is Status.RUNNING
+    assert engine.get("child-of-1").status is Status.COMPLETED, "its parent may await it"
+    engine.send("parent", "go", topic="go")
+    assert engine.get("parent").status is Status.COMPLETED
+    clock.advance(1)
+    assert set(engine.gc(Retention(keep_for=0)).deleted) == {"child-of-1", "parent"}
+
+
+def test_keep_for_counts_from_the_end_and_keep_last_keeps_the_newest(
+    new_store: StoreFactory,
+) -> None:
+    store, clock = new_store(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    for number in range(6):
+        engine.start("ret.once", number, key=f"r{number}")
+        clock.advance(100)
+    # r0 ended at 1000, ..., r5 at 1500; now 1600
+    dry = engine.gc(Retention(keep_for=350), dry_run=True)
+    assert sorted(dry.deleted) == ["r0", "r1", "r2"]
+    assert engine.get("r0").status is Status.COMPLETED, "a dry run deletes nothing"
+    assert sorted(engine.gc(Retention(keep_last=2)).deleted) == ["r0", "r1", "r2", "r3"]
+    assert [e.id for e in engine.executions()] == ["r4", "r5"]
+    assert engine.gc(Retention(keep_last=2)).deleted == ()
+
+
+def test_a_sweep_goes_in_batches() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    for number in range(7):
+        engine.start("ret.once", number, key=f"b{number}")
+    clock.advance(10)
+    retention = Retention(keep_for=0, batch=3)
+    sizes = []
+    while True:
+        swept = engine.gc(retention)
+        sizes.append(len(swept.deleted))
+        if not swept.more:
+            break
+    assert sum(sizes) == 7 and max(sizes) == 3
+    assert list(engine.executions()) == []
+
+
+def test_retention_refuses_what_it_cannot_mean() -> None:
+    for bad in (
+        {},
+        {"keep_for": -1},
+        {"keep_for": float("nan")},
+        {"keep_last": -1},
+        {"keep_last": True},
+        {"keep_for": 1, "every": 0},
+        {"keep_for": 1, "batch": 0},
+    ):
+        with pytest.raises(InvalidArgumentError):
+            Retention(**bad)
+    with pytest.raises(InvalidArgumentError, match="needs a Retention"):
+        Engine(MemoryStore()).gc()
+
+
+def test_a_worker_sweeps_on_its_cadence() -> None:
+    store = MemoryStore()
+    engine = Engine(store, FLOWS, listeners=[], retention=Retention(keep_for=0, every=0.05))
+    engine.start("ret.once", 1, key="w")
+    with Worker(engine, idle_poll=0.02):
+        for _ in range(200):
+            try:
+                engine.get("w")
+            except ExecutionNotFoundError:
+                break
+            __import__("time").sleep(0.02)
+        else:
+            pytest.fail("the worker never swept")
+
+
+@st.composite
+def _population(draw: st.DrawFn) -> list[tuple[str, int]]:
+    """Runs to make: (kind, minutes it ends after the first)."""
+    kinds = st.sampled_from(["done", "done", "done", "parked", "queued", "parent"])
+    return draw(st.lists(st.tuples(kinds, st.integers(0, 50)), min_size=1, max_size=10))
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(
+    runs=_population(),
+    keep_for=st.none() | st.integers(0, 60).map(lambda m: m * 60.0),
+    keep_last=st.none() | st.integers(0, 6),
+)
+def test_a_sweep_deletes_exactly_the_ended_runs_past_their_retention(
+    new_store: StoreFactory,
+    runs: list[tuple[str, int]],
+    keep_for: float | None,
+    keep_last: int | None,
+) -> None:
+    if keep_for is None and keep_last is None:
+        keep_last = 1
+    store, clock = new_store(), FakeClock(0.0)
+    engine = _engine(store, clock)
+    ended_at: dict[str, float] = {}
+    alive: set[str] = set()
+    for number, (kind, minute) in enumerate(sorted(runs, key=lambda run: run[1])):
+        clock.advance(minute * 60.0 + number - clock())  # every end at its own time
+        key = f"{kind}-{number}"
+        if kind == "done":
+            engine.start("ret.once", number, key=key)
+            ended_at[key] = clock()
+        elif kind == "parked":
+            engine.start("ret.parks", number, key=key)
+            alive.add(key)
+        elif kind == "queued":
+            engine.enqueue("ret.once", number, key=key)
+            alive.add(key)
+        else:
+            engine.start("ret.parent", number, key=key)
+            ended_at[f"child-of-{number}"] = clock()  # counted among the newest ended,
+            alive |= {key, f"child-of-{number}"}  # but kept: its parked parent awaits it
+    clock.advance(3_600.0 + 100 - clock())
+    retention = Retention(keep_for=keep_for, keep_last=keep_last)
+    deleted = set(engine.gc(retention).deleted)
+    newest = sorted(ended_at, key=ended_at.__getitem__, reverse=True)
+    kept_by_count = set(newest if keep_last is None else newest[:keep_last])
+    expected = {
+        key
+        for key, at in ended_at.items()
+        if (keep_for is not None and at < clock() - keep_for)
+        or (keep_last is not None and key not in kept_by_count)
+    } - alive
+    assert deleted == expected
+    assert not deleted & alive
+    for key in alive:
+        engine.get(key)  # still there, whole
+    assert engine.gc(retention).deleted == (), "nothing more on a second sweep"
+    for key in sorted(ended_at.keys() - deleted):
+        assert engine.get(key).status is Status.COMPLETED
+    for key in sorted(deleted):
+        with pytest.raises(ExecutionNotFoundError):
+            engine.get(key)
+
+
+def _populated(store: JournalStore, clock: FakeClock) -> None:
+    engine = _engine(store, clock)
+    engine.start("ret.once", "a", key="a")
+    engine.start("ret.parks", "b", key="b")
+    engine.send("b", "go", topic="go")  # ended, with an inbox
+    engine.start("ret.parks", "live", key="live")
+    clock.advance(1000)
+
+
+def _calls_of_a_whole_sweep(base: StoreFactory) -> int:
+    store, clock = base(), FakeClock(1_000.0)
+    _populated(store, clock)
+    counting = DyingStore(store, 10**9, after=False, as_it_dies=lambda: None)
+    _engine(counting, clock).gc(Retention(keep_for=0))
+    return counting.calls
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["before-it-lands", "after-it-lands"])
+def test_a_crash_at_every_store_call_of_a_sweep_loses_nothing_live(
+    new_store: StoreFactory, after: bool
+) -> None:
+    """Kill the sweeper at each store call (before the call reaches the store, or
+    after it landed), then sweep again and go on: the live run is whole and finishes,
+    the ended ones are gone with every stream of theirs, and their ids start anew."""
+    total = _calls_of_a_whole_sweep(new_store)
+    assert total > 10
+    for at in range(1, total + 1):
+        store, clock = new_store(), FakeClock(1_000.0)
+        _populated(store, clock)
+        dying = DyingStore(store, at, after=after, as_it_dies=lambda: None)
+        with pytest.raises(Crash):
+            _engine(dying, clock).gc(Retention(keep_for=0))
+        engine = _engine(store, clock)
+        engine.gc(Retention(keep_for=0))
+        assert engine.get("live").status is Status.SUSPENDED, at
+        engine.send("live", "go", topic="go")
+        assert engine.get("live").result == ["live", "go"], at
+        for key in ("a", "b"):
+            with pytest.raises(ExecutionNotFoundError):
+                engine.get(key)
+        names = set(store.streams())
+        assert not {"inbox/a", "inbox/b", "events/a", "events/b"} & names, (at, names)
+        assert [h.event.KIND for h in engine.history("b")] == ["EXECUTION_DELETED"], at
+        assert engine.start("ret.once", "again", key="a").result == "again", at
+
+
+def test_loom_gc_on_the_command_line(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path}/loom.db"
+    with open_store(url) as store:
+        engine = Engine(store, FLOWS, listeners=[])
+        engine.start("ret.once", 1, key="cli-done")
+        engine.start("ret.parks", 1, key="cli-parked")
+
+    def loom(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "loom_kernel", "gc", "--store", url, *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    dry = loom("--keep-for", "0s", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "would delete cli-done" in dry.stdout and "cli-parked" not in dry.stdout
+    done = loom("--keep-last", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    assert '"cli-done"' in done.stdout
+    refused = loom()
+    assert refused.returncode == 1 and refused.stderr.startswith("loom: ")
+    bad = loom("--keep-for", "soon")
+    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    with open_store(url) as store:
+        engine = Engine(store, FLOWS, listeners=[])
+        assert [e.id for e in engine.executions()] == ["cli-parked"]
