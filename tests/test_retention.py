@@ -38,7 +38,12 @@ effects: list[tuple[str, Any]] = []
 @flow(name="ret.once")
 def once(ctx: Context, value: Any) -> Any:
     """One step with an effect, a published value, and the step's result returned."""
-    got = ctx.step("effect", lambda: effects.append(("effect", value)) or value)
+
+    def effect() -> Any:
+        effects.append(("effect", value))
+        return value
+
+    got = ctx.step("effect", effect)
     ctx.set_event("got", got)
     return got
 
@@ -54,9 +59,9 @@ def parent(ctx: Context, value: Any) -> Any:
     """Starts a child that ends at once, then parks."""
     ctx.step(
         "child",
-        lambda: ctx.engine.start(
-            "ret.once", value, key=f"child-of-{value}", parent=ctx.execution_id
-        ).id,
+        lambda: (
+            ctx.engine.start("ret.once", value, key=f"child-of-{value}", parent=ctx.execution_id).id
+        ),
     )
     return ctx.receive("go")
 
@@ -78,6 +83,7 @@ def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreF
         opened.append(store)
         return store
 
+    make.kind = request.param  # type: ignore[attr-defined]
     yield make
     for store in opened:
         store.close()
@@ -102,7 +108,8 @@ def test_an_id_started_after_its_run_was_deleted_is_a_new_run(new_store: StoreFa
     with pytest.raises(ExecutionNotFoundError):
         engine.send("order-7", "late")
     again = engine.start("ret.once", "new", key="order-7")
-    assert again.id == "order-7" and again.result == "new"
+    assert again.id == "order-7"
+    assert again.result == "new"
     assert effects == [("effect", "old"), ("effect", "new")], "the step ran again"
     assert engine.get_events("order-7") == {"got": "new"}
     assert engine.state("order-7").generation == 2
@@ -189,7 +196,8 @@ def test_a_sweep_goes_in_batches() -> None:
         sizes.append(len(swept.deleted))
         if not swept.more:
             break
-    assert sum(sizes) == 7 and max(sizes) == 3
+    assert sum(sizes) == 7
+    assert max(sizes) == 3
     assert list(engine.executions()) == []
 
 
@@ -318,7 +326,10 @@ def test_a_crash_at_every_store_call_of_a_sweep_loses_nothing_live(
     the ended ones are gone with every stream of theirs, and their ids start anew."""
     total = _calls_of_a_whole_sweep(new_store)
     assert total > 10
-    for at in range(1, total + 1):
+    points = list(range(1, total + 1))
+    if getattr(new_store, "kind", "") == "moto":  # a second a point: every 4th, and the last
+        points = [*points[::4], total]
+    for at in points:
         store, clock = new_store(), FakeClock(1_000.0)
         _populated(store, clock)
         dying = DyingStore(store, at, after=after, as_it_dies=lambda: None)
@@ -351,18 +362,43 @@ def test_loom_gc_on_the_command_line(tmp_path: Path) -> None:
             capture_output=True,
             text=True,
             timeout=60,
+            check=False,
         )
 
     dry = loom("--keep-for", "0s", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert "would delete cli-done" in dry.stdout and "cli-parked" not in dry.stdout
+    assert "would delete cli-done" in dry.stdout
+    assert "cli-parked" not in dry.stdout
     done = loom("--keep-last", "0", "--json")
     assert done.returncode == 0, done.stderr
     assert '"cli-done"' in done.stdout
     refused = loom()
-    assert refused.returncode == 1 and refused.stderr.startswith("loom: ")
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("loom: ")
     bad = loom("--keep-for", "soon")
-    assert bad.returncode != 0 and "Traceback" not in bad.stderr
+    assert bad.returncode != 0
+    assert "Traceback" not in bad.stderr
     with open_store(url) as store:
         engine = Engine(store, FLOWS, listeners=[])
         assert [e.id for e in engine.executions()] == ["cli-parked"]
+
+
+def test_a_chain_whose_first_run_was_deleted_is_not_started_again() -> None:
+    from loom_orchestration import rotate, start_chain
+
+    @flow(name="ret.chained")
+    def chained(ctx: Context, run: dict[str, Any]) -> Any:
+        if run["n"] == 1:
+            return rotate(ctx, "on")
+        return ctx.receive("go")
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = Engine(store, [chained], clock=clock)
+    start_chain(engine, "line", chained)
+    engine.recover()  # no worker: the successor is driven here
+    assert engine.get("line@2").status is Status.SUSPENDED
+    clock.advance(100)
+    assert engine.gc(Retention(keep_for=0)).deleted == ("line@1",)
+    with pytest.raises(InvalidArgumentError, match="started once"):
+        start_chain(engine, "line", chained)
+    assert engine.get("line@2").status is Status.SUSPENDED

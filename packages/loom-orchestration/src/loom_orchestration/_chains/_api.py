@@ -36,6 +36,7 @@ from loom_orchestration._chains._routing import (
     chain_input,
     current,
     deliver,
+    exists,
     ledger_of,
     next_ledger,
     received_by,
@@ -151,6 +152,14 @@ def start_chain(engine: Engine, chain: str, flow: str | Flow, carry: Any = None)
     chain = check_chain(chain)
     name, first = _flow_name(flow), run_id(chain, 1)
     data = chain_input(chain, 1, carry, [], Ledger())
+    if exists(engine, chain, 1):
+        try:
+            return engine.get(first)
+        except ExecutionNotFoundError:  # the first run of the id ended, and was deleted
+            raise InvalidArgumentError(
+                f"chain {chain!r} was started before, and its first run was deleted since "
+                "(retention): a chain is started once (current_run finds where it is)"
+            ) from None
     if isinstance(flow, Flow) or engine.hosts(name):
         return engine.start(flow, data, key=first)
     engine.dispatch(name, data, key=first)  # no code here: a worker that has it drives it
@@ -195,6 +204,8 @@ def rotate(
         if ledger is None:
             raise InvalidArgumentError(f"{me} was not started as run {number} of chain {chain!r}")
         successor = run_id(chain, number + 1)
+        if exists(engine, chain, number + 1):
+            return successor  # started before a crash redid this step (maybe deleted since)
         made = next_ledger(engine, chain, execution, ledger)
         # Started, not driven here: a worker of this engine takes it at once; with
         # none, the listener of this run's end drives it (after this run, never inside

@@ -52,6 +52,7 @@ __all__ = [
     "current",
     "deliver",
     "drive_successor",
+    "exists",
     "ledger_of",
     "next_ledger",
     "received_by",
@@ -151,7 +152,8 @@ def next_ledger(engine: Engine, chain: str, execution: Execution, ledger: Ledger
     return Ledger(upto, left)
 
 
-def _exists(engine: Engine, chain: str, number: int) -> bool:
+def exists(engine: Engine, chain: str, number: int) -> bool:
+    """Whether run `number` of a chain was started (it may have been deleted since)."""
     try:
         return engine.store.head(engine.stream_of(run_id(chain, number))) > 0
     except StreamDeletedError:  # it ran, and retention deleted it
@@ -163,16 +165,16 @@ def current(engine: Engine, chain: str) -> int | None:
     one before it), or None when it has none."""
     with _hints_lock:
         hint = _hints.setdefault(engine.store, {}).get(chain, 1)
-    if not _exists(engine, chain, hint):
+    if not exists(engine, chain, hint):
         low, high = 0, hint  # the newest is below the hint (or there is none)
     else:
         low, step = hint, 1
-        while _exists(engine, chain, low + step):
+        while exists(engine, chain, low + step):
             low, step = low + step, step * 2
         high = low + step
     while high - low > 1:  # low exists (or is 0), high does not
         middle = (low + high) // 2
-        if _exists(engine, chain, middle):
+        if exists(engine, chain, middle):
             low = middle
         else:
             high = middle
@@ -197,7 +199,7 @@ def _is_chain_run(engine: Engine, chain: str, number: int) -> bool:
 def _walk(engine: Engine, chain: str) -> int:
     """The newest run of an unbroken line of the chain's runs from 1, one by one."""
     number = 0
-    while _exists(engine, chain, number + 1) and _is_chain_run(engine, chain, number + 1):
+    while exists(engine, chain, number + 1) and _is_chain_run(engine, chain, number + 1):
         number += 1
     return number
 

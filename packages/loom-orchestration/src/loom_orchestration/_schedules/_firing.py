@@ -105,7 +105,10 @@ def do_pending(engine: Engine, name: str, state: ScheduleState) -> None:
             engine.cancel(execution_id, reason)
         except ExecutionNotFoundError:  # deleted since (retention): nothing to end
             continue
+    exists = _exists(engine)
     for waiting in pending.starts:
+        if exists(waiting.run_id):
+            continue  # started (by a decision redone after a crash), maybe deleted since
         try:
             engine.dispatch(
                 state.spec.flow, run_input(name, waiting, state.spec.input), key=waiting.run_id
