@@ -402,3 +402,28 @@ def test_a_chain_whose_first_run_was_deleted_is_not_started_again() -> None:
     with pytest.raises(InvalidArgumentError, match="started once"):
         start_chain(engine, "line", chained)
     assert engine.get("line@2").status is Status.SUSPENDED
+
+
+def test_a_new_run_of_a_parent_id_never_adopts_the_deleted_runs_children() -> None:
+    """The deleted run's fire-and-forget child still parks (a live run is kept); the
+    id's next run starts a child of its own, under an id that names its generation."""
+    from loom_orchestration import start_child
+
+    @flow(name="ret.shipping")
+    def shipping(ctx: Context, order: Any) -> Any:
+        return [order, ctx.receive("delivered")]
+
+    @flow(name="ret.order")
+    def order(ctx: Context, order: Any) -> Any:
+        return start_child(ctx, shipping, order)
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = Engine(store, [shipping, order], clock=clock)
+    first = engine.start("ret.order", 1, key="order-7").result
+    clock.advance(100)
+    assert engine.gc(Retention(keep_for=0)).deleted == ("order-7",)
+    second = engine.start("ret.order", 2, key="order-7").result
+    assert second != first
+    assert second.startswith("order-7/g2/")
+    assert engine.get(second).input == 2
+    assert engine.get(first).input == 1

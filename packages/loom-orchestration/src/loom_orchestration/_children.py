@@ -263,7 +263,8 @@ def start_child(
         raise InvalidArgumentError(
             f"on_parent_close is 'abandon' or 'cancel', not {on_parent_close!r}"
         )
-    return start_child_as(ctx, f"{ctx.execution_id}/c{ctx.position}", flow, input, on_parent_close)
+    own = ctx.execution_id if ctx.generation == 1 else f"{ctx.execution_id}/g{ctx.generation}"
+    return start_child_as(ctx, f"{own}/c{ctx.position}", flow, input, on_parent_close)
 
 
 def start_child_as(

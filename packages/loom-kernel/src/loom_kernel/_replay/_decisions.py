@@ -101,6 +101,13 @@ class Replay:
         return self._state.id
 
     @property
+    def generation(self) -> int:
+        """Which run of its id this is: 1, or more once retention deleted earlier runs
+        of the id (ids derived from the run's own, a child's say, include it from 2 on,
+        so they never name what an earlier run of the id started)."""
+        return self._state.generation
+
+    @property
     def input(self) -> Any:
         """The execution's input."""
         return self._state.input
