@@ -27,6 +27,7 @@ from loom_kernel import (
     flow,
     open_store,
 )
+from loom_kernel._engine import parts_of
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
 
@@ -427,3 +428,137 @@ def test_a_new_run_of_a_parent_id_never_adopts_the_deleted_runs_children() -> No
     assert second.startswith("order-7/g2/")
     assert engine.get(second).input == 2
     assert engine.get(first).input == 1
+
+
+class _Hooked(MemoryStore):
+    """A memory store that calls `hook` once, at a read of `ex/<on>` (after it, with
+    `late`) or at a stream's deletion: another process acting at that moment."""
+
+    def __init__(self, on: str = "k", *, late: bool = False) -> None:
+        super().__init__()
+        self.on, self.late = f"ex/{on}", late
+        self.hook: Callable[[], Any] | None = None
+        self.at_delete: Callable[[], Any] | None = None
+
+    def _read(self, stream: str, after: int, limit: int | None) -> Any:
+        hook = self.hook if stream == self.on else None
+        if hook is not None and not self.late:
+            self.hook = None
+            hook()
+        found = super()._read(stream, after, limit)
+        if hook is not None and self.late:
+            self.hook = None
+            hook()
+        return found
+
+    def _delete(self, stream: str) -> None:
+        hook, self.at_delete = self.at_delete, None
+        super()._delete(stream)
+        if hook is not None:
+            hook()
+
+
+def test_a_keep_last_sweep_that_read_the_index_before_a_restart_keeps_the_new_run() -> None:
+    store, clock = _Hooked(), FakeClock(1_000.0)
+    first, second = _engine(store, clock), _engine(store, clock)
+    for key in ("k", "m1", "m2"):
+        first.start("ret.once", key, key=key)
+        clock.advance(10)
+    keep = Retention(keep_last=2)
+
+    def meanwhile() -> None:
+        assert first.gc(keep).deleted == ("k",)
+        clock.advance(10)
+        assert first.start("ret.once", "k2", key="k").result == "k2"
+
+    store.hook = meanwhile
+    assert second.gc(keep).deleted == ()
+    assert sorted(e.id for e in first.executions()) == ["k", "m1", "m2"]
+    clock.advance(10)
+    assert sorted(first.gc(keep).deleted) == ["m1"], "the restarted k is among the newest"
+
+
+def test_a_start_landing_during_a_sweep_stays_indexed_and_is_swept_later() -> None:
+    store, clock = _Hooked(), FakeClock(1_000.0)
+    sweeper, other = _engine(store, clock), _engine(store, clock)
+    sweeper.start("ret.once", 1, key="k")
+    clock.advance(100)
+    store.at_delete = lambda: other.start("ret.once", 2, key="k")
+    assert sweeper.gc(Retention(keep_for=50)).deleted == ("k",)
+    fresh = _engine(store, clock)
+    assert fresh.get("k").generation == 2
+    assert [e.id for e in fresh.executions(status="completed")] == ["k"]
+    clock.advance(100)
+    assert fresh.gc(Retention(keep_for=50)).deleted == ("k",), "still in the index"
+
+
+def test_a_keyed_start_racing_the_deletion_of_its_run_starts_the_next_run() -> None:
+    store, clock = _Hooked(late=True), FakeClock(1_000.0)
+    starter, sweeper = _engine(store, clock), _engine(store, clock)
+    starter.start("ret.once", 1, key="k")
+    clock.advance(100)
+    store.hook = lambda: sweeper.gc(Retention(keep_for=0))
+    again = starter.start("ret.once", 2, key="k")
+    assert (again.result, again.generation) == (2, 2)
+
+
+def test_a_send_racing_the_deletion_says_the_run_was_deleted() -> None:
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    sender, sweeper = _engine(store, clock), _engine(store, clock)
+    sender.start("ret.parks", 1, key="k")
+    driver_view = parts_of(sender).driver.view  # the seam: the sender's look at the run
+
+    def view(execution_id: str, read: Callable[[Any], Any]) -> Any:
+        seen = driver_view(execution_id, read)
+        if execution_id == "k" and not getattr(view, "once", False):
+            view.once = True  # type: ignore[attr-defined]
+            sweeper.send("k", "x", topic="go")
+            clock.advance(10)
+            sweeper.gc(Retention(keep_for=0))
+        return seen
+
+    parts_of(sender).driver.view = view  # type: ignore[method-assign]
+    with pytest.raises(ExecutionNotFoundError):
+        sender.send("k", "late", topic="go")
+
+
+def test_a_start_of_a_deleted_id_that_died_after_its_hint_leaves_no_open_hint() -> None:
+    class Dies(MemoryStore):
+        die = False
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if self.die and stream == "ex/k":
+                self.die = False
+                raise Crash
+            return super()._append(stream, expected, records)
+
+    store, clock = Dies(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    engine.start("ret.once", 1, key="k")
+    clock.advance(10)
+    engine.gc(Retention(keep_for=0))
+    store.die = True
+    with pytest.raises(Crash):
+        _engine(store, clock).start("ret.once", 2, key="k")
+    clock.advance(86_400)
+    other = _engine(store, clock)
+    other.recover()
+    assert list(parts_of(other).driver.runs.open_runs()) == []
+
+
+def test_keep_last_on_an_index_recover_rebuilt_ranks_by_the_runs_ends() -> None:
+    from loom_kernel.spi import NewRecord
+
+    clock, old = FakeClock(1_000.0), MemoryStore()
+    engine = _engine(old, clock)
+    for number, key in enumerate(["z-oldest", "y", "x", "b", "a-newest"]):
+        engine.start("ret.once", number, key=key)
+        clock.advance(100)
+    bare = MemoryStore()  # the journals alone, as a store from before the index holds them
+    for name in old.streams("ex/"):
+        records = [NewRecord(r.kind, r.payload, r.timestamp) for r in old.read(name)]
+        bare.append(name, 0, records)
+    clock.advance(1_000)
+    rebuilt = _engine(bare, clock)
+    rebuilt.recover()
+    assert sorted(rebuilt.gc(Retention(keep_last=2)).deleted) == ["x", "y", "z-oldest"]

@@ -109,7 +109,8 @@ class _Partition:
     head: int = 0
     open: dict[str, OpenHint] = attrs.Factory(dict)
     closed: dict[str, tuple[str, Status, str]] = attrs.Factory(dict)
-    closed_at: dict[str, float] = attrs.Factory(dict)  # id -> when it was closed
+    #: id -> (when it was closed, its generation: the how-manyth run of the id)
+    closed_at: dict[str, tuple[float, int]] = attrs.Factory(dict)
 
     def copy(self) -> _Partition:
         return _Partition(
@@ -158,14 +159,19 @@ class RunIndex:
         data = {"id": execution_id, "flow": flow, "by": None, "nudge": True}
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
 
-    def closed(self, execution_id: str, status: Status, flow: str) -> None:
+    def closed(self, execution_id: str, status: Status, flow: str, generation: int = 1) -> None:
         """Record that a finished run's listeners have all been called."""
-        data = {"id": execution_id, "status": status.value, "flow": flow}
+        data: dict[str, Any] = {"id": execution_id, "status": status.value, "flow": flow}
+        if generation > 1:
+            data["g"] = generation
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_CLOSED, _dump(data), 0.0))
 
-    def dropped(self, execution_id: str) -> None:
-        """Drop the hint of a run that never started (its writer is gone) or was deleted."""
-        data = {"id": execution_id, "status": None, "flow": None}
+    def dropped(self, execution_id: str, generation: int | None = None) -> None:
+        """Drop the hint of a run that never started (its writer is gone) or was deleted
+        (with `generation`: the id's runs up to it, never a later one closed since)."""
+        data: dict[str, Any] = {"id": execution_id, "status": None, "flow": None}
+        if generation is not None:
+            data["g"] = generation
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_CLOSED, _dump(data), 0.0))
 
     def _add(self, stream: str, record: NewRecord) -> None:
@@ -195,7 +201,9 @@ class RunIndex:
         self._built = True
 
     def index_ended(
-        self, runs: Iterable[tuple[str, Status, str]], at: Mapping[str, float] | None = None
+        self,
+        runs: Iterable[tuple[str, Status, str]],
+        at: Mapping[str, tuple[float, int]] | None = None,
     ) -> None:
         """File finished runs (id, status, flow) under their status, each with when it
         was closed (`at`, where known: retention measures from it)."""
@@ -204,7 +212,7 @@ class RunIndex:
             stream = _ended_stream(status, partition_of(execution_id))
             entry: list[Any] = [execution_id, flow]
             if at is not None and execution_id in at:
-                entry.append(at[execution_id])
+                entry.extend(at[execution_id])
             by_stream.setdefault(stream, []).append(entry)
         for stream, batch in sorted(by_stream.items()):
             self._add(stream, NewRecord(_ENDED_KIND, _dump({"runs": batch}), 0.0))
@@ -244,8 +252,9 @@ class RunIndex:
             for record in retained(self._store, stream) or []:
                 yield from ((str(e[0]), str(e[1])) for e in _entries(record, stream))
 
-    def ended_in(self, partition: str) -> Iterator[tuple[str, Status, float]]:
-        """(id, status, when it was closed) of the runs one partition files as ended:
+    def ended_in(self, partition: str) -> Iterator[tuple[str, Status, float, int]]:
+        """(id, status, when it was closed, generation) of the runs one partition files
+        as ended:
         in its status streams and closed in its open partition. An id may repeat (a
         run filed twice, or two runs of one id: one deleted, one ended since); an
         entry an older Loom filed gives the time it was filed, later than its close.
@@ -255,24 +264,26 @@ class RunIndex:
             for record in retained(self._store, stream) or []:
                 for entry in _entries(record, stream):
                     at = float(entry[2]) if len(entry) > 2 else record.timestamp
-                    yield str(entry[0]), status, at
+                    yield str(entry[0]), status, at, int(entry[3]) if len(entry) > 3 else 1
         found = self._folds.read(_open_stream(partition))
         for execution_id, status, _flow in found.closed.values():
-            yield execution_id, status, found.closed_at.get(execution_id, self._clock())
+            at, generation = found.closed_at.get(execution_id, (self._clock(), 1))
+            yield execution_id, status, at, generation
 
-    def forget(self, partition: str, execution_ids: Iterable[str]) -> None:
-        """Drop runs from one partition's status streams (retention deleted them): each
-        stream is rewritten as one batch at the exact head read, and trimmed below it.
-        Runs still closed in the open partition are dropped there."""
-        gone = set(execution_ids)
-        for execution_id in gone & self._folds.read(_open_stream(partition)).closed.keys():
-            self.dropped(execution_id)
+    def forget(self, partition: str, runs: Mapping[str, int]) -> None:
+        """Drop runs (id -> generation) from one partition's status streams (retention
+        deleted them): the entries of each id up to that generation, never a later
+        run's. Each stream is rewritten as one batch at the exact head read, and
+        trimmed below it; runs still closed in the open partition are dropped there."""
+        found = self._folds.read(_open_stream(partition))
+        for execution_id in runs.keys() & found.closed.keys():
+            self.dropped(execution_id, runs[execution_id])
         for status in ENDED:
             stream = _ended_stream(status, partition)
             while True:
                 records = retained(self._store, stream) or []
                 entries = [e for r in records for e in _entries(r, stream)]
-                kept = [e for e in entries if str(e[0]) not in gone]
+                kept = [e for e in entries if not _forgotten(e, runs)]
                 if len(kept) == len(entries):
                     break
                 batch = NewRecord(_ENDED_KIND, _dump({"runs": kept}), self._clock())
@@ -289,7 +300,10 @@ class RunIndex:
             yield from self._folds.read(_open_stream(partition)).closed.values()
 
     def rebuild(
-        self, open_runs: Iterable[OpenHint], ended: dict[str, tuple[str, Status, str]]
+        self,
+        open_runs: Iterable[OpenHint],
+        ended: dict[str, tuple[str, Status, str]],
+        ended_at: Mapping[str, tuple[float, int]] | None = None,
     ) -> None:
         """Bring the index up to what a full listing of the journals found.
 
@@ -320,9 +334,10 @@ class RunIndex:
                     for execution_id in opened:
                         if execution_id in ended:
                             _id, status, flow = ended[execution_id]
-                            self.closed(execution_id, status, flow)
+                            _at, generation = (ended_at or {}).get(execution_id, (0.0, 1))
+                            self.closed(execution_id, status, flow, generation)
                     break
-                self.index_ended(closed.values())
+                self.index_ended(closed.values(), ended_at)
                 merged = {**opened, **hints}
                 body = {"open": [_hint_data(h) for i, h in merged.items() if i not in ended]}
                 checkpoint = NewRecord(_CHECKPOINT, _dump(body), self._clock())
@@ -345,6 +360,18 @@ class RunIndex:
             _log.warning("loom: run index %s not compacted: %s", found.stream, exc)
 
 
+def _generation_of(data: dict[str, Any]) -> int:
+    generation = data.get("g", 1)
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+        raise TypeError(f"a generation is an int >= 1, not {generation!r}")
+    return generation
+
+
+def _forgotten(entry: list[Any], runs: Mapping[str, int]) -> bool:
+    upto = runs.get(str(entry[0]))
+    return upto is not None and (int(entry[3]) if len(entry) > 3 else 1) <= upto
+
+
 def _entries(record: Record, stream: str) -> list[list[Any]]:
     """The entries of a status stream's batch: [id, flow] or [id, flow, closed at]."""
     try:
@@ -354,6 +381,8 @@ def _entries(record: Record, stream: str) -> list[list[Any]]:
                 raise TypeError("an entry is [id, flow, ...]")
             if len(entry) > 2:
                 float(entry[2])
+            if len(entry) > 3:
+                _generation_of({"g": entry[3]})
         return list(entries)
     except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise _damaged(record, exc, stream) from None
@@ -417,7 +446,7 @@ def _fold_record(
     stream: str,
     opened: dict[str, OpenHint],
     closed: dict[str, tuple[str, Status, str]],
-    closed_at: dict[str, float] | None = None,
+    closed_at: dict[str, tuple[float, int]] | None = None,
 ) -> None:
     """Fold one partition record into the open and closed runs.
 
@@ -454,13 +483,17 @@ def _fold_record(
             closed.pop(execution_id, None)
         elif record.kind == _CLOSED:
             execution_id = str(data["id"])
+            if data["status"] is None and "g" in data:  # runs up to g deleted: unfiled
+                upto = _generation_of(data)
+                if closed_at is None or closed_at.get(execution_id, (0.0, 1))[1] <= upto:
+                    closed.pop(execution_id, None)
+                return  # a later run of the id, open now, stays open
             opened.pop(execution_id, None)
-            if data["status"] is None:  # a dropped hint (or a deleted run): filed nowhere
-                closed.pop(execution_id, None)
-            else:
-                closed[execution_id] = (execution_id, Status(data["status"]), str(data["flow"]))
-                if closed_at is not None:
-                    closed_at[execution_id] = record.timestamp
+            if data["status"] is None:  # a dropped hint: filed nowhere
+                return
+            closed[execution_id] = (execution_id, Status(data["status"]), str(data["flow"]))
+            if closed_at is not None:
+                closed_at[execution_id] = (record.timestamp, _generation_of(data))
         else:
             raise ValueError(f"unknown kind {record.kind!r}")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:

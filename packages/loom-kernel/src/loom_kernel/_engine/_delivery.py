@@ -23,6 +23,7 @@ from loom_kernel._core import (
     NotSuspendedError,
     RunFinishedError,
     Status,
+    StreamDeletedError,
     encode_event,
     stream_of,
     to_json,
@@ -171,14 +172,20 @@ class Delivery:
         status, generation = driver.view(
             execution_id, lambda state: (state.status, state.generation)
         )
-        first = None if key is None else driver.inbox.sent(execution_id, key, generation)
-        if first is not None:
-            return first  # a resend: a no-op, whatever the run has done since
-        if status.finished:
-            raise RunFinishedError(execution_id, status.value)
-        position = driver.inbox.append(execution_id, topic, key, data, generation)
-        if key is not None:  # a racing resend may have landed first: that one counts
-            position = driver.inbox.sent(execution_id, key, generation) or position
+        try:
+            first = None if key is None else driver.inbox.sent(execution_id, key, generation)
+            if first is not None:
+                return first  # a resend: a no-op, whatever the run has done since
+            if status.finished:
+                raise RunFinishedError(execution_id, status.value)
+            position = driver.inbox.append(execution_id, topic, key, data, generation)
+            if key is not None:  # a racing resend may have landed first: that one counts
+                position = driver.inbox.sent(execution_id, key, generation) or position
+        except StreamDeletedError:
+            # The run ended and retention deleted it meanwhile: say so (the view raises),
+            # or, with the run still there, the inbox was deleted by other means.
+            driver.view(execution_id, lambda state: state.generation)
+            raise
         try:
             if drive and driver.locks.holding_any():
                 # From inside a drive (a step): waiting for a run another drive holds

@@ -161,7 +161,8 @@ class Reading:
         """See `Engine.inbox`."""
         keys, generation = self._driver.view(execution_id, _resume_keys)
         consumed = consumed_positions(keys)
-        messages = self._driver.inbox.messages(execution_id, generation)
+        with _deletion_told(self._driver, execution_id):
+            messages = self._driver.inbox.messages(execution_id, generation)
         return [
             InboxMessage(m.position, m.topic, m.key, m.message, m.sent_at, m.position in consumed)
             for m in messages
@@ -170,7 +171,8 @@ class Reading:
     def get_events(self, execution_id: str) -> dict[str, Any]:
         """See `Engine.get_events`."""
         generation = self._driver.view(execution_id, _generation)
-        return self._driver.published.values(execution_id, generation)
+        with _deletion_told(self._driver, execution_id):
+            return self._driver.published.values(execution_id, generation)
 
 
 class EventLooks:
@@ -189,7 +191,8 @@ class EventLooks:
 
     def look(self) -> tuple[float | None, Any]:
         driver, execution_id, generation = self._driver, self._id, self._generation
-        values = driver.published.values(execution_id, generation)
+        with _deletion_told(driver, execution_id):
+            values = driver.published.values(execution_id, generation)
         if self._key in values:
             return None, values[self._key]
         left = 0.0 if self._deadline is None else self._deadline - time.monotonic()
@@ -197,7 +200,9 @@ class EventLooks:
             return None, None
         with contextlib.suppress(ExecutionNotFoundError):
             if driver.view(execution_id, lambda state: state.status.finished):
-                return None, driver.published.values(execution_id, generation).get(self._key)
+                with _deletion_told(driver, execution_id):
+                    values = driver.published.values(execution_id, generation)
+                return None, values.get(self._key)
         pause = min(self._pause, left)
         self._pause = min(self._pause * 2, 0.25)
         return pause, None
@@ -223,3 +228,15 @@ def _statuses(status: Status | str | Iterable[Status | str] | None) -> frozenset
     except ValueError:
         known = ", ".join(member.value for member in Status)
         raise InvalidArgumentError(f"a status is one of {known}, not {status!r}") from None
+
+
+@contextlib.contextmanager
+def _deletion_told(driver: Driver, execution_id: str) -> Iterator[None]:
+    """A run's stream found deleted: ExecutionNotFoundError when retention deleted the
+    run meanwhile (its view says so), else the StreamDeletedError as it is (a stream
+    deleted by other means is an error, never an empty answer)."""
+    try:
+        yield
+    except StreamDeletedError:
+        driver.view(execution_id, _generation)
+        raise

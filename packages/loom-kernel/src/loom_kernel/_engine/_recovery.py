@@ -14,6 +14,8 @@ from loom_kernel._coordination import (
     OpenHint,
     abandoned_here,
     execution_ids,
+    last_record,
+    load,
     sighting,
 )
 from loom_kernel._core import (
@@ -109,8 +111,8 @@ class Recovery:
         driver = self._driver
         stream = stream_of(hint.execution_id)
         try:
-            if driver.store.head(stream) > 0:
-                return False  # it started since
+            if driver.store.head(stream) > 0 and not _deleted(driver, hint.execution_id):
+                return False  # it started since (a run's deletion is not a start)
         except StreamDeletedError:
             return True
         if hint.by is None:
@@ -128,10 +130,14 @@ class Recovery:
         driver = self._driver
         still_open: dict[str, OpenHint] = {}
         ended: dict[str, tuple[str, Status, str]] = {}
+        ended_at: dict[str, tuple[float, int]] = {}  # when each ended, and its generation
 
         def file_ended(execution: Execution) -> None:
             if execution.status.finished:
                 ended[execution.id] = (execution.id, execution.status, execution.flow)
+                last = last_record(driver.store, stream_of(execution.id))
+                at = driver.clock() if last is None else last.timestamp
+                ended_at[execution.id] = (at, execution.generation)
 
         def visit(execution_id: str) -> str | None:
             try:
@@ -146,8 +152,8 @@ class Recovery:
         for execution_id in ended:
             still_open.pop(execution_id, None)
         try:
-            driver.runs.index_ended(ended.values())
-            driver.runs.rebuild(still_open.values(), ended)
+            driver.runs.index_ended(ended.values(), ended_at)
+            driver.runs.rebuild(still_open.values(), ended, ended_at)
             if not failures:
                 driver.runs.mark_built()
         except LoomError as exc:
@@ -194,3 +200,11 @@ class Recovery:
         ):
             driven = execution_id
         return driven
+
+
+def _deleted(driver: Driver, execution_id: str) -> bool:
+    """Whether an id's journal ends at a deletion (no run of it since)."""
+    try:
+        return load(driver.store, execution_id, None, deleted=True).deleted
+    except ExecutionNotFoundError:
+        return False

@@ -139,8 +139,8 @@ class Sweeper:
         finished: list[str] = []
         kept = 0
         for partition in runs.partitions():
-            gone: list[str] = []
-            for execution_id, at in _latest_entries(runs.ended_in(partition)):
+            gone: dict[str, int] = {}  # id -> the generation whose entries go
+            for execution_id, (generation, at) in _latest_entries(runs.ended_in(partition)):
                 if len(deleted) >= retention.batch:
                     break
                 by_count = newest is not None and (at, execution_id) < newest
@@ -148,17 +148,16 @@ class Sweeper:
                 if not by_count and not by_time:
                     kept += 1
                     continue
-                outcome = self._judge(execution_id, None if by_count else cutoff, dry_run)
+                judged = None if by_count else cutoff
+                outcome = self._judge(execution_id, generation, judged, dry_run)
                 if outcome == "deleted":
                     deleted.append(execution_id)
-                    gone.append(execution_id)
                 elif outcome == "finished":
                     finished.append(execution_id)
-                    gone.append(execution_id)
-                elif outcome == "stale":
-                    gone.append(execution_id)
-                else:
+                elif outcome == "kept":
                     kept += 1
+                if outcome != "kept":
+                    gone[execution_id] = generation
             if gone and not dry_run:
                 runs.forget(partition, gone)
             if len(deleted) >= retention.batch:
@@ -176,17 +175,20 @@ class Sweeper:
         runs = self._driver.runs
         kept: list[tuple[float, str]] = []  # a min-heap of the newest seen so far
         for partition in runs.partitions():
-            for execution_id, at in _latest_entries(runs.ended_in(partition)):
+            for execution_id, (_generation, at) in _latest_entries(runs.ended_in(partition)):
                 if len(kept) < keep_last:
                     heapq.heappush(kept, (at, execution_id))
                 elif (at, execution_id) > kept[0]:
                     heapq.heapreplace(kept, (at, execution_id))
         return kept[0] if len(kept) == keep_last else None
 
-    def _judge(self, execution_id: str, cutoff: float | None, dry_run: bool) -> str:
-        """Delete one run if its journal says it may go: "deleted", "finished" (an
-        interrupted deletion finished), "stale" (the index names a run that is not
-        there, or a newer run of the id: not ended), or "kept"."""
+    def _judge(
+        self, execution_id: str, generation: int, cutoff: float | None, dry_run: bool
+    ) -> str:
+        """Delete run `generation` of an id if its journal says it may go: "deleted",
+        "finished" (an interrupted deletion of it finished), "stale" (the index names a
+        run that is not there: never started, or deleted since, a later run of the id
+        maybe started), or "kept"."""
         driver = self._driver
         store = driver.store
         try:
@@ -196,12 +198,14 @@ class Sweeper:
         except LoomError as exc:
             logger.warning("loom: retention skips %s: %s", execution_id, exc)
             return "kept"
-        if state.deleted:
-            if not dry_run:
-                finish_deletion(store, state, driver.clock)
-            return "finished"
-        if not state.status.finished:
-            return "stale"  # a run of the id started after a deletion; filed when it ends
+        if state.generation > generation:  # that run was deleted
+            if state.deleted and state.generation == generation + 1:
+                if not dry_run:
+                    finish_deletion(store, state, driver.clock)
+                return "finished"
+            return "stale"  # and a later run of the id started: filed when it ends
+        if state.deleted or state.generation < generation or not state.status.finished:
+            return "kept"  # not what the index says (a damaged entry): left alone
         if cutoff is not None and _ended_at(driver, state) >= cutoff:
             return "kept"
         if state.parent is not None and not self._parent_ended(state.parent):
@@ -231,10 +235,12 @@ def _ended_at(driver: Driver, state: ExecutionState) -> float:
     return float("inf") if record is None else record.timestamp
 
 
-def _latest_entries(entries: Iterator[tuple[str, object, float]]) -> list[tuple[str, float]]:
-    """One (id, closed at) per id, its latest, in id order."""
-    latest: dict[str, float] = {}
-    for execution_id, _status, at in entries:
-        if at > latest.get(execution_id, float("-inf")):
-            latest[execution_id] = at
+def _latest_entries(
+    entries: Iterator[tuple[str, object, float, int]],
+) -> list[tuple[str, tuple[int, float]]]:
+    """One (id, (generation, closed at)) per id, its latest run's, in id order."""
+    latest: dict[str, tuple[int, float]] = {}
+    for execution_id, _status, at, generation in entries:
+        if (generation, at) > latest.get(execution_id, (0, float("-inf"))):
+            latest[execution_id] = (generation, at)
     return sorted(latest.items())

@@ -38,6 +38,8 @@ from loom_kernel._replay import Flow, check_flow_name
 
 __all__ = ["Starts", "fresh_execution_id"]
 
+#: Starts by key tried when retention deletes the run found between looks.
+_START_ATTEMPTS: Final = 3
 #: The kernel's own steps (a published value, ...) start with this: never reused.
 KERNEL_STEP_PREFIX: Final = "loom."
 
@@ -57,9 +59,20 @@ class Starts:
         driver = self._driver
         execution_id, event = self.new_start(flow_name, input, key, parent, driver.worker_id)
         with driver.locks.hold(execution_id), driver.heartbeat.holding(execution_id):
-            state = self.append_start(event, execution_id)
-            if state is None:
-                return driver.execution(execution_id)
+            state, attempts = None, 0
+            while state is None:
+                state = self.append_start(event, execution_id)
+                if state is not None:
+                    break
+                try:
+                    return driver.execution(execution_id)
+                except ExecutionNotFoundError:
+                    # Retention deleted the run between the look and the view: the
+                    # start is the id's next run (a journal retired by other means
+                    # raises from append_start itself).
+                    attempts += 1
+                    if attempts == _START_ATTEMPTS:
+                        raise
             execution = driver.drive_owned(state)
         return driver.settled(execution)
 

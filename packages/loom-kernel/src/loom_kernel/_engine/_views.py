@@ -30,6 +30,8 @@ class Execution:
         key: the idempotency key, if any.
         parent: the execution that started it, if any.
         retry_of: the run this one starts again (`Engine.fork`), if any.
+        generation: which run of its id it is: 1, or more once retention deleted
+            earlier runs of the id (see docs/retention.md).
         code_hash: the pinned hash of the flow's code.
         position: how many journal records it has.
         cancel_reason: why it was cancelled, once cancelled.
@@ -54,6 +56,7 @@ class Execution:
     owner: str | None = None
     owner_seen_at: float | None = None
     retry_of: str | None = None
+    generation: int = 1
 
     @property
     def gates(self) -> tuple[str, ...]:
@@ -94,6 +97,7 @@ class Execution:
             cancel_reason=state.cancel_reason,
             owner=state.owner if state.status is Status.RUNNING else None,
             retry_of=state.retry_of,
+            generation=state.generation,
         )
 
 

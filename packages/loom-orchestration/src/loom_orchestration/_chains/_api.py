@@ -303,10 +303,24 @@ def _newest(engine: Engine, chain: str) -> Execution:
         number = current(engine, chain)
         if number is None:
             raise ChainNotFoundError(f"no chain {chain!r}: start it with start_chain")
-        execution = engine.get(run_id(chain, number))
+        execution = _run(engine, chain, number)
         if not _rotated(execution):
             return execution
     return execution
+
+
+def _run(engine: Engine, chain: str, number: int) -> Execution:
+    """Run `number` of a chain, its newest.
+
+    Raises:
+        ChainEndedError: retention deleted it: it ended without rotating (a run that
+            rotated has a successor, newer), and so did the chain.
+    """
+    execution_id = run_id(chain, number)
+    try:
+        return engine.get(execution_id)
+    except ExecutionNotFoundError:
+        raise ChainEndedError(chain, execution_id, "deleted (by retention)") from None
 
 
 def _rotated(execution: Execution) -> bool:
@@ -434,9 +448,10 @@ def current_run(engine: Engine, chain: str) -> Execution:
 
     Raises:
         ChainNotFoundError: the chain has not been started.
+        ChainEndedError: its last run ended and retention deleted it.
     """
     chain = check_chain(chain)
     number = current(engine, chain)
     if number is None:
         raise ChainNotFoundError(f"no chain {chain!r}: start it with start_chain")
-    return engine.get(run_id(chain, number))
+    return _run(engine, chain, number)
