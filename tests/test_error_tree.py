@@ -9,6 +9,7 @@ import loom_kernel
 import loom_orchestration
 import pytest
 from loom_kernel import (
+    BlobNotFoundError,
     CanonicalJSONError,
     CodeVersionError,
     ConflictError,
@@ -61,6 +62,7 @@ EXAMPLES: list[LoomError] = [
     SchemaError("broken", kind="K", version="1.0.0", stream="ex/a", position=2),
     StoreUnavailableError("down"),
     StoreMisconfiguredError("no bucket"),
+    BlobNotFoundError("no blob sha256:00"),
     UnknownFlowError("no flow"),
     ExecutionNotFoundError("no run"),
     NotSuspendedError("a", "running", "detail"),

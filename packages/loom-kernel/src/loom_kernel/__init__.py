@@ -45,12 +45,14 @@ from loom_kernel._replay._async_context import AsyncContext
 from loom_kernel._replay._context import Context
 from loom_kernel._replay._flows import NO_RETRY, Flow, RetryPolicy, code_hash, flow
 from loom_kernel._replay._waits import Woken
+from loom_kernel._spi._blobs import BlobNotFoundError
 from loom_kernel._spi._memory_store import MemoryStore
 from loom_kernel._spi._registry import installed_stores, open_store
 
 __all__ = [
     "NO_RETRY",
     "AsyncContext",
+    "BlobNotFoundError",
     "CanonicalJSONError",
     "CodeVersionError",
     "ConflictError",

@@ -19,12 +19,21 @@ from loom_kernel._core._errors import (
 )
 from loom_kernel._core._ids import ID_ALPHABET, MAX_ID_LENGTH, validate_prefix, validate_stream_id
 from loom_kernel._core._records import MAX_KIND_LENGTH, NewRecord, Record
+from loom_kernel._spi._blob_collection import BlobsCollected, collect_blobs
+from loom_kernel._spi._blobs import (
+    DEFAULT_BLOB_THRESHOLD,
+    BlobNotFoundError,
+    BlobStore,
+    MemoryBlobs,
+    validate_blob_key,
+)
 from loom_kernel._spi._faults import (
     AmbiguousWriteError,
     Fault,
     FaultInjection,
     SupportsFaultInjection,
 )
+from loom_kernel._spi._fsspec_blobs import FsspecBlobs
 from loom_kernel._spi._journal import JournalStore
 from loom_kernel._spi._registry import (
     ENTRY_POINT_GROUP,
@@ -35,18 +44,24 @@ from loom_kernel._spi._registry import (
 )
 
 __all__ = [
+    "DEFAULT_BLOB_THRESHOLD",
     "ENTRY_POINT_GROUP",
     "ID_ALPHABET",
     "MAX_ID_LENGTH",
     "MAX_KIND_LENGTH",
     "AmbiguousWriteError",
+    "BlobNotFoundError",
+    "BlobStore",
+    "BlobsCollected",
     "ConflictError",
     "Fault",
     "FaultInjection",
+    "FsspecBlobs",
     "InvalidArgumentError",
     "InvalidIdError",
     "JournalStore",
     "LoomError",
+    "MemoryBlobs",
     "NewRecord",
     "OpenStore",
     "Record",
@@ -57,8 +72,10 @@ __all__ = [
     "StreamDeletedError",
     "SupportsFaultInjection",
     "TrimmedError",
+    "collect_blobs",
     "installed_stores",
     "register_store",
+    "validate_blob_key",
     "validate_prefix",
     "validate_stream_id",
 ]

@@ -45,6 +45,10 @@ class S3Options:
         attempts: tries for a request that failed transiently (reads, deletes,
             and conditional writes whose outcome was confirmed).
         workers: parallel GETs when reading many batches.
+        blobs: where payloads over `blob_threshold` bytes go: `bucket` (the default:
+            this store's own bucket, under its prefix), `none` (kept in the batches),
+            or an fsspec URL (s3fs installed, for `s3://other-bucket/...`).
+        blob_threshold: the bytes over which a payload goes to the blobs.
     """
 
     endpoint_url: str | None = None
@@ -56,6 +60,8 @@ class S3Options:
     timeout: float = attrs.field(default=10.0, validator=_positive)
     attempts: int = attrs.field(default=4)
     workers: int = attrs.field(default=16)
+    blobs: str = "bucket"
+    blob_threshold: int = attrs.field(default=64 * 1024)
 
     @addressing.validator
     def _check_addressing(self, _attribute: object, value: str) -> None:
@@ -72,6 +78,11 @@ class S3Options:
         if value < 1:
             raise InvalidArgumentError(f"attempts must be at least 1, not {value}")
 
+    @blob_threshold.validator
+    def _check_blob_threshold(self, _attribute: object, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise InvalidArgumentError(f"blob_threshold must be at least 1 byte, not {value!r}")
+
     @workers.validator
     def _check_workers(self, _attribute: object, value: int) -> None:
         if value < 1:
@@ -84,8 +95,8 @@ class S3Options:
 
 
 _FLOATS: Final = ("head_ttl", "retention", "timeout")
-_INTS: Final = ("shards", "attempts", "workers")
-_STRINGS: Final = ("endpoint_url", "region", "addressing")
+_INTS: Final = ("shards", "attempts", "workers", "blob_threshold")
+_STRINGS: Final = ("endpoint_url", "region", "addressing", "blobs")
 
 
 def parse_s3_url(url: str) -> tuple[str, str, S3Options]:

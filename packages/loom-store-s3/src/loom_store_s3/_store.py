@@ -21,6 +21,7 @@ from botocore.config import Config
 from loom_kernel.spi import (
     ConflictError,
     FaultInjection,
+    FsspecBlobs,
     InvalidArgumentError,
     JournalStore,
     NewRecord,
@@ -34,6 +35,7 @@ from loom_kernel.spi import (
 )
 
 from loom_store_s3._batch import Batch, decode_batch, encode_batch, encode_marker
+from loom_store_s3._blobs import BucketBlobs
 from loom_store_s3._layout import FORMAT, MAX_SHARDS, Layout
 from loom_store_s3._options import SIGNATURE_WINDOW, S3Options
 from loom_store_s3._transport import Transport
@@ -136,6 +138,14 @@ class S3Store(FaultInjection, JournalStore):
             self._options.attempts,
         )
         self._layout = self._open_layout()
+        blobs = self._options.blobs
+        if blobs == "bucket":
+            self.use_blobs(
+                BucketBlobs(self._transport, self._layout.root + "blobs/"),
+                self._options.blob_threshold,
+            )
+        elif blobs.lower() != "none":
+            self.use_blobs(FsspecBlobs(blobs), self._options.blob_threshold)
         self._known: dict[str, _Known] = {}
         self._known_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(

@@ -171,6 +171,20 @@ class Transport:
 
         return self._retrying(f"HEAD {key}", call)
 
+    def modified(self, key: str) -> float | None:
+        """When an object was last written (HEAD), None when it does not exist."""
+
+        def call() -> float | None:
+            try:
+                response = self.client.head_object(Bucket=self.bucket, Key=key)
+            except ClientError as exc:
+                if classify(exc) == "missing":
+                    return None
+                raise
+            return float(response["LastModified"].timestamp())
+
+        return self._retrying(f"HEAD {key}", call)
+
     def put(self, key: str, body: bytes, commit: str = "") -> None:
         """An unconditional write (idempotent: markers, stubs, index entries)."""
         self._retrying(

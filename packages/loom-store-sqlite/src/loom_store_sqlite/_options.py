@@ -28,14 +28,20 @@ class SqliteOptions:
             may lose the last commits on power loss.
         timeout: seconds a writer waits for another writer's lock before giving up
             with StoreUnavailableError.
+        blobs: where payloads over `blob_threshold` bytes go, as an fsspec URL; by
+            default (None) a folder beside the database, `<path>.blobs`; `none`
+            keeps every payload in the database.
+        blob_threshold: the bytes over which a payload goes to the blobs.
     """
 
     synchronous: str = "full"
     timeout: float = 10.0
+    blobs: str | None = None
+    blob_threshold: int = 64 * 1024
 
     @classmethod
     def parse(cls, query: str) -> SqliteOptions:
-        """Read `synchronous=` and `timeout=` from a URL query string.
+        """Read `synchronous=`, `timeout=`, `blobs=` and `blob_threshold=` from a URL query.
 
         Raises:
             InvalidArgumentError: an unknown or repeated option, or a bad value.
@@ -46,7 +52,7 @@ class SqliteOptions:
             names = [name for name, _ in pairs]
             repeated = sorted({name for name in names if names.count(name) > 1})
             raise InvalidArgumentError(f"sqlite store options given more than once: {repeated}")
-        unknown = set(values) - {"synchronous", "timeout"}
+        unknown = set(values) - {"synchronous", "timeout", "blobs", "blob_threshold"}
         if unknown:
             raise InvalidArgumentError(f"unknown sqlite store options: {sorted(unknown)}")
         synchronous = values.get("synchronous", "full").lower()
@@ -64,7 +70,20 @@ class SqliteOptions:
             raise InvalidArgumentError(
                 f"timeout must be a finite number of seconds >= 0, not {values['timeout']!r}"
             )
-        return cls(synchronous=synchronous, timeout=timeout)
+        threshold = values.get("blob_threshold", str(64 * 1024))
+        if not threshold.isdigit() or int(threshold) < 1:
+            raise InvalidArgumentError(
+                f"blob_threshold must be a whole number of bytes >= 1, not {threshold!r}"
+            )
+        blobs = values.get("blobs")
+        if blobs is not None and not blobs:
+            raise InvalidArgumentError("blobs must be an fsspec URL or none, not empty")
+        return cls(
+            synchronous=synchronous,
+            timeout=timeout,
+            blobs=blobs,
+            blob_threshold=int(threshold),
+        )
 
 
 def parse_store_url(url: str) -> tuple[str, SqliteOptions]:

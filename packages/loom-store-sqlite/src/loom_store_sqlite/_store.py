@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any, Final, cast
 
 from loom_kernel.spi import (
+    FsspecBlobs,
     JournalStore,
     Record,
     StoreFactory,
@@ -276,9 +277,22 @@ def open_sqlite_store(url: str) -> SqliteStore:
 
     The path is percent-decoded (`%23` for a '#' in a file name, `%3F` for a '?').
     Query options: `synchronous` (off, normal, full (default), extra) and `timeout`
-    (seconds to wait for another writer's lock, default 10).
+    (seconds to wait for another writer's lock, default 10); `blobs` (an fsspec URL
+    where payloads over `blob_threshold` bytes, default 65536, go: by default the
+    folder `<path>.blobs` beside the database, `none` for no blobs).
     """
-    return SqliteStore(*parse_store_url(url))
+    path, options = parse_store_url(url)
+    return _with_blobs(SqliteStore(path, options), path, options)
+
+
+def _with_blobs(store: SqliteStore, path: str, options: SqliteOptions) -> SqliteStore:
+    """The store with the blob store its options name."""
+    where = options.blobs
+    if where is None and path != ":memory:":
+        where = "file://" + urllib.request.pathname2url(os.path.abspath(path) + ".blobs")
+    if where is not None and where.lower() != "none":
+        store.use_blobs(FsspecBlobs(where), options.blob_threshold)
+    return store
 
 
 def open_existing_sqlite_store(url: str) -> SqliteStore:
@@ -292,7 +306,7 @@ def open_existing_sqlite_store(url: str) -> SqliteStore:
         )
     if path != ":memory:":
         _refuse_a_foreign_database(path, url)
-    return SqliteStore(path, options)
+    return _with_blobs(SqliteStore(path, options), path, options)
 
 
 def _refuse_a_foreign_database(path: str, url: str) -> None:

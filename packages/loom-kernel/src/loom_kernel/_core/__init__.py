@@ -17,6 +17,7 @@ from loom_kernel._core._codec import (
     to_json_text,
 )
 from loom_kernel._core._errors import (
+    CanonicalJSONError,
     CodeVersionError,
     ConflictError,
     ExecutionEndedError,
@@ -33,6 +34,7 @@ from loom_kernel._core._errors import (
     RunFinishedError,
     SchemaError,
     StepFailedError,
+    StoreMisconfiguredError,
     StoreUnavailableError,
     StreamDeletedError,
     TrimmedError,
@@ -66,6 +68,7 @@ from loom_kernel._core._ids import (
     validate_stream_id,
 )
 from loom_kernel._core._numbers import finite_number
+from loom_kernel._core._reachability import reachable
 from loom_kernel._core._records import NewRecord, Record, check_gapless
 from loom_kernel._core._run_ids import (
     EVENTS_PREFIX,
@@ -88,6 +91,7 @@ __all__ = [
     "MAX_ID_LENGTH",
     "PLAIN_TYPES",
     "SNAPSHOT_PREFIX",
+    "CanonicalJSONError",
     "CodeVersionError",
     "ConflictError",
     "ErrorInfo",
@@ -123,6 +127,7 @@ __all__ = [
     "StepFailed",
     "StepFailedError",
     "StepFrame",
+    "StoreMisconfiguredError",
     "StoreUnavailableError",
     "StreamDeletedError",
     "TrimmedError",
@@ -144,6 +149,7 @@ __all__ = [
     "load_json",
     "new_execution_id",
     "parse_envelopes",
+    "reachable",
     "stable_stringify",
     "stream_of",
     "to_json",

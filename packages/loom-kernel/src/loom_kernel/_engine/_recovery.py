@@ -15,10 +15,10 @@ from loom_kernel._coordination import (
     abandoned_here,
     execution_ids,
     last_record,
-    load,
     sighting,
 )
 from loom_kernel._core import (
+    ExecutionDeleted,
     ExecutionNotFoundError,
     LoomError,
     SchemaError,
@@ -203,8 +203,6 @@ class Recovery:
 
 
 def _deleted(driver: Driver, execution_id: str) -> bool:
-    """Whether an id's journal ends at a deletion (no run of it since)."""
-    try:
-        return load(driver.store, execution_id, None, deleted=True).deleted
-    except ExecutionNotFoundError:
-        return False
+    """Whether an id's journal ends at a deletion (no run of it started since)."""
+    last = last_record(driver.store, stream_of(execution_id))
+    return last is not None and last.kind == ExecutionDeleted.KIND

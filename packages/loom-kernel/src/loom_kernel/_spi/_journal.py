@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import ClassVar, Final
+from typing import TYPE_CHECKING, ClassVar, Final
 
 from loom_kernel._core import (
     InvalidArgumentError,
@@ -13,6 +13,10 @@ from loom_kernel._core import (
     validate_prefix,
     validate_stream_id,
 )
+from loom_kernel._spi._blobs import BLOB_MARK, blob_content, reference, resolved
+
+if TYPE_CHECKING:
+    from loom_kernel._spi._blobs import BlobStore
 
 __all__ = ["APPENDS", "JournalStore"]
 
@@ -68,6 +72,23 @@ class JournalStore(abc.ABC):
     #: store states its own (SQLite's string and blob limit, S3's largest single PUT).
     #: `append` refuses a larger record with InvalidArgumentError, writing nothing.
     max_record_bytes: int | None = None
+    #: Where payloads over `blob_threshold` bytes go (`use_blobs`), or None: kept in
+    #: the journal (up to `max_record_bytes`).
+    blobs: BlobStore | None = None
+    blob_threshold: int = 64 * 1024
+
+    def use_blobs(self, blobs: BlobStore | None, threshold: int = 64 * 1024) -> None:
+        """Keep payloads over `threshold` bytes in `blobs`, each journaled as a small
+        reference to it (see docs/retention.md); None keeps them in the journal.
+
+        Raises:
+            InvalidArgumentError: `threshold` is not a whole number of bytes >= 1.
+        """
+        if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 1:
+            raise InvalidArgumentError(
+                f"a blob threshold is a whole number >= 1, not {threshold!r}"
+            )
+        self.blobs, self.blob_threshold = blobs, threshold
 
     def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
         """Append records atomically where the stream's head is exactly `expected`.
@@ -95,6 +116,9 @@ class JournalStore(abc.ABC):
         batch = tuple(records)
         if not batch:
             raise InvalidArgumentError("append needs at least one record")
+        written: dict[str, bytes] = {}
+        if self.blobs is not None:
+            batch = tuple(self._blobbed(record, written) for record in batch)
         limit = self.max_record_bytes
         for record in batch:
             if not isinstance(record, NewRecord):
@@ -108,7 +132,38 @@ class JournalStore(abc.ABC):
                     "written, and no retry can take it (keep payloads that large out of "
                     "the journal)"
                 )
-        return self._append(stream, expected, batch)
+        head = self._append(stream, expected, batch)
+        blobs = self.blobs
+        for key, content in written.items():
+            # A writer paused past a collector's grace between its blob and its record
+            # may find the blob collected: it writes it again.
+            if blobs is not None and not blobs.exists(key):
+                blobs.put(key, content)
+        return head
+
+    def _blobbed(self, record: NewRecord, written: dict[str, bytes]) -> NewRecord:
+        """The record as journaled: for a payload over the threshold, a reference to
+        its blob, written first (and noted in `written`)."""
+        blobs = self.blobs
+        if (
+            blobs is None
+            or not isinstance(record, NewRecord)
+            or len(record.payload) <= self.blob_threshold
+        ):
+            return record
+        if record.payload.startswith(BLOB_MARK):
+            raise InvalidArgumentError("a payload may not begin as a blob reference does")
+        key, content = blob_content(record.payload)
+        blobs.put(key, content)
+        written[key] = content
+        return NewRecord(record.kind, reference(key), record.timestamp)
+
+    def raw_read(self, stream: str, after: int = 0, limit: int | None = None) -> list[Record]:
+        """`read`, with blob references left as they are journaled (the blob collector
+        reads them so)."""
+        validate_stream_id(stream)
+        _check_position("after", after)
+        return self._read(stream, after, _check_limit(limit))
 
     def read(self, stream: str, after: int = 0, limit: int | None = None) -> list[Record]:
         """Return the records after position `after`, in order and gapless.
@@ -121,7 +176,10 @@ class JournalStore(abc.ABC):
         """
         validate_stream_id(stream)
         _check_position("after", after)
-        return self._read(stream, after, _check_limit(limit))
+        records = self._read(stream, after, _check_limit(limit))
+        if self.blobs is None:
+            return records
+        return resolved(self.blobs, records)
 
     def head(self, stream: str) -> int:
         """Return the stream's last position, 0 for a stream that does not exist.
