@@ -234,3 +234,25 @@ def test_sqlite_blob_options(tmp_path: Path) -> None:
             open_any(f"sqlite:///{tmp_path}/c.db?{bad}")
     for store in (kept, small):
         store.close()
+
+
+def test_loom_gc_blobs_on_the_command_line(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    url = f"sqlite:///{tmp_path}/loom.db"
+    with open_any(url) as store:
+        Engine(store, FLOWS, listeners=[]).start("blob.random", BIG, key="r")
+        assert store.blobs is not None
+        store.blobs.put(*_orphan("stray"))
+
+    def loom(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "loom_kernel", "gc", "--store", url, *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, check=False)
+
+    young = loom("--blobs")
+    assert young.returncode == 0, young.stderr
+    assert "deleted 0 blobs" in young.stdout
+    done = loom("--blobs", "--grace", "0s", "--keep-last", "0", "--json")
+    assert done.returncode == 0, done.stderr
+    assert len(json.loads(done.stdout)["blobs_deleted"]) == 3, "the stray one and the run's two"

@@ -21,7 +21,7 @@ from loom_kernel._core import InvalidArgumentError, LoomError, TrimmedError
 from loom_kernel._engine import Engine, Execution, Retention
 from loom_kernel._hosting._deploy import load_queues
 from loom_kernel._hosting._store_option import add_store_option
-from loom_kernel._spi import open_store
+from loom_kernel._spi import collect_blobs, open_store
 
 __all__ = ["add_operate_commands", "run_times", "since"]
 
@@ -81,6 +81,17 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
         "--keep-for", type=_span, default=None, help="keep runs this long after their end (7d)"
     )
     gc.add_argument("--keep-last", type=int, default=None, help="keep the newest N ended runs")
+    gc.add_argument(
+        "--blobs",
+        action="store_true",
+        help="then delete the blobs no record names any more (past --grace)",
+    )
+    gc.add_argument(
+        "--grace",
+        type=_span,
+        default=3600.0,
+        help="keep an unnamed blob this long after it was written (default 1h)",
+    )
     gc.add_argument("--dry-run", action="store_true", help="only list what would be deleted")
     gc.add_argument("--json", action="store_true", help="print JSON")
     for parser in (describe, steps, cancel, send, resume, retry, queues, gc):
@@ -360,29 +371,45 @@ def _queues(engine: Engine, args: argparse.Namespace) -> int:
 
 
 def _gc(engine: Engine, args: argparse.Namespace) -> int:
-    if args.keep_for is None and args.keep_last is None:
-        raise InvalidArgumentError("loom gc needs --keep-for, --keep-last or both")
-    batch = 2**31 if args.dry_run else 1000  # a dry run deletes nothing: one pass says all
-    retention = Retention(keep_for=args.keep_for, keep_last=args.keep_last, batch=batch)
+    runs = args.keep_for is not None or args.keep_last is not None
+    if not runs and not args.blobs:
+        raise InvalidArgumentError("loom gc needs --keep-for, --keep-last, --blobs or some")
     deleted: list[str] = []
     finished: list[str] = []
-    while True:
-        swept = engine.gc(retention, dry_run=args.dry_run)
-        deleted.extend(swept.deleted)
-        finished.extend(swept.finished)
-        if not swept.more:
-            break
+    kept = 0
+    if runs:
+        batch = 2**31 if args.dry_run else 1000  # a dry run deletes nothing: one pass says all
+        retention = Retention(keep_for=args.keep_for, keep_last=args.keep_last, batch=batch)
+        while True:
+            swept = engine.gc(retention, dry_run=args.dry_run)
+            deleted.extend(swept.deleted)
+            finished.extend(swept.finished)
+            kept = swept.kept
+            if not swept.more:
+                break
+    blobs = (
+        collect_blobs(engine.store, grace=args.grace, dry_run=args.dry_run) if args.blobs else None
+    )
     if args.json:
-        data = {"dry_run": args.dry_run, "deleted": deleted, "finished": finished}
-        print(json.dumps({**data, "kept": swept.kept}, indent=2))
+        data: dict[str, Any] = {"dry_run": args.dry_run, "deleted": deleted, "kept": kept}
+        data["finished"] = finished
+        if blobs is not None:
+            data["blobs_deleted"] = list(blobs.deleted)
+        print(json.dumps(data, indent=2))
         return 0
     verb = "would delete" if args.dry_run else "deleted"
     for execution_id in deleted:
         print(f"{verb} {execution_id}")
-    print(
-        f"loom gc: {verb} {len(deleted)} ended runs, kept {swept.kept}"
-        + (f", finished {len(finished)} half-done deletions" if finished else "")
-    )
+    if runs:
+        print(
+            f"loom gc: {verb} {len(deleted)} ended runs, kept {kept}"
+            + (f", finished {len(finished)} half-done deletions" if finished else "")
+        )
+    if blobs is not None:
+        print(
+            f"loom gc: {verb} {len(blobs.deleted)} blobs no record names; {blobs.referenced} "
+            f"named, {blobs.young} within the grace"
+        )
     return 0
 
 

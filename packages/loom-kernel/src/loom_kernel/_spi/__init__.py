@@ -1,8 +1,10 @@
 """The storage SPI and what the kernel is given from outside: `JournalStore` (the
 checked operations a store implements), the fault-injection seam, the `memory://`
-reference store, stores by URL scheme, and the fake clock. It imports only the core.
+reference store, stores by URL scheme, blobs, and the fake clock. It imports only the
+core.
 """
 
+from loom_kernel._spi._blob_collection import BlobsCollected, collect_blobs
 from loom_kernel._spi._clock import FakeClock
 from loom_kernel._spi._faults import AmbiguousWriteError
 from loom_kernel._spi._journal import APPENDS, JournalStore
@@ -11,8 +13,10 @@ from loom_kernel._spi._registry import installed_stores, open_store, store_facto
 __all__ = [
     "APPENDS",
     "AmbiguousWriteError",
+    "BlobsCollected",
     "FakeClock",
     "JournalStore",
+    "collect_blobs",
     "installed_stores",
     "open_store",
     "store_factory",
