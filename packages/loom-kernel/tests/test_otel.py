@@ -114,3 +114,55 @@ def test_an_engine_not_instrumented_or_no_longer_makes_no_span(
     engine.start("otel.order", key="after")
     assert exporter.get_finished_spans() == ()
     assert engine.state("plain").trace is None
+
+
+def _points(reader: Any) -> dict[str, list[tuple[dict[str, Any], float]]]:
+    found: dict[str, list[tuple[dict[str, Any], float]]] = {}
+    data = reader.get_metrics_data()
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    found.setdefault(metric.name, []).append((dict(point.attributes), point.value))
+    return found
+
+
+def test_the_engine_and_its_worker_report_their_counts_as_metrics() -> None:
+    from loom_kernel import Queue, Worker
+    from loom_kernel.otel import instrument_metrics
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    attempts = {"n": 0}
+
+    def once_flaky() -> int:
+        attempts["n"] += 1
+        if attempts["n"] == 1:
+            raise ConnectionError("try again")
+        return 1
+
+    @flow(name="otel.counted")
+    def counted(ctx: Context, _input: Any) -> Any:
+        ctx.step("first", once_flaky, retry=RetryPolicy(attempts=3, backoff=0))
+        return ctx.step("second", lambda: 2)
+
+    engine = Engine(MemoryStore(), [counted], listeners=[], queues=[Queue("bulk", concurrency=1)])
+    worker = Worker(engine, idle_poll=0.02)
+    instrument_metrics(engine, worker, meter_provider=provider)
+    engine.start("otel.counted", None, key="m1")
+    engine.get("m1")  # a read replays nothing and runs no step
+    engine.enqueue("otel.counted", None, key="queued", queue="bulk")  # no worker yet: it waits
+    found = _points(reader)
+    me = {"loom.worker.id": engine.worker_id}
+    assert found["loom.steps"] == [(me, 3)], "two attempts of the flaky step, one other"
+    assert found["loom.takeovers"] == [(me, 0)]
+    assert found["loom.worker.drives"] == [(me, 0)]
+    assert found["loom.queue.waiting"] == [({**me, "loom.queue": "bulk"}, 1)]
+    with worker:
+        assert engine.handle("queued").result(timeout=10) == 2
+    found = _points(reader)
+    assert found["loom.worker.drives"][0][1] >= 1
+    assert found["loom.queue.waiting"] == [({**me, "loom.queue": "bulk"}, 0)]
+    assert found["loom.steps"] == [(me, 5)]

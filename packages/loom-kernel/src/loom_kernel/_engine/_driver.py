@@ -51,6 +51,7 @@ from loom_kernel._engine._listeners import AnyListener, Listeners
 from loom_kernel._engine._locks import KeyedLocks, LockBusyError
 from loom_kernel._engine._views import Execution
 from loom_kernel._replay import (
+    Counters,
     Drive,
     DriveControl,
     Host,
@@ -115,6 +116,7 @@ class Driver:
         self._drives_lock = threading.Lock()
         self._finishes = threading.Condition()  # notified when a drive here ends a run
         self.finished_count = 0
+        self.counters = Counters()  # what its drives did (loom_kernel.otel reads them)
         self.host = self._host_of(settings)
 
     def trace_with(self, tracing: Tracing | None) -> None:
@@ -157,6 +159,7 @@ class Driver:
             self._next_message,
             self._publish,
             settings.tracing,
+            self.counters,
         )
 
     @property
@@ -366,6 +369,7 @@ class Driver:
         except ConflictError:
             return False  # another taker, a cancel or the owner itself moved first
         if owner is not None and owner != me:
+            self.counters.takeovers += 1
             logger.info("loom: %s taken over from %s", state.id, owner)
         return True
 

@@ -17,7 +17,7 @@ from loom_kernel._replay._driving import (
     run_flow,
 )
 from loom_kernel._replay._flows import NO_RETRY, Flow, RetryPolicy, check_flow_name, code_hash, flow
-from loom_kernel._replay._host import RELEASE, DriveControl, Host, Unwind
+from loom_kernel._replay._host import RELEASE, Counters, DriveControl, Host, Unwind
 from loom_kernel._replay._servant import FLOW_LOOP, LoopStoppedError, LoopThread, Outcome, Servant
 from loom_kernel._replay._threads import CallThreads, call_threads, in_a_thread, let_go
 from loom_kernel._replay._tracing import DriveSpan, Tracing
@@ -43,6 +43,7 @@ __all__ = [
     "AsyncContext",
     "CallThreads",
     "Context",
+    "Counters",
     "Drive",
     "DriveControl",
     "DriveSpan",

@@ -441,7 +441,9 @@ class AsyncContext(BaseContext):
     ) -> Any:
         servant = None if inspect.iscoroutinefunction(call) else self._servant
         span = self._control.span
+        counters = self._host.counters
         for attempt in itertools.count(1):
+            counters.steps += 1
             running = _RUNNING_STEP.set((self, name))
             try:
                 try:

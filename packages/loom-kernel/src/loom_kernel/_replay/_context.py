@@ -184,7 +184,9 @@ class Context(BaseContext):
         writer.check_owner()
         policy = retry or self._host.retry
         span = self._control.span
+        counters = self._host.counters
         for attempt in itertools.count(1):
+            counters.steps += 1
             self._inside_step = name
             try:
                 try:

@@ -24,6 +24,22 @@ from loom_kernel._spi import JournalStore
 __all__ = ["RELEASE", "DriveControl", "Host", "Unwind"]
 
 
+class Counters:
+    """What an engine's drives have done since it was made (read by
+    `loom_kernel.otel.instrument_metrics`): plain ints, bumped where it happens.
+
+    Attributes:
+        steps: step attempts run (a replayed step runs nothing and is not counted).
+        takeovers: runs claimed from another worker that had stopped renewing.
+    """
+
+    __slots__ = ("steps", "takeovers")
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.takeovers = 0
+
+
 @attrs.frozen
 class Host:
     """What a context needs from the engine that drives it.
@@ -46,6 +62,7 @@ class Host:
             not among the positions it consumed (the run's state, topics, consumed).
         publish: publishes a value of `ctx.set_event` (the run's state, key, value).
         tracing: makes the spans of drives and steps (`loom_kernel.otel`), if any.
+        counters: the engine's counts of what its drives did.
     """
 
     engine: Any
@@ -60,6 +77,7 @@ class Host:
     next_message: Callable[[ExecutionState, tuple[str | None, ...], set[int]], Message | None]
     publish: Callable[[ExecutionState, str, Any], None]
     tracing: Tracing | None = None
+    counters: Counters = attrs.Factory(Counters)
 
 
 #: Set by a worker around the drives it makes: once the event is set (the worker is
