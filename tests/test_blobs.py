@@ -79,18 +79,19 @@ def test_large_payloads_go_to_blobs_and_come_back_byte_identical(blobbed: Journa
     fresh = Engine(blobbed, FLOWS, listeners=[])  # a cold read, through the blobs
     assert fresh.frames("b")[0].result == {"text": "x" * BIG, "n": BIG}
     assert blobbed.blobs is not None
-    assert collect_blobs(blobbed, grace=0).deleted == (), "every blob is named by a record"
+    assert collect_blobs(blobbed, grace=0).discarded == (), "every blob is named by a record"
 
 
-def test_equal_values_share_one_blob_whatever_their_key_order() -> None:
+def test_equal_payloads_share_one_blob_and_every_payload_reads_back_as_written() -> None:
     store = _memory()
     text = "z" * BIG
     one = json.dumps({"a": 1, "b": text}).encode()
     two = json.dumps({"b": text, "a": 1}).encode()
-    store.append("s", 0, [NewRecord("k", one, 1.0), NewRecord("k", two, 1.0)])
+    store.append("s", 0, [NewRecord("k", one, 1.0), NewRecord("k", one, 1.0)])
+    store.append("s", 2, [NewRecord("k", two, 1.0)])
     assert store.blobs is not None
-    assert len(list(store.blobs.entries())) == 1
-    assert [json.loads(r.payload) for r in store.read("s")] == [{"a": 1, "b": text}] * 2
+    assert len(list(store.blobs.entries())) == 2, "one per distinct payload"
+    assert [r.payload for r in store.read("s")] == [one, one, two], "the bytes as written"
 
 
 def test_a_payload_that_looks_like_a_reference_is_refused() -> None:
@@ -121,10 +122,17 @@ def test_collection_keeps_named_and_young_blobs() -> None:
     clock.advance(100)
     store.blobs.put(*_orphan("young"))
     dry = collect_blobs(store, grace=50, now=clock, dry_run=True)
-    assert dry.deleted == (_orphan("old")[0],)
+    assert dry.discarded == (_orphan("old")[0],)
     assert (dry.referenced, dry.young) == (2, 1), "the step's record and the run's end"
     assert len(list(store.blobs.entries())) == 4, "a dry run deletes nothing"
+    first = collect_blobs(store, grace=50, now=clock)
+    assert (first.discarded, first.deleted) == ((_orphan("old")[0],), ())
+    assert [key for key, _ in store.blobs.trashed()] == [_orphan("old")[0]]
+    clock.advance(10)
+    assert collect_blobs(store, grace=50, now=clock).deleted == (), "in the trash a grace"
+    clock.advance(50)
     assert collect_blobs(store, grace=50, now=clock).deleted == (_orphan("old")[0],)
+    assert _orphan("old")[0] not in dict(store.blobs.trashed())
     assert engine.frames("kept")[0].result is not None
 
 
@@ -141,25 +149,65 @@ def test_retention_then_collection_leaves_no_blob_of_a_deleted_run() -> None:
     clock.advance(100)
     engine.gc(Retention(keep_for=0))
     assert store.blobs is not None
+    assert len(collect_blobs(store, grace=10, now=clock).discarded) == 2
+    clock.advance(100)
     assert len(collect_blobs(store, grace=10, now=clock).deleted) == 2
     assert list(store.blobs.entries()) == []
+    assert list(store.blobs.trashed()) == []
+
+
+def _all_named_blobs_live(store: JournalStore) -> None:
+    assert store.blobs is not None
+    named = {
+        r.payload[len(b"\x00loom.blob\x00") :].decode()
+        for s in store.streams()
+        for r in store.raw_read(s)
+        if r.payload.startswith(b"\x00loom.blob\x00")
+    }
+    assert named == {key for key, _ in store.blobs.entries()}
+    assert list(store.blobs.trashed()) == []
+
+
+def test_a_kill_between_a_blob_and_its_record_leaves_no_dangling_reference() -> None:
+    """The step's blob is written, then the process dies before its record lands; a
+    collection, a resume (the step runs again: another value, another blob), and two
+    more collections: the orphan is gone and every record's blob is there."""
+    clock = FakeClock(1_000.0)
+
+    class DiesAtTheStep(MemoryStore):
+        armed = True
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if self.armed and expected == 1:  # the step's record, after the start's
+                self.armed = False
+                raise Crash
+            return super()._append(stream, expected, records)
+
+    store = DiesAtTheStep()
+    store.use_blobs(MemoryBlobs(clock))
+    with pytest.raises(Crash):
+        Engine(store, FLOWS, listeners=[], clock=clock).start("blob.random", BIG, key="k")
+    assert store.blobs is not None
+    assert len(list(store.blobs.entries())) == 1, "the orphan: written, never named"
+    clock.advance(100)
+    collect_blobs(store, grace=10, now=clock)
+    engine = Engine(store, FLOWS, listeners=[], clock=clock)
+    engine.recover()
+    assert len(engine.get("k").result) == BIG
+    for _ in range(2):
+        clock.advance(100)
+        collect_blobs(store, grace=10, now=clock)
+    _all_named_blobs_live(store)
 
 
 @pytest.mark.parametrize("after", [False, True], ids=["before-it-lands", "after-it-lands"])
-def test_a_kill_between_a_blob_and_its_record_leaves_no_dangling_reference(after: bool) -> None:
-    """Die at every store call of a run whose step writes a blob, then collect and
-    resume: the run finishes, every record's blob is there, and the orphan of the
-    dead attempt (a different value: the step is not deterministic) is collected."""
+def test_a_kill_at_every_store_call_of_a_run_with_blobs_loses_none(after: bool) -> None:
     clock = FakeClock(1_000.0)
-    calls = DyingStore(_memory(clock), 10**9, after=False, as_it_dies=lambda: None)
-    calls.use_blobs(MemoryBlobs(clock))
-    Engine(calls, FLOWS, listeners=[], clock=clock).start("blob.random", BIG, key="k")
-    for at in range(1, calls.calls + 1):
-        inner = MemoryStore()
-        blobs = MemoryBlobs(clock)
-        inner.use_blobs(blobs)
+    counting = DyingStore(_memory(clock), 10**9, after=False, as_it_dies=lambda: None)
+    Engine(counting, FLOWS, listeners=[], clock=clock).start("blob.random", BIG, key="k")
+    for at in range(1, counting.calls + 1):
+        inner = _memory(clock)  # the blobs are the inner store's: the wrapper only dies
         dying = DyingStore(inner, at, after=after, as_it_dies=lambda: None)
-        dying.use_blobs(blobs)  # the blob is written before the call that dies
         with pytest.raises(Crash):
             Engine(dying, FLOWS, listeners=[], clock=clock).start("blob.random", BIG, key="k")
         clock.advance(100)
@@ -167,13 +215,10 @@ def test_a_kill_between_a_blob_and_its_record_leaves_no_dangling_reference(after
         engine = Engine(inner, FLOWS, listeners=[], clock=clock)
         engine.recover()
         assert len(engine.start("blob.random", BIG, key="k").result) == BIG, at
-        clock.advance(100)
-        collect_blobs(inner, grace=10, now=clock)
-        named = {r.payload for s in inner.streams() for r in inner.raw_read(s)}
-        keys = {key for key, _ in blobs.entries()}
-        assert {p[len(b"\x00loom.blob\x00") :].decode() for p in named if p[:1] == b"\x00"} == (
-            keys
-        ), at
+        for _ in range(2):
+            clock.advance(100)
+            collect_blobs(inner, grace=10, now=clock)
+        _all_named_blobs_live(inner)
 
 
 @settings(max_examples=40, deadline=None)
@@ -216,7 +261,11 @@ def test_fsspec_blobs_by_url(scheme: str, tmp_path: Path) -> None:
     assert store.blobs is not None
     (key, _at), *rest = list(store.blobs.entries())
     assert rest == []
-    assert collect_blobs(store, grace=0).deleted == ()
+    assert collect_blobs(store, grace=0).discarded == ()
+    store.blobs.discard(key)
+    assert [k for k, _ in store.blobs.trashed()] == [key]
+    assert store.read("s")[0].payload == b"q" * 5000, "a read brings it back from the trash"
+    assert list(store.blobs.trashed()) == []
     store.blobs.delete(key)
     with pytest.raises(BlobNotFoundError):
         store.read("s")
@@ -252,7 +301,65 @@ def test_loom_gc_blobs_on_the_command_line(tmp_path: Path) -> None:
 
     young = loom("--blobs")
     assert young.returncode == 0, young.stderr
-    assert "deleted 0 blobs" in young.stdout
+    assert "moved 0 blobs" in young.stdout
     done = loom("--blobs", "--grace", "0s", "--keep-last", "0", "--json")
     assert done.returncode == 0, done.stderr
-    assert len(json.loads(done.stdout)["blobs_deleted"]) == 3, "the stray one and the run's two"
+    assert len(json.loads(done.stdout)["blobs_discarded"]) == 3, "the stray one and the run's two"
+    again = loom("--blobs", "--grace", "0s", "--json")
+    assert len(json.loads(again.stdout)["blobs_deleted"]) == 3, "then out of the trash"
+
+
+def test_json_that_a_canonical_form_would_change_reads_back_as_written(
+    blobbed: JournalStore,
+) -> None:
+    """A float that is whole, a negative zero, a big exponent: read back as written,
+    through a replay too (a canonical re-encoding would make 1.0 an int)."""
+    pad = "p" * BIG
+
+    @flow(name="blob.floats")
+    def floats(ctx: Context, _input: Any) -> Any:
+        got = ctx.step("numbers", lambda: {"w": 1.0, "z": -0.0, "e": 1e16, "pad": pad})
+        ctx.receive("go")
+        return [type(got["w"]).__name__, str(got["z"]), repr(got["e"])]
+
+    Engine(blobbed, [floats], listeners=[]).start("blob.floats", key="f")
+    fresh = Engine(blobbed, [floats], listeners=[])  # replays the step from its blob
+    fresh.send("f", None, topic="go")
+    assert fresh.get("f").result == ["float", "-0.0", "1e+16"]
+    odd = b'{ "a" : 1.50, "a": 2, "s": "\\ud83d\\ude00", "pad": "' + pad.encode() + b'"}'
+    blobbed.append(
+        "odd", 0, [NewRecord("k", odd, 1.0), NewRecord("k", odd.decode().encode("utf-16"), 1.0)]
+    )
+    assert [r.payload for r in blobbed.read("odd")] == [odd, odd.decode().encode("utf-16")]
+
+
+def test_a_payload_that_begins_as_a_reference_is_refused_at_any_size() -> None:
+    for store in (MemoryStore(), _memory()):
+        with pytest.raises(InvalidArgumentError, match="blob reference"):
+            store.append("s", 0, [NewRecord("k", b"\x00loom.blob\x00sha256:" + b"0" * 64, 1.0)])
+        with pytest.raises(InvalidArgumentError):
+            store.append("s", 0, [NewRecord("k", b"\x00loom.blob\x00junk", 1.0)])
+        store.append("s", 0, [NewRecord("k", b"\x00other", 1.0)])  # a NUL alone is fine
+        assert store.read("s")[0].payload == b"\x00other"
+
+
+def test_a_damaged_reference_does_not_stop_a_collection() -> None:
+    clock = FakeClock(1_000.0)
+    store = _memory(clock)
+    store.append("s", 0, [NewRecord("k", b"x" * BIG, 1.0)])
+    inner_append = MemoryStore._append
+    bad = b"\x00loom.blob\x00sha256:" + b"Z" * 64  # a reference's length, a key that is not
+    inner_append(store, "damaged", 0, (NewRecord("k", bad, 1.0),))
+    clock.advance(100)
+    collected = collect_blobs(store, grace=10, now=clock)
+    assert (collected.referenced, collected.discarded) == (1, ())
+
+
+def test_sqlite_keeps_its_blobs_in_a_folder_beside_the_database(tmp_path: Path) -> None:
+    folder = tmp_path / "a b#c"
+    folder.mkdir()
+    store = open_any(f"sqlite:///{folder}/loom.db".replace(" ", "%20").replace("#", "%23"))
+    store.append("s", 0, [NewRecord("k", b"y" * BIG, 1.0)])
+    assert (folder / "loom.db.blobs" / "sha256").is_dir()
+    assert store.read("s")[0].payload == b"y" * BIG
+    store.close()

@@ -748,3 +748,15 @@ def test_a_last_batch_removed_between_the_listing_and_its_read_is_listed_again(
     monkeypatch.setattr(store, "_get_batch", first_read_misses)
     assert store.head("s") == 3
     assert vanished, "the first read missed"
+
+
+def test_large_payloads_in_the_batches_without_blobs(moto_server: Any) -> None:
+    """With blobs=none a large payload is kept in its batch object, byte for byte."""
+    from loom_kernel.spi import NewRecord
+
+    store = moto_server.store(blobs="none")
+    assert store.blobs is None
+    payload = bytes(range(256)) * 1200
+    store.append("big", 0, [NewRecord("k", payload, 1.0), NewRecord("k", b"small", 2.0)])
+    assert [r.payload for r in store.read("big")] == [payload, b"small"]
+    store.close()

@@ -289,7 +289,7 @@ def _with_blobs(store: SqliteStore, path: str, options: SqliteOptions) -> Sqlite
     """The store with the blob store its options name."""
     where = options.blobs
     if where is None and path != ":memory:":
-        where = "file://" + urllib.request.pathname2url(os.path.abspath(path) + ".blobs")
+        where = os.path.abspath(path) + ".blobs"  # a path: fsspec takes it as it is
     if where is not None and where.lower() != "none":
         store.use_blobs(FsspecBlobs(where), options.blob_threshold)
     return store

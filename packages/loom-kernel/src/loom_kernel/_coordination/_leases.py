@@ -206,14 +206,15 @@ class Sighting:
 
 
 def last_record(store: JournalStore, stream: str) -> Record | None:
-    """A stream's last record; None when it has none, or it cannot be read now.
+    """A stream's last record (its kind and time: a payload kept as a blob is left a
+    reference); None when it has none, or it cannot be read now.
 
     A trim between reading the head and reading the record (a beat trims its stream
     now and then, a compaction a run's) means newer records: the head is read again,
     or an owner renewing its lease would look unseen.
     """
     try:
-        return latest(store, stream)
+        return latest(store, stream, raw=True)
     except LoomError:
         return None  # deleted meanwhile, or unreadable: the other stream still tells
 

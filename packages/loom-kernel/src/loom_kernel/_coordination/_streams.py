@@ -251,9 +251,11 @@ class StreamFolds(Generic[F]):
                     self._heads.popitem(last=False)
 
 
-def latest(store: JournalStore, stream: str) -> Record | None:
+def latest(store: JournalStore, stream: str, *, raw: bool = False) -> Record | None:
     """A stream's last record; None when it has none. A trim between reading the head
-    and reading the record means newer records: the head is read again.
+    and reading the record means newer records: the head is read again. With `raw`, a
+    payload kept as a blob is left a reference (for a caller that reads only the
+    record's kind and time).
 
     Raises:
         StoreUnavailableError: it kept being trimmed while it was read.
@@ -264,7 +266,8 @@ def latest(store: JournalStore, stream: str) -> Record | None:
         if head == 0:
             return None
         try:
-            records = store.read(stream, head - 1, 1)
+            read = store.raw_read if raw else store.read
+            records = read(stream, head - 1, 1)
         except TrimmedError:
             continue
         if records:

@@ -84,7 +84,8 @@ def add_operate_commands(commands: Any) -> dict[str, _Handler]:
     gc.add_argument(
         "--blobs",
         action="store_true",
-        help="then delete the blobs no record names any more (past --grace)",
+        help="then move the blobs no record names to the trash, and delete those that "
+        "have been there a grace (see --grace)",
     )
     gc.add_argument(
         "--grace",
@@ -394,7 +395,9 @@ def _gc(engine: Engine, args: argparse.Namespace) -> int:
         data: dict[str, Any] = {"dry_run": args.dry_run, "deleted": deleted, "kept": kept}
         data["finished"] = finished
         if blobs is not None:
+            data["blobs_discarded"] = list(blobs.discarded)
             data["blobs_deleted"] = list(blobs.deleted)
+            data["blobs_restored"] = list(blobs.restored)
         print(json.dumps(data, indent=2))
         return 0
     verb = "would delete" if args.dry_run else "deleted"
@@ -406,9 +409,11 @@ def _gc(engine: Engine, args: argparse.Namespace) -> int:
             + (f", finished {len(finished)} half-done deletions" if finished else "")
         )
     if blobs is not None:
+        moved = "would move" if args.dry_run else "moved"
         print(
-            f"loom gc: {verb} {len(blobs.deleted)} blobs no record names; {blobs.referenced} "
-            f"named, {blobs.young} within the grace"
+            f"loom gc: {moved} {len(blobs.discarded)} blobs no record names to the trash, "
+            f"{verb} {len(blobs.deleted)} from it, brought {len(blobs.restored)} back; "
+            f"{blobs.referenced} named, {blobs.young} within the grace"
         )
     return 0
 

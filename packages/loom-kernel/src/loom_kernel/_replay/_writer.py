@@ -148,7 +148,7 @@ class RunWriter:
         except InvalidArgumentError as exc:
             raise self.record_failure(index, name, exc, attempts) from exc
         record = encode_step_completed(index, name, text, attempts, self._host.clock())
-        limit = self._host.store.max_record_bytes
+        limit = self._host.store.largest_payload
         if limit is not None and len(record.payload) > limit:
             too_big = InvalidArgumentError(
                 f"the result of step {name!r} is {len(record.payload):,} bytes journaled, "

@@ -13,7 +13,7 @@ from loom_kernel._core import (
     validate_prefix,
     validate_stream_id,
 )
-from loom_kernel._spi._blobs import BLOB_MARK, blob_content, reference, resolved
+from loom_kernel._spi._blobs import blob_key, check_not_a_reference, reference, resolved
 
 if TYPE_CHECKING:
     from loom_kernel._spi._blobs import BlobStore
@@ -116,15 +116,19 @@ class JournalStore(abc.ABC):
         batch = tuple(records)
         if not batch:
             raise InvalidArgumentError("append needs at least one record")
-        written: dict[str, bytes] = {}
-        if self.blobs is not None:
-            batch = tuple(self._blobbed(record, written) for record in batch)
-        limit = self.max_record_bytes
         for record in batch:
             if not isinstance(record, NewRecord):
                 raise InvalidArgumentError(
                     f"append takes NewRecord instances, not {type(record).__name__}"
                 )
+            if record.payload[:1] == b"\x00":
+                check_not_a_reference(record.payload)
+        blobs = self.blobs
+        written: dict[str, bytes] = {}
+        if blobs is not None:
+            batch = tuple(self._blobbed(blobs, record, written) for record in batch)
+        limit = self.max_record_bytes
+        for record in batch:
             if limit is not None and len(record.payload) > limit:
                 raise InvalidArgumentError(
                     f"a {record.kind} record of {len(record.payload):,} bytes is over "
@@ -132,31 +136,33 @@ class JournalStore(abc.ABC):
                     "written, and no retry can take it (keep payloads that large out of "
                     "the journal)"
                 )
-        head = self._append(stream, expected, batch)
-        blobs = self.blobs
-        for key, content in written.items():
-            # A writer paused past a collector's grace between its blob and its record
-            # may find the blob collected: it writes it again.
-            if blobs is not None and not blobs.exists(key):
-                blobs.put(key, content)
-        return head
+        if blobs is None or not written:
+            return self._append(stream, expected, batch)
+        try:
+            return self._append(stream, expected, batch)
+        finally:  # landed or not, or not known (an ambiguous write)
+            for key, content in written.items():
+                # A writer that stalled past a collector's grace between its blob and
+                # its record may find the blob in the trash, or gone: it brings it back.
+                if not blobs.exists(key) and not blobs.restore(key):
+                    blobs.put(key, content)
 
-    def _blobbed(self, record: NewRecord, written: dict[str, bytes]) -> NewRecord:
+    def _blobbed(self, blobs: BlobStore, record: NewRecord, written: dict[str, bytes]) -> NewRecord:
         """The record as journaled: for a payload over the threshold, a reference to
         its blob, written first (and noted in `written`)."""
-        blobs = self.blobs
-        if (
-            blobs is None
-            or not isinstance(record, NewRecord)
-            or len(record.payload) <= self.blob_threshold
-        ):
+        payload = record.payload
+        if len(payload) <= self.blob_threshold:
             return record
-        if record.payload.startswith(BLOB_MARK):
-            raise InvalidArgumentError("a payload may not begin as a blob reference does")
-        key, content = blob_content(record.payload)
-        blobs.put(key, content)
-        written[key] = content
+        key = blob_key(payload)
+        blobs.put(key, payload)
+        written[key] = payload
         return NewRecord(record.kind, reference(key), record.timestamp)
+
+    @property
+    def largest_payload(self) -> int | None:
+        """The largest payload a record may have here: `max_record_bytes`, or None with
+        a blob store (a larger payload goes there)."""
+        return None if self.blobs is not None else self.max_record_bytes
 
     def raw_read(self, stream: str, after: int = 0, limit: int | None = None) -> list[Record]:
         """`read`, with blob references left as they are journaled (the blob collector

@@ -161,12 +161,15 @@ def check_append_and_read_back(harness: StoreHarness) -> None:
 
 @_check
 def check_payloads_and_timestamps_are_opaque(harness: StoreHarness) -> None:
+    big_json = '{ "b" : 1.0, "z": -0.0, "b": 2, "s": "\\ud83d", "pad": "' + "x" * 70_000 + '" }'
     payloads = [
         b"",
         b"\x00\xff\xfe not utf-8",
         bytes(range(256)),
         b"x" * 300_000,
         '{"é":"😀"}'.encode(),
+        big_json.encode(),  # JSON as no canonical form writes it: kept byte for byte
+        big_json.encode("utf-16"),
     ]
     timestamps = [0.0, 1.5, 1_700_000_000.123456, -12.25, 2.0**40 + 0.5]
     sent = [

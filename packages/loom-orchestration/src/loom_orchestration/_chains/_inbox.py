@@ -152,7 +152,7 @@ def append(
 def _refuse_too_big(store: JournalStore, name: str | None, value: Any) -> None:
     """Refuse an item the run's inbox could not hold once forwarded (its record is
     the kernel's: ASCII JSON with a `chain:<position>` key), before it is written."""
-    limit = store.max_record_bytes
+    limit = store.largest_payload
     if limit is None:
         return
     forwarded = json.dumps({"topic": name, "key": "chain:" + "9" * 15, "message": value})
