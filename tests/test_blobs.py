@@ -345,11 +345,11 @@ def test_a_payload_that_begins_as_a_reference_is_refused_at_any_size() -> None:
 
 def test_a_damaged_reference_does_not_stop_a_collection() -> None:
     clock = FakeClock(1_000.0)
-    store = _memory(clock)
+    store = MemoryStore()
+    store.use_blobs(MemoryBlobs(clock))
     store.append("s", 0, [NewRecord("k", b"x" * BIG, 1.0)])
-    inner_append = MemoryStore._append
     bad = b"\x00loom.blob\x00sha256:" + b"Z" * 64  # a reference's length, a key that is not
-    inner_append(store, "damaged", 0, (NewRecord("k", bad, 1.0),))
+    store._append("damaged", 0, (NewRecord("k", bad, 1.0),))  # as damage writes it
     clock.advance(100)
     collected = collect_blobs(store, grace=10, now=clock)
     assert (collected.referenced, collected.discarded) == (1, ())

@@ -4,17 +4,22 @@ for what does not exist, and nothing from a run's data ever taken as markup."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from loom_kernel import Context, Engine, flow, open_store
+from loom_kernel import Context, Engine, Queue, flow, open_store
+
+_HERE = Path(__file__).parent
 
 
 @flow(name="ui.parks", version="1")
@@ -29,20 +34,24 @@ def fails(ctx: Context, _input: Any) -> Any:
     raise ValueError("<script>alert(1)</script>")
 
 
-@pytest.fixture
-def site(tmp_path: Path) -> Iterator[str]:
-    url = f"sqlite:///{tmp_path}/ui.db"
+def _populated(url: str) -> None:
     with open_store(url) as store:
-        engine = Engine(store, [parks, fails], listeners=[])
+        engine = Engine(store, [parks, fails], listeners=[], queues=[Queue("capped")])
         engine.start("ui.parks", {"note": "<i>x</i>"}, key="order-7")
         engine.start("ui.parks", None, key="order-7/c0", parent="order-7")
+        engine.start("ui.parks", None, key="order-7/c0/c0", parent="order-7/c0")
         for number in range(55):
             engine.start("ui.fails", key=f"bad-{number:02d}")
+        engine.enqueue("ui.parks", None, key="waits", queue="capped")
+
+
+@contextlib.contextmanager
+def _serving(url: str, *options: str) -> Iterator[str]:
     server = subprocess.Popen(
-        [sys.executable, "-m", "loom_kernel", "ui", "--port", "0"],
+        [sys.executable, "-m", "loom_kernel", "ui", "--port", "0", *options],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "LOOM_STORE": url},
+        env={**os.environ, "LOOM_STORE": url, "PYTHONPATH": str(_HERE)},
     )
     try:
         assert server.stderr is not None
@@ -52,6 +61,22 @@ def site(tmp_path: Path) -> Iterator[str]:
     finally:
         server.terminate()
         server.wait(30)
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Iterator[str]:
+    url = f"sqlite:///{tmp_path}/ui.db"
+    _populated(url)
+    with _serving(url) as address:
+        yield address
+
+
+@pytest.fixture
+def acting(tmp_path: Path) -> Iterator[str]:
+    url = f"sqlite:///{tmp_path}/ui.db"
+    _populated(url)
+    with _serving(url, "--allow-actions", "--queues", "ui_queues:QUEUES") as address:
+        yield address
 
 
 def _get(address: str) -> tuple[int, str, dict[str, str]]:
@@ -74,10 +99,17 @@ def test_the_run_list_pages_and_filters(site: str) -> None:
     assert "/runs/order-7/c0" not in second, "ids are quoted in links"
     assert "/runs/order-7%2Fc0" in second
     _, suspended, _ = _get(site + "?status=suspended")
-    assert suspended.count("<tr><td>") == 2
+    assert suspended.count("<tr><td>") == 3
     assert "bad-00" not in suspended
     _, by_flow, _ = _get(site + "?flow=ui.parks&status=")
-    assert by_flow.count("<tr><td>") == 2
+    assert by_flow.count("<tr><td>") == 4
+    _, recent, _ = _get(site + "?since=1h")
+    assert "bad-00" in recent, "started within the hour"
+    _, future, _ = _get(site + "?since=2999-01-01T00:00Z")
+    assert "No runs." in future
+    code, bad_since, _ = _get(site + "?since=soon")
+    assert code == 400
+    assert "since is" in bad_since
     code, refused, _ = _get(site + "?status=done")
     assert code == 400
     assert "status is one of" in refused
@@ -88,6 +120,8 @@ def test_one_run_shows_its_facts_children_and_journal_with_nothing_as_markup(sit
     assert status == 200
     assert "suspended" in page
     assert "/runs/order-7%2Fc0" in page, "its child, linked"
+    assert "/runs/order-7%2Fc0%2Fc0" in page, "and its child's child: the tree"
+    assert "<form method='post'" not in page, "read-only: no form that acts"
     assert "&lt;b&gt;half&lt;/b&gt;" in page, "published, escaped"
     assert "&lt;i&gt;x&lt;/i&gt;" in page, "the input, escaped"
     assert "<i>" not in page
@@ -113,3 +147,66 @@ def test_a_store_that_cannot_be_opened_is_one_line(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert "no SQLite database at" in done.stderr
+
+
+def _post(address: str, fields: dict[str, str], origin: str | None = None) -> tuple[int, str, str]:
+    data = urllib.parse.urlencode(fields).encode()
+    request = urllib.request.Request(address, data=data, method="POST")
+    if origin is not None:
+        request.add_header("Origin", origin)
+    opener = urllib.request.build_opener(_NoRedirect)
+    try:
+        with opener.open(request, timeout=30) as answer:
+            return answer.status, answer.read().decode(), answer.headers.get("Location", "")
+    except urllib.error.HTTPError as error:
+        return error.code, error.read().decode(), error.headers.get("Location", "")
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any) -> None:
+        return None
+
+
+def test_a_read_only_view_refuses_every_action(site: str) -> None:
+    code, page, _ = _post(site + "runs/order-7/cancel", {"token": "x"})
+    assert code == 405
+    assert "read-only" in page
+
+
+def test_actions_need_the_views_token_and_its_own_origin(acting: str) -> None:
+    _, page, _ = _get(acting + "runs/order-7")
+    token = re.search(r"name='token' value='([^']+)'", page)
+    assert token is not None, "a form carries the token"
+    cancel = acting + "runs/order-7/cancel"
+    assert _post(cancel, {"token": "forged"})[0] == 403
+    assert _post(cancel, {"token": token[1]}, origin="http://evil.example")[0] == 403
+    code, _, where = _post(cancel, {"token": token[1], "reason": "<b>by hand</b>"})
+    assert code == 303
+    assert where.startswith("/runs/order-7?done=")
+    _, cancelled, _ = _get(acting + "runs/order-7")
+    assert "cancelled" in cancelled
+    assert "&lt;b&gt;by hand&lt;/b&gt;" in cancelled
+    code, _, where = _post(acting + "runs/order-7/retry", {"token": token[1], "from_step": "1"})
+    assert code == 303, where
+    _, again, _ = _get(acting + where.lstrip("/"))
+    assert "Started again from" in again
+    code, _, _ = _post(
+        acting + "runs/order-7%2Fc0/send", {"token": token[1], "message": '"hi"', "topic": "t"}
+    )
+    assert code == 303
+    _, child, _ = _get(acting + "runs/order-7%2Fc0")
+    assert "&quot;hi&quot;" in child, "the message, in its inbox"
+    code, refused, _ = _post(
+        acting + "runs/order-7%2Fc0/send", {"token": token[1], "message": "not json"}
+    )
+    assert code == 400
+    assert "is JSON" in refused
+
+
+def test_the_queues_page_shows_limits_and_what_waits(acting: str, site: str) -> None:
+    _, page, _ = _get(acting + "queues")
+    assert "capped" in page
+    assert "concurrency 3" in page
+    assert "/runs/waits" in page
+    _, none, _ = _get(site + "queues")
+    assert "--queues" in none

@@ -130,7 +130,7 @@ def serve(
                 return
             form = urllib.parse.parse_qs(self.rfile.read(length).decode("utf-8", "replace"))
             if not secrets.compare_digest(_field(form, "token") or "", site.token):
-                self._send(HTTPStatus.FORBIDDEN, page("Refused", _NO_TOKEN))
+                self._send(HTTPStatus.FORBIDDEN, page("Refused", _WITHOUT_TOKEN))
                 return
             path = urllib.parse.urlsplit(self.path).path
             self._answer(lambda: _act(site, path, form), redirect=True)
@@ -170,9 +170,7 @@ def serve(
 
 _READ_ONLY: Final = "<p>This view is read-only: start loom ui with --allow-actions to act.</p>"
 _OTHER_ORIGIN: Final = "<p>An action comes from this view's own pages only.</p>"
-_NO_TOKEN: Final = (  # noqa: S105 - a message, not a secret
-    "<p>An action needs the token of this view's forms: reload the page.</p>"
-)
+_WITHOUT_TOKEN: Final = "<p>An action needs the token of this view's forms: reload the page.</p>"  # noqa: S105
 _TOO_LARGE: Final = "<p>That form is too large.</p>"
 
 
