@@ -158,7 +158,9 @@ def serve(
             self.send_header("Content-Length", str(len(data)))
             self.send_header("Content-Security-Policy", _POLICY)
             self.send_header("X-Frame-Options", "DENY")
-            self.send_header("Referrer-Policy", "no-referrer")
+            # same-origin, not no-referrer: with no-referrer a browser sends its form posts
+            # with "Origin: null", which the origin check must refuse.
+            self.send_header("Referrer-Policy", "same-origin")
             self.end_headers()
             self.wfile.write(data)
 
