@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loom_kernel import MemoryStore, NotFoundError, open_store
@@ -109,6 +110,29 @@ def test_loom_ls_and_show_read_any_store(capsys: pytest.CaptureFixture[str]) -> 
     assert "waiting on 'sign'" in out
     assert main(["show", "missing", "--store", url]) == 1
     assert "ExecutionNotFoundError" in capsys.readouterr().err
+
+
+def test_loom_show_names_what_a_run_published_and_its_deletion(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from loom_kernel import Engine, Retention, flow
+
+    def publishes(ctx: Any, _input: object) -> int:
+        ctx.set_event("status", {"stage": "half"})
+        return 1
+
+    url = "memory://cli-published"
+    engine = Engine(open_store(url), [flow(publishes, name="publishes")], listeners=[])
+    engine.start("publishes", key="p-1")
+    assert main(["show", "p-1", "--store", url]) == 0
+    out = capsys.readouterr().out
+    assert 'published status (now {"stage": "half"})' in out
+    assert "-> null" not in out
+    assert "→ null" not in out
+    engine.gc(Retention(keep_last=0))
+    engine.start("publishes", key="p-1")
+    assert main(["show", "p-1", "--store", url]) == 0
+    assert "deleted    by retention; a start with its id is run 2" in capsys.readouterr().out
 
 
 def test_loom_ls_filters_by_status_and_flow(capsys: pytest.CaptureFixture[str]) -> None:

@@ -132,7 +132,8 @@ def _inspect_command(args: argparse.Namespace) -> int:
             else:
                 execution = engine.get(args.execution_id)
                 print(f"{execution.id}: {execution.flow}, {execution.status}")
-                print(format_timeline(engine.history(args.execution_id)))
+                history = engine.history(args.execution_id)
+                print(format_timeline(history, engine.get_events(args.execution_id)))
     except LoomError as exc:
         print(f"loom: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -270,7 +270,8 @@ def run_page(site: Site, run: str, done: str | None = None) -> str:
             "<h2>Inbox</h2><table><tr><th>#</th><th>Topic</th><th>Key</th><th>Message</th>"
             f"<th></th><th>Sent</th></tr>{messages}</table>"
         )
-    body += f"<h2>Journal</h2><pre>{_e(format_timeline(engine.history(run)))}</pre>"
+    timeline = format_timeline(engine.history(run), data["published"])
+    body += f"<h2>Journal</h2><pre>{_e(timeline)}</pre>"
     return page(run, body)
 
 

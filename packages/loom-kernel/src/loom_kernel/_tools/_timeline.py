@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
 
 from loom_kernel._core import (
     ExecutionCancelled,
     ExecutionClaimed,
     ExecutionCompleted,
+    ExecutionDeleted,
     ExecutionFailed,
     ExecutionMigrated,
     ExecutionResumed,
@@ -22,6 +23,9 @@ from loom_kernel._engine import HistoryEntry
 from loom_kernel._replay import TIMER_GATE
 
 __all__ = ["format_timeline"]
+
+#: The name of the step a `ctx.set_event(key, ...)` journals, before its key.
+_PUBLISHED: Final = "loom.event:"
 
 
 def _short(value: Any, width: int = 60) -> str:
@@ -40,8 +44,15 @@ def _offset(seconds: float) -> str:
     return f"+{seconds / 86400:.1f}d"
 
 
-def _describe(entry: HistoryEntry, start: float) -> tuple[str, str]:
+def _describe(
+    entry: HistoryEntry, start: float, published: Mapping[str, Any] | None
+) -> tuple[str, str]:
     event = entry.event
+    if isinstance(event, StepCompleted) and event.name.startswith(_PUBLISHED):
+        key = event.name.removeprefix(_PUBLISHED)
+        if published is None or key not in published:
+            return f"step {event.index}", f"published {key}"
+        return f"step {event.index}", f"published {key} (now {_short(published[key])})"
     if isinstance(event, ExecutionStarted):
         key = f" key={event.key}" if event.key else ""
         return "started", f"{event.flow}({_short(event.input)}){key}"
@@ -72,17 +83,30 @@ def _describe(entry: HistoryEntry, start: float) -> tuple[str, str]:
         return "migrated", f"{event.from_hash} → {event.to_hash}"
     if isinstance(event, ExecutionClaimed):
         return "claimed", f"by {event.by} (from {event.previous or 'no owner'})"
+    if isinstance(event, ExecutionDeleted):
+        return (
+            "deleted",
+            f"by {event.reason or 'hand'}; a start with its id is run {event.generation}",
+        )
     return type(event).__name__, ""  # pragma: no cover - every kind is handled above
 
 
-def format_timeline(history: Sequence[HistoryEntry]) -> str:
-    """Render an execution's history as text, one line per journal record."""
+def format_timeline(
+    history: Sequence[HistoryEntry], published: Mapping[str, Any] | None = None
+) -> str:
+    """Render an execution's history as text, one line per journal record.
+
+    Args:
+        history: the records, as `Engine.history` gives them.
+        published: the run's published values now (`Engine.get_events`), to show
+            beside each `set_event` (whose step records no value of its own).
+    """
     if not history:
         return "(empty journal)"
     start = history[0].timestamp
     lines = []
     for entry in history:
-        what, detail = _describe(entry, start)
+        what, detail = _describe(entry, start, published)
         lines.append(
             f"  #{entry.position:<3} {_offset(entry.timestamp - start):>6}  {what:<10} {detail}"
         )
