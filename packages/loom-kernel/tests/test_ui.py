@@ -210,3 +210,54 @@ def test_the_queues_page_shows_limits_and_what_waits(acting: str, site: str) -> 
     assert "/runs/waits" in page
     _, none, _ = _get(site + "queues")
     assert "--queues" in none
+
+
+def _raw(address: str, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> int:
+    import http.client
+
+    parts = urllib.parse.urlsplit(address)
+    connection = http.client.HTTPConnection(parts.hostname or "", parts.port, timeout=30)
+    try:
+        connection.putrequest(method, path, skip_host=True, skip_accept_encoding=True)
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        connection.endheaders(body)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+def test_the_view_answers_to_its_own_address_only(acting: str) -> None:
+    """A page that reached the view through a rebound DNS name names another host:
+    refused, reading and acting alike (the Origin is checked against the view's own
+    names, never against what the request says its host is)."""
+    own = urllib.parse.urlsplit(acting).netloc
+    assert _raw(acting, "GET", "/runs/order-7", {"Host": own}) == 200
+    assert _raw(acting, "GET", "/runs/order-7", {"Host": "evil.example:1"}) == 421
+    forged = {"Host": "evil.example:1", "Origin": "http://evil.example:1"}
+    assert _raw(acting, "POST", "/runs/order-7/cancel", forged) == 421
+    bad_length = {"Host": own, "Content-Length": "-1"}
+    assert _raw(acting, "POST", "/runs/order-7/cancel", bad_length) == 400
+    _, page, _ = _get(acting + "runs/order-7")
+    assert "suspended" in page, "nothing acted"
+
+
+def test_odd_queries_are_a_400_and_a_done_code_cannot_put_words_on_a_page(site: str) -> None:
+    for query in ("?since=%C2%B2d", "?since=" + "9" * 400 + "d", "?since=" + "9" * 5000 + "d"):
+        code, _, _ = _get(site + query)
+        assert code == 400, query
+    _, page, _ = _get(site + "runs/order-7?done=Session+expired:+log+in+at+evil.example")
+    assert "evil.example" not in page
+    _, sent, _ = _get(site + "runs/order-7?done=sent&n=3")
+    assert "Message 3 is in its inbox" in sent
+
+
+def test_actions_are_refused_on_an_address_other_than_loopback(tmp_path: Path) -> None:
+    from loom_kernel import InvalidArgumentError
+    from loom_kernel._hosting._ui import serve
+
+    with (
+        open_store(f"sqlite:///{tmp_path}/ui.db") as store,
+        pytest.raises(InvalidArgumentError, match="this machine only"),
+    ):
+        serve(store, "0.0.0.0", 0, allow_actions=True)

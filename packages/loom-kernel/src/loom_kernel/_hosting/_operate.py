@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -183,7 +184,7 @@ def since(text: str) -> float:
         argparse.ArgumentTypeError: it is neither.
     """
     unit = _UNITS.get(text[-1:])
-    if unit is not None and text[:-1].isdigit():
+    if unit is not None and re.fullmatch(r"[0-9]{1,9}", text[:-1]):
         return time.time() - int(text[:-1]) * unit
     try:
         moment = datetime.fromisoformat(text)

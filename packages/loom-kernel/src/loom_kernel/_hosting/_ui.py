@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import re
 import secrets
 import sys
 import urllib.parse
@@ -39,6 +41,8 @@ from loom_kernel._spi import JournalStore, open_store
 
 __all__ = ["PAGE", "add_ui_command", "serve"]
 
+logger = logging.getLogger("loom")
+
 #: No script, no outside resource: the page's own style only (and its own forms).
 _POLICY: Final = "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'"
 #: The largest form an action takes (a message, its topic and key).
@@ -61,7 +65,8 @@ def add_ui_command(commands: Any) -> dict[str, Any]:
     ui.add_argument(
         "--allow-actions",
         action="store_true",
-        help="draw forms that cancel a run, send it a message or start it again",
+        help="draw forms that cancel a run, send it a message or start it again (served on "
+        "this machine's loopback only: the view has no login)",
     )
     return {"ui": _run}
 
@@ -103,28 +108,57 @@ def serve(
     queues: Iterable[Queue] = (),
     allow_actions: bool = False,
 ) -> ThreadingHTTPServer:
-    """A server of the web view of `store` (not started: call `serve_forever`)."""
+    """A server of the web view of `store` (not started: call `serve_forever`).
+
+    Raises:
+        InvalidArgumentError: actions asked of a server on another address than this
+            machine's own (anyone who reaches the port could act: the token in its
+            forms guards against other pages, it is no password).
+    """
+    if allow_actions and host not in _LOOPBACK:
+        raise InvalidArgumentError(
+            f"actions are served on this machine only ({', '.join(sorted(_LOOPBACK))}), "
+            f"not on {host!r}: the view has no login, so anyone who reached it could act"
+        )
     site = Site(
         Engine(store, listeners=[], queues=queues),
         secrets.token_urlsafe(24) if allow_actions else None,
     )
+    names: set[str] = set()  # the Host headers this server answers, once it is bound
 
     class Pages(BaseHTTPRequestHandler):
+        timeout = 30  # a client that stalls mid-request lets go of its thread
+
         def do_GET(self) -> None:
+            if not self._ours():
+                return
             url = urllib.parse.urlsplit(self.path)
             query = urllib.parse.parse_qs(url.query)
             self._answer(lambda: _get(site, url.path, query))
 
+        def _ours(self) -> bool:
+            """Whether the request names this server (on this machine's loopback, a
+            page of another name that reached it through a rebound DNS name is refused)."""
+            if not names or self.headers.get("Host", "") in names:
+                return True
+            self._send(HTTPStatus.MISDIRECTED_REQUEST, page("Refused", _OTHER_HOST))
+            return False
+
         def do_POST(self) -> None:
+            if not self._ours():
+                return
             if site.token is None:
                 self._send(HTTPStatus.METHOD_NOT_ALLOWED, page("Read-only", _READ_ONLY))
                 return
             origin = self.headers.get("Origin")
-            own = {f"http://{self.headers.get('Host', '')}"}
-            length = int(self.headers.get("Content-Length") or 0)
-            if origin is not None and origin not in own:
+            if origin is not None and origin not in {f"http://{name}" for name in names}:
                 self._send(HTTPStatus.FORBIDDEN, page("Refused", _OTHER_ORIGIN))
                 return
+            length_text = self.headers.get("Content-Length") or "0"
+            if not re.fullmatch(r"[0-9]{1,9}", length_text):
+                self._send(HTTPStatus.BAD_REQUEST, page("Refused", _BAD_LENGTH))
+                return
+            length = int(length_text)
             if length > _LARGEST_FORM:
                 self._send(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, page("Refused", _TOO_LARGE))
                 return
@@ -143,6 +177,10 @@ def serve(
             except LoomError as exc:  # a bad id, a damaged journal, a store fault
                 status = HTTPStatus.BAD_REQUEST
                 body = page("Cannot do this", f"<p>{_escape(type(exc).__name__, exc)}</p>")
+            except Exception:  # a page's own fault: said, logged, never a dropped answer
+                logger.exception("loom ui: %s %s failed", self.command, self.path)
+                status = HTTPStatus.INTERNAL_SERVER_ERROR
+                body = page("Failed", "<p>This page failed; the server's log says why.</p>")
             if redirect and status == HTTPStatus.SEE_OTHER:
                 self.send_response(status)
                 self.send_header("Location", body)
@@ -167,9 +205,16 @@ def serve(
         def log_message(self, format: str, *args: Any) -> None:
             return  # quiet: an operator's page, not an access log
 
-    return ThreadingHTTPServer((host, port), Pages)
+    server = ThreadingHTTPServer((host, port), Pages)
+    if host in _LOOPBACK:
+        bound = int(server.server_address[1])
+        names.update(f"{name}:{bound}" for name in ("127.0.0.1", "localhost", "[::1]"))
+    return server
 
 
+_LOOPBACK: Final = frozenset({"127.0.0.1", "localhost", "::1"})
+_OTHER_HOST: Final = "<p>This view answers to its own address only.</p>"
+_BAD_LENGTH: Final = "<p>That request's length is not a number of bytes.</p>"
 _READ_ONLY: Final = "<p>This view is read-only: start loom ui with --allow-actions to act.</p>"
 _OTHER_ORIGIN: Final = "<p>An action comes from this view's own pages only.</p>"
 _WITHOUT_TOKEN: Final = "<p>An action needs the token of this view's forms: reload the page.</p>"  # noqa: S105
@@ -187,6 +232,14 @@ def _field(form: dict[str, list[str]], name: str) -> str | None:
     return values[0] if values and values[0] else None
 
 
+def _done(query: dict[str, list[str]]) -> str | None:
+    """The sentence of an action's code (an unknown code says nothing)."""
+    code, number = _field(query, "done"), _field(query, "n")
+    if code == "sent" and number is not None and re.fullmatch(r"[0-9]{1,9}", number):
+        return f"Message {number} is in its inbox (a worker delivers it)."
+    return {"cancelled": "Cancelled.", "retried": "Started again, as this new run."}.get(code or "")
+
+
 def _get(site: Site, path: str, query: dict[str, list[str]]) -> tuple[HTTPStatus, str]:
     if path == "/":
         return HTTPStatus.OK, runs_page(site, query)
@@ -194,7 +247,7 @@ def _get(site: Site, path: str, query: dict[str, list[str]]) -> tuple[HTTPStatus
         return HTTPStatus.OK, queues_page(site)
     if path.startswith("/runs/"):
         run = urllib.parse.unquote(path.removeprefix("/runs/"))
-        return HTTPStatus.OK, run_page(site, run, _field(query, "done"))
+        return HTTPStatus.OK, run_page(site, run, _done(query))
     return HTTPStatus.NOT_FOUND, not_found("No such page.")
 
 
@@ -207,28 +260,30 @@ def _act(site: Site, path: str, form: dict[str, list[str]]) -> tuple[HTTPStatus,
     engine = site.engine
     if verb == "cancel":
         engine.cancel(run, _field(form, "reason"))
-        return HTTPStatus.SEE_OTHER, _to(run, "Cancelled.")
+        return HTTPStatus.SEE_OTHER, _to(run, "cancelled")
     if verb == "send":
         text = _field(form, "message") or "null"
         try:
             message = json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise InvalidArgumentError(
                 f"the message is JSON ('\"hi\"' for a string), not {text!r}"
             ) from None
         position = engine.send(
             run, message, topic=_field(form, "topic"), key=_field(form, "key"), drive=False
         )
-        return HTTPStatus.SEE_OTHER, _to(run, f"Message {position} is in its inbox.")
+        return HTTPStatus.SEE_OTHER, _to(run, "sent", n=str(position))
     if verb == "retry":
         text = _field(form, "from_step") or "0"
-        if not text.isdigit():
+        if not re.fullmatch(r"[0-9]{1,9}", text):
             raise InvalidArgumentError(f"from_step is a whole number, not {text!r}")
         forked = engine.fork(run, from_step=int(text))
-        return HTTPStatus.SEE_OTHER, _to(forked.id, f"Started again from {run}.")
+        return HTTPStatus.SEE_OTHER, _to(forked.id, "retried")
     return HTTPStatus.NOT_FOUND, not_found(f"No action {verb!r}.")
 
 
-def _to(run: str, done: str) -> str:
+def _to(run: str, done: str, **more: str) -> str:
+    """Where an action sends the browser: the run's page, saying what was done (a code
+    the page turns into its own sentence: a link cannot put words on it)."""
     where = urllib.parse.quote(run, safe="")
-    return f"/runs/{where}?{urllib.parse.urlencode({'done': done})}"
+    return f"/runs/{where}?{urllib.parse.urlencode({'done': done, **more})}"
