@@ -20,7 +20,7 @@ from loom_kernel import (
     flow,
 )
 from loom_kernel._engine import parts_of
-from loom_kernel.spi import NewRecord, SchemaError
+from loom_kernel.spi import NewRecord, SchemaError, StreamDeletedError
 from message_helpers import FLOWS, _engine
 
 
@@ -162,3 +162,53 @@ def test_published_values_deleted_by_other_means_are_an_error_not_an_empty_dict(
             reader.get_events("pr")
         with pytest.raises(StreamDeletedError):
             reader.get_event("pr", "done", timeout=5)
+
+
+def test_superseded_values_are_compacted_and_every_reader_still_reads_the_latest() -> None:
+    """A run that publishes its progress a thousand times leaves a stream of what is
+    current: a checkpoint and the values set since, however many were set before; a
+    reader that last looked long ago, and a new one, read the latest values."""
+    from loom_kernel import flow
+
+    @flow(name="pub.progress")
+    def progress(ctx: Context, times: int) -> Any:
+        for number in range(times):
+            ctx.set_event("done", number)
+            ctx.set_event("stage", f"s{number % 3}")
+        return times
+
+    store = MemoryStore()
+    engine = Engine(store, [progress], listeners=[])
+    early = Engine(store, [progress], listeners=[])
+    engine.start("pub.progress", 10, key="few")
+    assert early.get_events("few") == {"done": 9, "stage": "s0"}
+    engine.start("pub.progress", 1000, key="many")
+    assert early.get_events("many") == {"done": 999, "stage": "s0"}
+    from loom_kernel.spi import TrimmedError
+
+    with pytest.raises(TrimmedError) as trimmed:
+        store.read("events/many")
+    retained = store.read("events/many", trimmed.value.floor)
+    assert retained[0].kind == "loom.event.checkpoint"
+    assert len(retained) <= 2 * 64, "a checkpoint and what was set since"
+    assert Engine(store, [progress], listeners=[]).get_events("many") == {
+        "done": 999,
+        "stage": "s0",
+    }
+    assert engine.get_event("many", "done") == 999
+
+
+def test_a_reader_whose_fold_a_compaction_trimmed_starts_over_from_the_checkpoint() -> None:
+    from loom_kernel._coordination import Published
+
+    store = MemoryStore()
+    writer, reader = Published(store, lambda: 1.0), Published(store, lambda: 1.0)
+    for number in range(50):
+        writer.set("r", f"k{number % 5}", number)
+    assert reader.values("r") == {f"k{n}": 45 + n for n in range(5)}
+    for number in range(50, 1000):
+        writer.set("r", f"k{number % 5}", number)
+    assert reader.values("r") == {f"k{n}": 995 + n for n in range(5)}
+    store.delete("events/r")
+    with pytest.raises(StreamDeletedError):
+        reader.values("r")

@@ -69,10 +69,12 @@ class StreamFolds(Generic[F]):
             None keeps every one (the few partitions of an index or a queue).
         checkpointed: whether the streams are compacted by checkpoints, so a fold may
             start over from a stream's trim floor (which a checkpoint holds), and a
-            deleted stream folds as empty. A run's own streams (its inbox, its
-            published values) are not: a trim or a deletion of one is an error the
-            reader must see (TrimmedError, StreamDeletedError), never messages
-            silently gone.
+            deleted stream folds as empty. A run's inbox is not: a trim or a deletion
+            of one is an error the reader must see (TrimmedError, StreamDeletedError),
+            never messages silently gone.
+        deleted_is_empty: with `checkpointed`, whether a deleted stream folds as
+            empty (the coordination streams) or is an error (a run's published
+            values, compacted by checkpoints but never deleted but with the run).
     """
 
     def __init__(
@@ -83,12 +85,14 @@ class StreamFolds(Generic[F]):
         *,
         kept: int | None = None,
         checkpointed: bool = True,
+        deleted_is_empty: bool = True,
     ) -> None:
         self._store = store
         self._start = start
         self._apply = apply
         self._kept = kept
         self._checkpointed = checkpointed
+        self._deleted_is_empty = checkpointed and deleted_is_empty
         self._folds: OrderedDict[str, F] = OrderedDict()
         self._heads: OrderedDict[str, int] = OrderedDict()  # after this reader's last append
         self._holds: dict[str, _Hold] = {}  # of the streams kept, or held now
@@ -124,7 +128,7 @@ class StreamFolds(Generic[F]):
                 starts afresh).
             StoreUnavailableError: other readers kept trimming it while it was read.
             TrimmedError, StreamDeletedError: a stream that is not `checkpointed` was
-                trimmed or deleted.
+                trimmed, or one not `deleted_is_empty` deleted.
         """
         with self._lock:
             fold = self._folds.get(stream)
@@ -139,7 +143,7 @@ class StreamFolds(Generic[F]):
                 after, fold = exc.floor, None
                 continue
             except StreamDeletedError:
-                if not self._checkpointed:
+                if not self._deleted_is_empty:
                     raise
                 fold = self._start(stream, 0)
                 self._keep(stream, fold)
