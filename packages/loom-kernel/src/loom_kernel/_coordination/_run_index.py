@@ -458,6 +458,8 @@ def _fold_record(
         if record.kind == _CHECKPOINT:
             opened.clear()
             closed.clear()
+            if closed_at is not None:
+                closed_at.clear()
             for item in data["open"]:
                 hint = OpenHint(
                     str(item["id"]),
@@ -481,12 +483,16 @@ def _fold_record(
                 record.position,
             )
             closed.pop(execution_id, None)
+            if closed_at is not None:
+                closed_at.pop(execution_id, None)
         elif record.kind == _CLOSED:
             execution_id = str(data["id"])
             if data["status"] is None and "g" in data:  # runs up to g deleted: unfiled
                 upto = _generation_of(data)
                 if closed_at is None or closed_at.get(execution_id, (0.0, 1))[1] <= upto:
                     closed.pop(execution_id, None)
+                    if closed_at is not None:
+                        closed_at.pop(execution_id, None)
                 return  # a later run of the id, open now, stays open
             opened.pop(execution_id, None)
             if data["status"] is None:  # a dropped hint: filed nowhere

@@ -139,6 +139,11 @@ class Sweeper:
         finished: list[str] = []
         kept = 0
         for partition in runs.partitions():
+            if not dry_run:
+                # Runs closed in the open partition move to their status streams first
+                # (a compaction, as every worker's look makes), so the open partition
+                # holds few whatever a store ended since.
+                runs.open_in(partition)
             gone: dict[str, int] = {}  # id -> the generation whose entries go
             for execution_id, (generation, at) in _latest_entries(runs.ended_in(partition)):
                 if len(deleted) >= retention.batch:
