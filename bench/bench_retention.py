@@ -15,11 +15,15 @@ Run:
 3. Raw: `DELETE FROM records WHERE stream = ?` per run, one transaction each: the
    time per run. The ratio is Loom's sweep over raw.
 4. The store's bytes (page count x page size, after VACUUM) before and after.
+5. The disk a step takes: runs of 1 and of 11 steps on two fresh stores, the
+   difference per extra step, against the bytes of the step result's own JSON (the
+   goal is at most 3x).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sqlite3
 import tempfile
@@ -33,6 +37,30 @@ from loom_kernel import Context, Engine, Retention, flow, open_store
 @flow(name="bench.retained")
 def retained(ctx: Context, value: int) -> Any:
     return ctx.step("work", lambda: {"value": value, "ok": True})
+
+
+@flow(name="bench.steps")
+def steps(ctx: Context, count: int) -> Any:
+    result = None
+    for number in range(count):
+        result = ctx.step("work", lambda n=number: {"value": n, "ok": True})
+    return result
+
+
+def _per_step(folder: str, runs: int = 2_000) -> tuple[float, float, int]:
+    """(bytes a run of one step takes, bytes each step more takes, bytes of a step
+    result's JSON), on fresh SQLite stores."""
+    sizes = []
+    for count in (1, 11):
+        path = os.path.join(folder, f"steps{count}.db")
+        store = open_store(f"sqlite:///{path}?synchronous=normal")
+        engine = Engine(store, [steps], listeners=[])
+        for _ in range(runs):
+            engine.start("bench.steps", count)
+        store.close()
+        sizes.append(_bytes(path))
+    user = len(json.dumps({"value": 5, "ok": True}, separators=(",", ":")))
+    return sizes[0] / runs, (sizes[1] - sizes[0]) / (10 * runs), user
 
 
 def _bytes(path: str) -> int:
@@ -109,6 +137,11 @@ def main() -> None:
     print(
         f"store bytes: {before:,} before, {after:,} after "
         f"({before / max(runs, 1):.0f} -> {after / max(runs, 1):.0f} B a run)"
+    )
+    one_step, per_step, user = _per_step(folder)
+    print(
+        f"disk per step: {per_step:.0f} B for a {user}-byte result, "
+        f"{per_step / user:.1f}x its JSON (goal <= 3x); a one-step run {one_step:.0f} B"
     )
 
 

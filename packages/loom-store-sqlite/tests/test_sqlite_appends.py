@@ -164,10 +164,10 @@ def test_a_group_whose_commit_fails_keeps_the_conflicts_it_decided_before(
 
     store = RefusedCommitStore(str(tmp_path / "refused.db"))
     for stream in "ab":
-        store._commit_group([PendingAppend(stream, 0, [(stream, 1, "k", b"first", 1.0, None)])])
-    lands = PendingAppend("a", 1, [("a", 2, "k", b"x", 1.0, None)])
-    after_it = PendingAppend("a", 1, [("a", 2, "k", b"y", 1.0, None)])  # judged against `lands`
-    stale = PendingAppend("b", 0, [("b", 1, "k", b"z", 1.0, None)])  # judged against the file
+        store._commit_group([PendingAppend(stream, 0, [(stream, 1, 1, b"first", 1.0, None)])])
+    lands = PendingAppend("a", 1, [("a", 2, 1, b"x", 1.0, None)])
+    after_it = PendingAppend("a", 1, [("a", 2, 1, b"y", 1.0, None)])  # judged against `lands`
+    stale = PendingAppend("b", 0, [("b", 1, 1, b"z", 1.0, None)])  # judged against the file
     store.refuse = code
     store._commit_group([lands, after_it, stale])
     assert isinstance(lands.error, failure)
@@ -197,7 +197,7 @@ class CountingConfirmStore(SqliteStore):
     confirmations = 0
 
     def _confirm(
-        self, stream: str, expected: int, count: int, txn: str, cause: BaseException
+        self, stream: str, expected: int, count: int, txn: int, cause: BaseException
     ) -> int:
         CountingConfirmStore.confirmations += 1
         return super()._confirm(stream, expected, count, txn, cause)
@@ -248,12 +248,12 @@ def test_a_forked_child_never_makes_a_commit_id_its_parent_makes() -> None:
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            os.write(write, " ".join(commit_id() for _ in range(3)).encode())
+            os.write(write, " ".join(str(commit_id()) for _ in range(3)).encode())
             os._exit(0)
         os.waitpid(pid, 0)
         child = set(os.read(read, 4096).decode().split())
-        parent = {commit_id() for _ in range(3)}
-        print(len(child), len(parent), len(child & parent), before in child)
+        parent = {str(commit_id()) for _ in range(3)}
+        print(len(child), len(parent), len(child & parent), str(before) in child)
         """
     child = [sys.executable, "-c", textwrap.dedent(script)]  # a fork of its own, not pytest's
     done = subprocess.run(child, capture_output=True, text=True, timeout=60, check=False)
@@ -294,7 +294,7 @@ def test_a_lone_append_after_an_interrupt_left_a_transaction_open_lands_for_real
         store.append("s", position, _records(1, f"r{position}-"))
     real = raw_connection(store)
     real.execute("BEGIN")  # what an interrupt between BEGIN and COMMIT leaves behind
-    real.execute("SELECT count(*) FROM loom_records").fetchone()
+    real.execute("SELECT count(*) FROM loom_rows").fetchone()
     assert real.in_transaction
     assert store.append("s", 3, _records(1, "after")) == 4
     assert not real.in_transaction
@@ -311,7 +311,7 @@ def test_a_lone_append_to_the_in_memory_database_rolls_back_what_an_interrupt_le
     store.append("s", 0, _records(1))
     real = raw_connection(store)
     real.execute("BEGIN")
-    real.execute("SELECT count(*) FROM loom_records").fetchone()
+    real.execute("SELECT count(*) FROM loom_rows").fetchone()
     assert store.append("s", 1, _records(1, "after")) == 2
     assert not real.in_transaction, "rolled back, then committed on its own"
     assert [r.payload for r in store.read("s")] == [b"r0", b"after0"]

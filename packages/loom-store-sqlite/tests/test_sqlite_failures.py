@@ -89,7 +89,9 @@ def test_a_row_lost_from_the_database_is_a_schema_error(tmp_path: Path, missing:
     Engine(store, [charge], listeners=[]).start("charge", key="order-1")
     with sqlite3.connect(path) as connection:
         connection.execute(
-            "DELETE FROM loom_records WHERE stream = 'ex/order-1' AND position = ?", (missing,)
+            "DELETE FROM loom_rows WHERE stream = (SELECT id FROM loom_names "
+            "WHERE name = 'ex/order-1') AND position = ?",
+            (missing,),
         )
     fresh = Engine(open_store(f"sqlite://{path}"), [charge], listeners=[])
     with pytest.raises(SchemaError, match=f"record {missing} is missing"):
@@ -113,8 +115,8 @@ def test_a_database_whose_tables_are_gone_fails_each_call_with_the_stores_error(
     store = open_sqlite_store(f"sqlite:///{tmp_path / 'gone.db'}")
     store.append("s", 0, _records(2))
     vandal = sqlite3.connect(tmp_path / "gone.db", isolation_level=None)
-    vandal.execute("DROP TABLE loom_records")
-    vandal.execute("DROP TABLE loom_streams")
+    vandal.execute("DROP TABLE loom_rows")
+    vandal.execute("DROP TABLE loom_names")
     vandal.close()
     with pytest.raises(StoreUnavailableError, match=f"{says}: no such table"):
         call(store)

@@ -383,10 +383,10 @@ def test_an_interrupt_between_a_groups_two_tries_leaves_no_conflict_judged_on_th
         return landed
 
     store._transact = interrupted  # type: ignore[method-assign]
-    rows = [("k", 1, "k", b"a", 1.0, "t1")]
+    rows = [("k", 1, 1, b"a", 1.0, 7)]
     first = PendingAppend("k", 0, rows)
-    second = PendingAppend("k", 0, [("k", 1, "k", b"b", 1.0, "t2")])  # conflicts with first
-    big = PendingAppend("big", 0, [("big", 1, "k", b"z" * 200_000, 1.0, "t3")])
+    second = PendingAppend("k", 0, [("k", 1, 1, b"b", 1.0, 7)])  # conflicts with first
+    big = PendingAppend("big", 0, [("big", 1, 1, b"z" * 200_000, 1.0, 7)])
     with pytest.raises(KeyboardInterrupt):
         store._commit_group([first, second, big])
     assert store.head("k") == 0
@@ -422,10 +422,8 @@ def test_a_failed_rollback_to_an_appends_savepoint_fails_the_group_and_tears_no_
     store = SqliteStore(str(tmp_path / "torn.db"))
     store.append("a", 0, _record("a0"))
     store.append("b", 0, _record("b0"))
-    lone = PendingAppend("a", 1, [("a", 2, "k", b"a1", 1.0, "txn-a")])
-    pair = PendingAppend(
-        "b", 1, [("b", 2, "k", b"b1", 1.0, "txn-b"), ("b", 3, "k", b"b2", 1.0, None)]
-    )
+    lone = PendingAppend("a", 1, [("a", 2, 1, b"a1", 1.0, 7)])
+    pair = PendingAppend("b", 1, [("b", 2, 1, b"b1", 1.0, 7), ("b", 3, 1, b"b2", 1.0, None)])
     with connection_stand_in(store, _SavepointsFail(raw_connection(store))):
         store._commit_group([lone, pair])
         assert isinstance(pair.error, StoreUnavailableError)

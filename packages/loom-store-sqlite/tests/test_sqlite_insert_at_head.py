@@ -53,7 +53,7 @@ class ReadThenInsert(SqliteStore):
         try:
             if not exists:
                 connection.execute(
-                    "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, 0, 0)", (stream,)
+                    "INSERT INTO loom_names (name, floor, deleted) VALUES (?, 0, 0)", (stream,)
                 )
             connection.executemany(_appends._INSERT_RECORD, append.rows)
         except sqlite3.Error as exc:
@@ -88,7 +88,8 @@ def _streams(store: SqliteStore) -> dict[str, Any]:
         records = (
             raw_connection(store)
             .execute(
-                "SELECT position, payload FROM loom_records WHERE stream = ? ORDER BY position",
+                "SELECT position, payload FROM loom_rows WHERE stream = "
+                "(SELECT id FROM loom_names WHERE name = ?) ORDER BY position",
                 (name,),
             )
             .fetchall()
@@ -128,7 +129,7 @@ def test_the_head_checked_in_the_insert_decides_as_reading_first(
     stores = [_open(ReadThenInsert, directory / "ref.db"), _open(SqliteStore, directory / "new.db")]
     for store in stores:  # streams that exist: their appends check the head in the insert
         for name in "abc":
-            store._commit_group([PendingAppend(name, 0, [(name, 1, "k", b"first", 1.0, None)])])
+            store._commit_group([PendingAppend(name, 0, [(name, 1, 1, b"first", 1.0, None)])])
     for number, step in enumerate(steps):
         if step[0] == "delete":
             for store in stores:
@@ -172,7 +173,7 @@ def test_the_head_checked_in_the_insert_decides_as_reading_first(
                         head = 1
                     expected = max(0, head + off)
                     rows = [
-                        (stream, expected + i, "k", b"r%d-%d" % (number, index) * size, 1.0, None)
+                        (stream, expected + i, 1, b"r%d-%d" % (number, index) * size, 1.0, None)
                         for i, size in enumerate(sizes, start=1)
                     ]
                     batch.append(PendingAppend(stream, expected, rows))
@@ -191,14 +192,14 @@ def test_a_row_the_table_refuses_at_the_head_fails_the_append_never_landing(
     made NULL off the head: a row skipped with the head as expected must fail its
     append (alone, and in a group beside one that lands), never be acknowledged."""
     store = _open(SqliteStore, tmp_path / "refused.db")
-    store._commit_group([PendingAppend("a", 0, [("a", 1, "k", b"first", 1.0, None)])])
-    store._commit_group([PendingAppend("b", 0, [("b", 1, "k", b"first", 1.0, None)])])
-    alone = PendingAppend("a", 1, [("a", 2, "k", None, 1.0, "t")])
+    store._commit_group([PendingAppend("a", 0, [("a", 1, 1, b"first", 1.0, None)])])
+    store._commit_group([PendingAppend("b", 0, [("b", 1, 1, b"first", 1.0, None)])])
+    alone = PendingAppend("a", 1, [("a", 2, 1, None, 1.0, 7)])
     store._commit_group([alone])
     assert isinstance(alone.error, StoreUnavailableError)
     assert "nothing was inserted at position 2 of 'a'" in str(alone.error)
-    grouped = PendingAppend("a", 1, [("a", 2, "k", None, 1.0, "t")])
-    beside = PendingAppend("b", 1, [("b", 2, "k", b"second", 1.0, "u")])
+    grouped = PendingAppend("a", 1, [("a", 2, 1, None, 1.0, 7)])
+    beside = PendingAppend("b", 1, [("b", 2, 1, b"second", 1.0, 7)])
     store._commit_group([grouped, beside])
     assert isinstance(grouped.error, StoreUnavailableError)
     assert beside.error is None

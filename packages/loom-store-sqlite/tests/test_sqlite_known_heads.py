@@ -49,8 +49,8 @@ def _truth(path: Path, stream: str) -> int | str:
     """The head as the database holds it, read by a connection of its own."""
     with sqlite3.connect(path) as connection:
         row = connection.execute(
-            "SELECT (SELECT MAX(position) FROM loom_records WHERE stream = s.name), "
-            "s.floor, s.deleted FROM loom_streams AS s WHERE s.name = ?",
+            "SELECT (SELECT MAX(position) FROM loom_rows WHERE stream = s.id), "
+            "s.floor, s.deleted FROM loom_names AS s WHERE s.name = ?",
             (stream,),
         ).fetchone()
     if row is None:
@@ -119,13 +119,14 @@ def test_every_head_is_the_databases_head(
                     with sqlite3.connect(path) as connection:
                         if head == 0:
                             connection.execute(
-                                "INSERT OR IGNORE INTO loom_streams (name, floor, deleted) "
+                                "INSERT OR IGNORE INTO loom_names (name, floor, deleted) "
                                 "VALUES (?, 0, 0)",
                                 (stream,),
                             )
                         connection.execute(
-                            "INSERT INTO loom_records (stream, position, kind, payload, "
-                            "timestamp, txn) VALUES (?, ?, 'k', x'7b7d', 1.0, NULL)",
+                            "INSERT INTO loom_rows (stream, position, kind, payload, "
+                            "timestamp, txn) VALUES ((SELECT id FROM loom_names "
+                            "WHERE name = ?), ?, 1, x'7b7d', 1.0, NULL)",
                             (stream, head + 1),
                         )
             for checked in STREAMS:
@@ -205,8 +206,8 @@ def test_without_a_wal_index_every_head_is_read(
 def _foreign_append(path: Path, stream: str, position: int) -> None:
     with sqlite3.connect(path) as connection:
         connection.execute(
-            "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
-            "VALUES (?, ?, 'k', x'7b7d', 1.0, NULL)",
+            "INSERT INTO loom_rows (stream, position, kind, payload, timestamp, txn) "
+            "VALUES ((SELECT id FROM loom_names WHERE name = ?), ?, 1, x'7b7d', 1.0, NULL)",
             (stream, position),
         )
 
@@ -278,9 +279,9 @@ def test_a_group_whose_outcome_is_not_certain_leaves_nothing_for_other_threads(
     real.set_trace_callback(statements.append)
     assert store.head("ex/a") == 1
     assert statements == [], "the store's threads share it: no statement reads it"
-    rows = [("ex/a", 2, "k", b"{}", 1.0, "t1")]
+    rows = [("ex/a", 2, 1, b"{}", 1.0, 7)]
     uncertain = PendingAppend("ex/a", 1, rows)
-    other = PendingAppend("ex/b", 1, [("ex/b", 2, "k", b"{}", 1.0, "t2")])
+    other = PendingAppend("ex/b", 1, [("ex/b", 2, 1, b"{}", 1.0, 7)])
     with connection_stand_in(store, _CommitLandsThenFails(real)):
         witnessed(store)._commit_group([uncertain, other])
     assert isinstance(uncertain.error, StoreUnavailableError)
@@ -295,8 +296,8 @@ def test_a_group_of_several_appends_is_witnessed_whoever_led_the_last(tmp_path: 
     for stream in ("ex/b", "ex/c"):  # the same leader twice, each a group of two
         lone_leader(store)._commit_group(
             [
-                PendingAppend(stream, 0, [(stream, 1, "k", b"{}", 1.0, "t")]),
-                PendingAppend(stream + "2", 0, [(stream + "2", 1, "k", b"{}", 1.0, "u")]),
+                PendingAppend(stream, 0, [(stream, 1, 1, b"{}", 1.0, 7)]),
+                PendingAppend(stream + "2", 0, [(stream + "2", 1, 1, b"{}", 1.0, 7)]),
             ]
         )
     statements: list[str] = []
@@ -387,7 +388,7 @@ class _StatementLandsThenFails(_CommitLandsThenFails):
 
     def execute(self, sql: str, *parameters: Any) -> Any:
         result = self._real.execute(sql, *parameters)
-        if sql.startswith("INSERT INTO loom_records"):
+        if sql.startswith("INSERT INTO loom_rows"):
             raise sqlite3.OperationalError("disk I/O error")
         return result
 
@@ -407,7 +408,7 @@ def test_a_lost_reply_whose_position_another_writer_took_is_a_conflict(tmp_path:
     store = open_sqlite_store(f"sqlite://{tmp_path}/l.db")
     store.append("ex/a", 0, _record())  # another writer's, at the position ours aimed at
     with pytest.raises(ConflictError):
-        store._confirm("ex/a", 0, 1, "our commit id", StoreUnavailableError("lost"))
+        store._confirm("ex/a", 0, 1, -1, StoreUnavailableError("lost"))  # no id of ours
 
 
 def test_the_heads_a_connection_remembers_are_bounded() -> None:

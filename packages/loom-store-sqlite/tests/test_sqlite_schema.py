@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from loom_kernel.spi import NewRecord, SchemaError
+from loom_kernel.spi import NewRecord, SchemaError, StreamDeletedError, TrimmedError
 from loom_store_sqlite import SCHEMA_VERSION, open_sqlite_store
 from loom_store_sqlite.testing import raw_connection
 
@@ -43,7 +43,7 @@ def test_the_streams_table_is_strict(tmp_path: Path) -> None:
     path = tmp_path / "strict.db"
     open_sqlite_store(f"sqlite://{path}").close()
     with sqlite3.connect(path) as connection, pytest.raises(sqlite3.IntegrityError):
-        connection.execute("INSERT INTO loom_streams (name, floor) VALUES ('s', 'ten')")
+        connection.execute("INSERT INTO loom_names (name, floor) VALUES ('s', 'ten')")
 
 
 def test_an_older_database_is_upgraded(tmp_path: Path) -> None:
@@ -60,24 +60,76 @@ def test_an_older_database_is_upgraded(tmp_path: Path) -> None:
     assert int(version) == SCHEMA_VERSION
 
 
-def test_a_schema_one_database_is_upgraded_in_place(tmp_path: Path) -> None:
-    path = tmp_path / "one.db"
-    first = open_sqlite_store(f"sqlite://{path}")
-    first.append("s", 0, _records(2))
-    first.close()
-    with sqlite3.connect(path) as connection:  # as loom-store-sqlite 1 left it
-        connection.execute("DROP INDEX loom_live_streams")
-        connection.execute("UPDATE loom_meta SET value = '1' WHERE key = 'schema_version'")
+def _old_database(path: Path, version: int) -> None:
+    """A database as loom-store-sqlite `version` (1 or 2) left it: streams and kinds
+    named in full in every row, a trimmed stream, a deleted one."""
+    import sqlite_utils
+    from loom_store_sqlite import _schema
+
+    connection = sqlite3.connect(path, isolation_level=None)
+    db = sqlite_utils.Database(connection)
+    db["loom_meta"].create({"key": str, "value": str}, pk="key")  # type: ignore[union-attr]
+    for step in range(version):
+        _schema.MIGRATIONS[step](db)
+    connection.execute("INSERT INTO loom_meta VALUES ('schema_version', ?)", (str(version),))
+    connection.executemany(
+        "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, ?, ?)",
+        [("ex/a", 0, 0), ("ex/trimmed", 2, 0), ("gone", 5, 1)],
+    )
+    connection.executemany(
+        "INSERT INTO loom_records VALUES (?, ?, ?, ?, ?, ?)",
+        [
+            ("ex/a", 1, "STEP_COMPLETED", b'{"v":"1.21.0","d":{}}', 1.5, "t1"),
+            ("ex/a", 2, "k.other", b"\x00raw", 2.5, None),
+            ("ex/trimmed", 3, "STEP_COMPLETED", b"3", 3.0, "t2"),
+        ],
+    )
+    connection.close()
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_older_schema_database_is_upgraded_in_place(tmp_path: Path, version: int) -> None:
+    path = tmp_path / "old.db"
+    _old_database(path, version)
     store = open_sqlite_store(f"sqlite://{path}")
-    assert len(store.read("s")) == 2
-    indexes = {row[1] for row in raw_connection(store).execute("PRAGMA index_list(loom_streams)")}
-    assert "loom_live_streams" in indexes
-    version = (
+    assert [(r.position, r.kind, r.payload, r.timestamp) for r in store.read("ex/a")] == [
+        (1, "STEP_COMPLETED", b'{"v":"1.21.0","d":{}}', 1.5),
+        (2, "k.other", b"\x00raw", 2.5),
+    ]
+    assert [r.position for r in store.read("ex/trimmed", 2)] == [3]
+    with pytest.raises(TrimmedError):
+        store.read("ex/trimmed", 0)
+    with pytest.raises(StreamDeletedError):
+        store.head("gone")
+    assert store.streams("ex/") == ["ex/a", "ex/trimmed"]
+    assert store.append("ex/a", 2, _records(2)) == 4
+    assert store.append("new", 0, _records(1)) == 1
+    tables = {
+        row[0]
+        for row in raw_connection(store).execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'"
+        )
+    }
+    assert "loom_records" not in tables
+    assert "loom_streams" not in tables
+    version_now = (
         raw_connection(store)
         .execute("SELECT value FROM loom_meta WHERE key = 'schema_version'")
         .fetchone()[0]
     )
-    assert int(version) == SCHEMA_VERSION
+    assert int(version_now) == SCHEMA_VERSION
+
+
+def test_a_process_of_the_older_schema_fails_loudly_after_an_upgrade(tmp_path: Path) -> None:
+    """The upgraded tables have new names: an older store still attached gets "no such
+    table" on its next statement, never an empty stream."""
+    path = tmp_path / "old.db"
+    _old_database(path, 2)
+    older = sqlite3.connect(path)
+    open_sqlite_store(f"sqlite://{path}").close()
+    with pytest.raises(sqlite3.OperationalError, match="no such table"):
+        older.execute("SELECT * FROM loom_records WHERE stream = 'ex/a'")
+    older.close()
 
 
 def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
@@ -85,8 +137,8 @@ def test_unique_key_is_the_last_line_of_defence(tmp_path: Path) -> None:
     store.append("s", 0, _records(1))
     with pytest.raises(sqlite3.IntegrityError):
         raw_connection(store).execute(
-            "INSERT INTO loom_records (stream, position, kind, payload, timestamp) "
-            "VALUES ('s', 1, 'k', x'00', 0.0)"
+            "INSERT INTO loom_rows (stream, position, kind, payload, timestamp) "
+            "VALUES (1, 1, 1, x'00', 0.0)"
         )
 
 

@@ -25,7 +25,7 @@ def test_loom_stores_checks_sqlite_in_its_scratch_directory(tmp_path: Path) -> N
 
 
 def test_a_delete_frees_the_streams_records_and_keeps_only_its_name(tmp_path: Path) -> None:
-    """A deleted stream's records take no space: only its `loom_streams` row stays,
+    """A deleted stream's records take no space: only its `loom_names` row stays,
     retiring the name at its final head."""
     store = open_sqlite_store(f"sqlite://{tmp_path / 'deleted.db'}")
     store.append("gone", 0, _records(3))
@@ -33,12 +33,15 @@ def test_a_delete_frees_the_streams_records_and_keeps_only_its_name(tmp_path: Pa
     store.delete("gone")
     rows = (
         raw_connection(store)
-        .execute("SELECT stream, COUNT(*) FROM loom_records GROUP BY stream")
+        .execute(
+            "SELECT n.name, COUNT(*) FROM loom_rows AS r "
+            "JOIN loom_names AS n ON n.id = r.stream GROUP BY n.name"
+        )
         .fetchall()
     )
     assert rows == [("kept", 2)]
     assert raw_connection(store).execute(
-        "SELECT floor, deleted FROM loom_streams WHERE name = 'gone'"
+        "SELECT floor, deleted FROM loom_names WHERE name = 'gone'"
     ).fetchall() == [(3, 1)]
 
 
@@ -52,10 +55,10 @@ def test_a_listing_skips_deleted_streams_through_the_live_names_index(tmp_path: 
     plan = (
         raw_connection(store)
         .execute(
-            "EXPLAIN QUERY PLAN SELECT name FROM loom_streams WHERE deleted = 0 AND name >= ? "
+            "EXPLAIN QUERY PLAN SELECT name FROM loom_names WHERE deleted = 0 AND name >= ? "
             "AND name < ? ORDER BY name LIMIT ?",
             ("timers/", "timers0", 100),
         )
         .fetchall()
     )
-    assert "loom_live_streams" in str(plan), "a listing walks live names only"
+    assert "loom_live_names" in str(plan), "a listing walks live names only"

@@ -27,6 +27,7 @@ from loom_store_sqlite._connections import forked_error, forks
 from loom_store_sqlite._failures import store_error
 from loom_store_sqlite._group import GroupCommit, PendingAppend
 from loom_store_sqlite._heads import DATA_VERSION, KnownHeads, StampedHeads
+from loom_store_sqlite._packing import Kinds, pack
 from loom_store_sqlite._transactions import Transactions, begin_transaction, roll_back
 from loom_store_sqlite._walindex import WalIndex
 
@@ -38,45 +39,51 @@ _CROWDED: Final = 0.05
 
 
 _commit_ids: Final = itertools.count()
-_commit_prefix: Final = [os.urandom(8).hex()]  # this process's random prefix
+#: Commit ids are below 2**47, which SQLite keeps in six bytes.
+_COMMIT_ID_BITS: Final = 47
+_commit_base: Final = [int.from_bytes(os.urandom(8)) >> (64 - _COMMIT_ID_BITS)]
 
 
-def _new_commit_prefix() -> None:
-    _commit_prefix[0] = os.urandom(8).hex()
+def _new_commit_base() -> None:
+    _commit_base[0] = int.from_bytes(os.urandom(8)) >> (64 - _COMMIT_ID_BITS)
 
 
 # A forked child must not reuse its parent's ids (both would count on from one value).
-os.register_at_fork(after_in_child=_new_commit_prefix)
+os.register_at_fork(after_in_child=_new_commit_base)
 
 
-def commit_id() -> str:
-    """An id no other append anywhere has: a random prefix made once per process
-    (again after a fork), then a counter (a random id per append costs a syscall, and
-    so would a check of the process id)."""
-    return f"{_commit_prefix[0]}{next(_commit_ids):x}"
+def commit_id() -> int:
+    """An id no other append of this process has (for its first 2**47), and another
+    process's only by a chance of about one in 2**47: a random base drawn once per
+    process (again after a fork), then a counter (a random id per append costs a
+    syscall, and so would a check of the process id). It tells an ambiguous commit's
+    own record from another writer's at the same position."""
+    return (_commit_base[0] + next(_commit_ids)) & ((1 << _COMMIT_ID_BITS) - 1)
 
 
 _STREAM_STATE: Final = (
-    "SELECT (SELECT MAX(position) FROM loom_records WHERE stream = s.name), s.floor, s.deleted "
-    "FROM loom_streams AS s WHERE s.name = ?"
+    "SELECT (SELECT MAX(position) FROM loom_rows WHERE stream = s.id), s.floor, s.deleted "
+    "FROM loom_names AS s WHERE s.name = ?"
 )
+#: A row (stream name, position, kind number, payload, timestamp, commit id): the
+#: stream's number is looked up by its name.
 _INSERT_RECORD: Final = (
-    "INSERT INTO loom_records (stream, position, kind, payload, timestamp, txn) "
-    "VALUES (?, ?, ?, ?, ?, ?)"
+    "INSERT INTO loom_rows (stream, position, kind, payload, timestamp, txn) "
+    "VALUES ((SELECT id FROM loom_names WHERE name = ?), ?, ?, ?, ?, ?)"
 )
 #: The first record of an append to an existing stream, inserted only if the stream is
 #: live and its head (its last position, or its floor) is the expected one: the head
 #: check and the insert in one statement. Parameters: the row, then the expected head.
-#: Off the head (or on a stream deleted or never written) the position is NULL, and
-#: OR IGNORE skips the row (its NOT NULL constraint) instead of failing: nothing is
-#: inserted and no error raised. A one-row VALUES, not INSERT ... SELECT: a SELECT
-#: reading the table it inserts into is first copied to a temporary b-tree, which
-#: cost a third of the statement.
+#: Off the head (or on a stream deleted or never written) the stream's number is
+#: NULL, and OR IGNORE skips the row (its NOT NULL constraint) instead of failing:
+#: nothing is inserted and no error raised. A one-row VALUES, not INSERT ... SELECT: a
+#: SELECT reading the table it inserts into is first copied to a temporary b-tree,
+#: which cost a third of the statement.
 _INSERT_AT_HEAD: Final = (
-    "INSERT OR IGNORE INTO loom_records (stream, position, kind, payload, timestamp, txn) "
-    "VALUES (?1, CASE WHEN ?7 = (SELECT max(s.floor, coalesce((SELECT MAX(position) "
-    "FROM loom_records WHERE stream = ?1), 0)) FROM loom_streams AS s "
-    "WHERE s.name = ?1 AND s.deleted = 0) THEN ?2 END, ?3, ?4, ?5, ?6)"
+    "INSERT OR IGNORE INTO loom_rows (stream, position, kind, payload, timestamp, txn) "
+    "VALUES ((SELECT s.id FROM loom_names AS s WHERE s.name = ?1 AND s.deleted = 0 "
+    "AND ?7 = max(s.floor, coalesce((SELECT MAX(position) FROM loom_rows "
+    "WHERE stream = s.id), 0))), ?2, ?3, ?4, ?5, ?6)"
 )
 
 
@@ -100,6 +107,32 @@ class Appends(Transactions, FaultInjection):
     _stamped: StampedHeads
     _last_leader: int
     _crowded_until: float
+    _kinds: Kinds
+
+    def _row(
+        self, stream: str, position: int, record: NewRecord, txn: int | None
+    ) -> tuple[str, int, int, bytes, float, int | None]:
+        """A record's row: its kind's number, negated when its payload is packed."""
+        number = self._kinds.number(record.kind)
+        if number is None:
+            self._number_kind(record.kind)
+            number = self._kinds.number(record.kind)
+            assert number is not None
+        packed = pack(record.payload)
+        if packed is None:
+            return (stream, position, number, record.payload, float(record.timestamp), txn)
+        return (stream, position, -number, packed, float(record.timestamp), txn)
+
+    def _number_kind(self, kind: str) -> None:
+        """Give a kind this store has not met a number in the database, in a
+        transaction of its own (committed before any row names it)."""
+        try:
+            with self._transaction("BEGIN IMMEDIATE") as connection:
+                self._kinds.add(connection, {kind})
+            with self._transaction() as connection:
+                self._kinds.learn(connection)
+        except sqlite3.Error as exc:
+            raise store_error(f"cannot number the record kind {kind!r}", exc) from exc
 
     @staticmethod
     def _stream_row(connection: sqlite3.Connection, stream: str) -> tuple[int, int, int] | None:
@@ -116,14 +149,11 @@ class Appends(Transactions, FaultInjection):
         lose_reply = self._next_fault(stream)
         txn = commit_id()
         # The commit id marks the batch's first record.
-        first = records[0]
-        rows: list[tuple[str, int, str, bytes, float, str | None]] = [
-            (stream, expected + 1, first.kind, first.payload, float(first.timestamp), txn)
-        ]
+        rows = [self._row(stream, expected + 1, records[0], txn)]
         if len(records) > 1:
             rows += [
-                (stream, expected + offset, r.kind, r.payload, float(r.timestamp), None)
-                for offset, r in enumerate(records[1:], start=2)
+                self._row(stream, position, record, None)
+                for position, record in enumerate(records[1:], start=expected + 2)
             ]
         try:
             try:
@@ -378,7 +408,7 @@ class Appends(Transactions, FaultInjection):
         try:
             if not exists:
                 connection.execute(
-                    "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, 0, 0)",
+                    "INSERT INTO loom_names (name, floor, deleted) VALUES (?, 0, 0)",
                     (stream,),
                 )
             if at_head:
@@ -450,7 +480,7 @@ class Appends(Transactions, FaultInjection):
             known.forget(stream)
 
     def _confirm(
-        self, stream: str, expected: int, count: int, txn: str, cause: BaseException
+        self, stream: str, expected: int, count: int, txn: int, cause: BaseException
     ) -> int:
         """After an ambiguous commit: the batch's first record tells whose write landed."""
         self._forget_head(stream)
@@ -458,7 +488,8 @@ class Appends(Transactions, FaultInjection):
             with self._transaction() as connection:
                 row = self._stream_row(connection, stream)
                 found = connection.execute(
-                    "SELECT txn FROM loom_records WHERE stream = ? AND position = ?",
+                    "SELECT txn FROM loom_rows WHERE stream = "
+                    "(SELECT id FROM loom_names WHERE name = ?) AND position = ?",
                     (stream, expected + 1),
                 ).fetchone()
         except sqlite3.Error as exc:

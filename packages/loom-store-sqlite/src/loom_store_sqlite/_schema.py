@@ -11,7 +11,7 @@ from loom_kernel import SchemaError
 
 __all__ = ["SCHEMA_VERSION", "ensure_schema"]
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 
 
 def _create_v1(db: sqlite_utils.Database) -> None:
@@ -53,10 +53,60 @@ def _add_live_names_v2(db: sqlite_utils.Database) -> None:
     )
 
 
+def _number_names_and_kinds_v3(db: sqlite_utils.Database) -> None:
+    # A row named its stream and its kind in full, so a small record's row was
+    # mostly repeated names. Streams and kinds get numbers; a row keeps those, its
+    # payload packed where that is smaller (`_packing`). The tables get new names,
+    # so a process of an older store still attached fails loudly on its next
+    # statement instead of reading the old, emptied tables.
+    db["loom_names"].create(  # type: ignore[union-attr]
+        {"id": int, "name": str, "floor": int, "deleted": int},
+        pk="id",
+        not_null={"id", "name", "floor", "deleted"},
+        defaults={"floor": 0, "deleted": 0},
+        strict=True,
+    )
+    db.execute("CREATE UNIQUE INDEX loom_names_by_name ON loom_names (name)")
+    db.execute("CREATE INDEX loom_live_names ON loom_names (name) WHERE deleted = 0")
+    db["loom_kinds"].create(  # type: ignore[union-attr]
+        {"id": int, "name": str}, pk="id", not_null={"id", "name"}, strict=True
+    )
+    db.execute("CREATE UNIQUE INDEX loom_kinds_by_name ON loom_kinds (name)")
+    # Plain SQL: sqlite-utils cannot declare WITHOUT ROWID (see `_create_v1`).
+    db.execute(
+        """
+        CREATE TABLE loom_rows (
+            stream INTEGER NOT NULL,
+            position INTEGER NOT NULL,
+            kind INTEGER NOT NULL,
+            payload BLOB NOT NULL,
+            timestamp REAL NOT NULL,
+            txn INTEGER,
+            PRIMARY KEY (stream, position)
+        ) STRICT, WITHOUT ROWID
+        """
+    )
+    db.execute(
+        "INSERT INTO loom_names (name, floor, deleted) "
+        "SELECT name, floor, deleted FROM loom_streams ORDER BY rowid"
+    )
+    db.execute("INSERT INTO loom_kinds (name) SELECT DISTINCT kind FROM loom_records ORDER BY kind")
+    # An old commit id is no longer needed: no append of the old schema can still be
+    # waiting to confirm itself (the old tables are gone).
+    db.execute(
+        "INSERT INTO loom_rows (stream, position, kind, payload, timestamp, txn) "
+        "SELECT n.id, r.position, k.id, r.payload, r.timestamp, NULL FROM loom_records AS r "
+        "JOIN loom_names AS n ON n.name = r.stream JOIN loom_kinds AS k ON k.name = r.kind"
+    )
+    db.execute("DROP TABLE loom_records")
+    db.execute("DROP TABLE loom_streams")
+
+
 # MIGRATIONS[n] takes a database at schema n to schema n + 1.
 MIGRATIONS: Final[dict[int, Callable[[sqlite_utils.Database], None]]] = {
     0: _create_v1,
     1: _add_live_names_v2,
+    2: _number_names_and_kinds_v3,
 }
 
 

@@ -10,6 +10,7 @@ import os
 import sqlite3
 import threading
 import urllib.request
+import zlib
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Final, cast
@@ -37,6 +38,7 @@ from loom_store_sqlite._failures import store_error
 from loom_store_sqlite._group import GroupCommit
 from loom_store_sqlite._heads import DATA_VERSION, KnownHeads, StampedHeads
 from loom_store_sqlite._options import SqliteOptions, parse_store_url
+from loom_store_sqlite._packing import Kinds, unpack
 from loom_store_sqlite._schema import ensure_schema
 from loom_store_sqlite._walindex import WalIndex, let_go_of_unlinked
 
@@ -93,6 +95,7 @@ class SqliteStore(Appends, JournalStore):
         self._stamped = StampedHeads()
         self._last_leader = 0  # the thread that led the last group (`_witness`)
         self._crowded_until = 0.0
+        self._kinds = Kinds()
         self._keeper = self._connect()  # holds a shared in-memory database open
         # SQLite's limit on a string or a blob, and on a row: room is kept for the
         # row's other columns (the stream, the kind, the commit id).
@@ -100,6 +103,7 @@ class SqliteStore(Appends, JournalStore):
         self.max_record_bytes = max(limit, 0)
         try:
             ensure_schema(self._keeper, path)
+            self._kinds.learn(self._keeper)
         except sqlite3.Error as exc:
             self.close()
             raise store_error(f"cannot prepare sqlite database {path!r}", exc) from exc
@@ -152,13 +156,37 @@ class SqliteStore(Appends, JournalStore):
                 if after < floor:
                     raise TrimmedError(stream, after, floor)
                 rows = connection.execute(
-                    "SELECT position, kind, payload, timestamp FROM loom_records "
-                    "WHERE stream = ? AND position > ? ORDER BY position LIMIT ?",
+                    "SELECT position, kind, payload, timestamp FROM loom_rows "
+                    "WHERE stream = (SELECT id FROM loom_names WHERE name = ?) "
+                    "AND position > ? ORDER BY position LIMIT ?",
                     (stream, after, -1 if limit is None else limit),
                 ).fetchall()
+                return self._records(connection, stream, rows)
         except sqlite3.Error as exc:
             raise store_error(f"cannot read {stream!r}", exc) from exc
-        return list(map(_as_record, rows))
+
+    def _records(
+        self, connection: sqlite3.Connection, stream: str, rows: list[tuple[Any, ...]]
+    ) -> list[Record]:
+        """Rows as records: each kind's name for its number, each packed payload
+        unpacked."""
+        kinds = self._kinds
+        names = kinds.names
+        records: list[Record] = []
+        for position, signed, stored, timestamp in rows:
+            number, payload = signed, stored
+            if signed < 0:
+                number = -signed
+                try:
+                    payload = unpack(stored)
+                except zlib.error as exc:
+                    raise StoreMisconfiguredError(
+                        f"cannot read {stream!r}: the packed payload at position {position} "
+                        f"is damaged ({exc}; restore the database from a backup)"
+                    ) from exc
+            kind = names.get(number) or kinds.name(connection, number)
+            records.append(_as_record((position, kind, payload, timestamp)))
+        return records
 
     def _head(self, stream: str) -> int:
         """The head, without reading the stream (the engine asks before every step)
@@ -206,7 +234,7 @@ class SqliteStore(Appends, JournalStore):
         lower, strict = (after, True) if after is not None and after >= prefix else (prefix, False)
         upper = prefix[:-1] + chr(ord(prefix[-1]) + 1) if prefix else None
         comparison = ">" if strict else ">="
-        sql = f"SELECT name FROM loom_streams WHERE deleted = 0 AND name {comparison} ?"  # noqa: S608
+        sql = f"SELECT name FROM loom_names WHERE deleted = 0 AND name {comparison} ?"  # noqa: S608
         parameters: list[object] = [lower]
         if upper is not None:
             sql += " AND name < ?"
@@ -240,10 +268,12 @@ class SqliteStore(Appends, JournalStore):
                 if row is None or before - 1 <= floor:
                     return
                 connection.execute(
-                    "DELETE FROM loom_records WHERE stream = ? AND position < ?", (stream, before)
+                    "DELETE FROM loom_rows WHERE stream = "
+                    "(SELECT id FROM loom_names WHERE name = ?) AND position < ?",
+                    (stream, before),
                 )
                 connection.execute(
-                    "UPDATE loom_streams SET floor = ? WHERE name = ?", (before - 1, stream)
+                    "UPDATE loom_names SET floor = ? WHERE name = ?", (before - 1, stream)
                 )
         except sqlite3.Error as exc:
             raise store_error(f"cannot trim {stream!r}", exc) from exc
@@ -257,10 +287,14 @@ class SqliteStore(Appends, JournalStore):
                 row = self._stream_row(connection, stream)
                 if row is not None and row[2]:
                     return
-                connection.execute("DELETE FROM loom_records WHERE stream = ?", (stream,))
+                connection.execute(
+                    "DELETE FROM loom_rows WHERE stream = "
+                    "(SELECT id FROM loom_names WHERE name = ?)",
+                    (stream,),
+                )
                 head = 0 if row is None else row[0]
                 connection.execute(
-                    "INSERT INTO loom_streams (name, floor, deleted) VALUES (?, ?, 1) "
+                    "INSERT INTO loom_names (name, floor, deleted) VALUES (?, ?, 1) "
                     "ON CONFLICT (name) DO UPDATE SET floor = excluded.floor, deleted = 1",
                     (stream, head),
                 )
