@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
+from collections import OrderedDict
 from typing import Any, Final
 
 import attrs
@@ -63,6 +65,10 @@ class _Busy:
 
 
 _BUSY: Final = _Busy()
+#: Sends an engine makes to a run between two looks at its inbox for messages to compact.
+_COMPACT_EVERY: Final = 64
+#: Runs whose sends an engine counts (the least recently sent to go first).
+_SENDS_KEPT: Final = 1024
 
 
 class Delivery:
@@ -71,6 +77,8 @@ class Delivery:
     def __init__(self, driver: Driver, enqueueing: Enqueueing) -> None:
         self._driver = driver
         self._enqueueing = enqueueing
+        self._sends: OrderedDict[str, int] = OrderedDict()  # since the last look, by run
+        self._sends_lock = threading.Lock()
 
     # -- resumes ------------------------------------------------------------------
 
@@ -204,11 +212,25 @@ class Delivery:
                 driver.runs.nudged(execution_id, driver.view(execution_id, lambda s: s.flow))
         state = driver.checkout(execution_id)
         try:
-            if state.status.finished and position not in consumed_positions(state.resume_keys):
+            consumed = consumed_positions(state.resume_keys)
+            if state.status.finished and position not in consumed:
                 raise RunFinishedError(execution_id, state.status.value, position)
+            if self._compact_now(execution_id):
+                # What the journal (folded from the store: committed) says was read.
+                driver.inbox.compact(execution_id, consumed, state.generation)
         finally:
             driver.cache.give_back(state)
         return position
+
+    def _compact_now(self, execution_id: str) -> bool:
+        """Whether this send is one to look at the run's inbox for messages to compact
+        (one in `_COMPACT_EVERY` of the sends this engine makes to a run)."""
+        with self._sends_lock:
+            count = self._sends.pop(execution_id, 0) + 1
+            self._sends[execution_id] = 0 if count >= _COMPACT_EVERY else count
+            while len(self._sends) > _SENDS_KEPT:
+                self._sends.popitem(last=False)
+        return count >= _COMPACT_EVERY
 
     def _deliver_now_or_at_release(self, execution_id: str) -> None:
         """Deliver a waiting message now if the run's lock is free, else once it is

@@ -609,14 +609,25 @@ class Engine:
         return self._parts.reading.get_events(execution_id)
 
     def inbox(self, execution_id: str) -> list[InboxMessage]:
-        """Every message sent to a run, in send order (a resend of a key left out),
-        each saying whether the run has read it.
+        """Every message in a run's inbox, in send order (a resend of a key left out),
+        each saying whether the run has read it. Messages the run has read are
+        compacted away in time (see docs/messages.md): `inbox_keys` still knows them.
 
         Raises:
             ExecutionNotFoundError: there is no such run.
             InvalidIdError: the id is not a valid execution id.
         """
         return self._parts.reading.inbox(execution_id)
+
+    def inbox_keys(self, execution_id: str) -> dict[str, bool]:
+        """Every dedupe key a message to a run was sent with, those of messages
+        compacted away too, each mapped to whether the run has read that message.
+
+        Raises:
+            ExecutionNotFoundError: there is no such run.
+            InvalidIdError: the id is not a valid execution id.
+        """
+        return self._parts.reading.inbox_keys(execution_id)
 
     def queue(self, name: str) -> QueueView:
         """What waits on one of this engine's queues, in order, and what is driven.

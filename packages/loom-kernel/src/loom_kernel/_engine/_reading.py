@@ -168,6 +168,14 @@ class Reading:
             for m in messages
         ]
 
+    def inbox_keys(self, execution_id: str) -> dict[str, bool]:
+        """See `Engine.inbox_keys`."""
+        keys, generation = self._driver.view(execution_id, _resume_keys)
+        consumed = consumed_positions(keys)
+        with _deletion_told(self._driver, execution_id):
+            sent = self._driver.inbox.keys(execution_id, generation)
+        return {key: position in consumed for key, position in sent.items()}
+
     def get_events(self, execution_id: str) -> dict[str, Any]:
         """See `Engine.get_events`."""
         generation = self._driver.view(execution_id, _generation)

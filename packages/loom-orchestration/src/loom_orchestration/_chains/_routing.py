@@ -127,8 +127,8 @@ def received_by(engine: Engine, execution_id: str) -> set[int]:
     the forwarded resumes its gates took."""
     got = {
         position
-        for message in engine.inbox(execution_id)
-        if message.received and (position := _forwarded(message.key)) is not None
+        for key, received in engine.inbox_keys(execution_id).items()
+        if received and (position := _forwarded(key)) is not None
     }
     for key in engine.state(execution_id).resume_keys:
         position = _forwarded(key)
@@ -258,7 +258,8 @@ def _forward_once(engine: Engine, chain: str, number: int) -> tuple[bool, bool]:
     owned = [item for item in items(engine.store, chain) if ledger.owns(item.position)]
     if not owned:
         return True, False
-    held = {p for m in engine.inbox(execution_id) if (p := _forwarded(m.key)) is not None}
+    # Every forward the run's inbox had, those its run read and compacted away too.
+    held = {p for key in engine.inbox_keys(execution_id) if (p := _forwarded(key)) is not None}
     resumed = {p for key in engine.state(execution_id).resume_keys if (p := _forwarded(key))}
     forwarded = False
     for item in owned:
