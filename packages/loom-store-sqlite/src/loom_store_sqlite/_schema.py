@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-import sqlite_utils
 from loom_kernel import SchemaError
+
+if TYPE_CHECKING:  # imported where a database is created or upgraded: see `ensure_schema`
+    import sqlite_utils
 
 __all__ = ["SCHEMA_VERSION", "ensure_schema"]
 
@@ -142,6 +144,10 @@ def ensure_schema(connection: sqlite3.Connection, location: str) -> None:
     _refuse_newer(found, location)
     if found == SCHEMA_VERSION:
         return
+    # Only here: sqlite-utils imports click and pluggy (about 0.2 s), which a process
+    # opening a database already at this schema never needs.
+    import sqlite_utils  # noqa: PLC0415
+
     db = sqlite_utils.Database(connection)
     try:
         connection.execute("BEGIN IMMEDIATE")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from importlib.metadata import entry_points
 from typing import Final
 
 from loom_kernel._engine import Engine
@@ -40,6 +39,8 @@ def installed_pollers() -> list[PollerFactory]:
     global _installed  # noqa: PLW0603 - a process-wide cache of installed plugins
     if _installed is None:
         loaded: list[PollerFactory] = []
+        from importlib.metadata import entry_points  # noqa: PLC0415 (costly to import)
+
         for point in entry_points(group=POLLER_GROUP):
             try:
                 loaded.append(point.load())

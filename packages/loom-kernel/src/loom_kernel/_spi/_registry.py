@@ -5,13 +5,16 @@ from __future__ import annotations
 import re
 import threading
 from collections.abc import Callable
-from importlib.metadata import EntryPoint, entry_points
+from typing import TYPE_CHECKING
 
 import attrs
 
 from loom_kernel._core import InvalidArgumentError, NotFoundError
 from loom_kernel._spi._journal import JournalStore
 from loom_kernel._spi._memory_store import open_memory_store
+
+if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
 
 __all__ = [
     "ENTRY_POINT_GROUP",
@@ -90,6 +93,10 @@ def register_store(scheme: str, factory: StoreFactory | OpenStore) -> None:
 
 
 def _entry_points() -> dict[str, EntryPoint]:
+    # Imported here: importlib.metadata takes a tenth of `import loom_kernel`, and a
+    # process that opens no store by URL never needs it.
+    from importlib.metadata import entry_points  # noqa: PLC0415
+
     return {ep.name: ep for ep in entry_points(group=ENTRY_POINT_GROUP)}
 
 
