@@ -23,7 +23,15 @@ from loom_kernel._coordination._leases import (
 from loom_kernel._coordination._published import Published
 from loom_kernel._coordination._queue_book import QueueBook
 from loom_kernel._coordination._queues import Queue, QueueFold, QueueView, pick, rate_frees_at
-from loom_kernel._coordination._run_index import ENDED, OpenHint, RunIndex, partition_of
+from loom_kernel._coordination._run_index import (
+    ENDED,
+    Closing,
+    EndedEntry,
+    OpenHint,
+    RunIndex,
+    partition_of,
+)
+from loom_kernel._coordination._streams import first_timestamp
 from loom_kernel._coordination._timer_floor import FLOOR_KIND, FLOOR_STREAM
 from loom_kernel._coordination._timers import OVERDUE, QUARANTINE, SEAL_KIND, TimerEntry, TimerIndex
 
@@ -38,6 +46,8 @@ __all__ = [
     "SEAL_KIND",
     "SNAPSHOT_KIND",
     "WORKERS_PREFIX",
+    "Closing",
+    "EndedEntry",
     "Heartbeat",
     "Inbox",
     "OpenHint",
@@ -58,6 +68,7 @@ __all__ = [
     "execution_ids",
     "exited_here",
     "finish_deletion",
+    "first_timestamp",
     "last_record",
     "load",
     "partition_of",

@@ -8,9 +8,11 @@ A run's id hashes to one of `PARTITIONS` partitions. Each partition has:
   once the run has finished and its listeners have been called. A `checkpoint`
   record lists the runs still open when it was written; everything below it is
   trimmed off.
-- `runs/<status>/<p>` for completed, failed and cancelled: batches of (id, flow) of
-  the runs that ended so, moved there from the open partition's `closed` records
-  before they are trimmed off. Read by `executions(status=...)`.
+- `runs/<status>/<p>` for completed, failed and cancelled: batches of entries of the
+  runs that ended so, moved there from the open partition's `closed` records before
+  they are trimmed off: [id, flow, when it was closed, its generation, when its
+  first hint was written (its start), its parent]. Read by `executions(status=...)`,
+  by retention, and by `Engine.runs`, which lists an ended run from its entry alone.
 - `runs/built`: one record once every run of the store is indexed (a fresh store,
   or an older one after `recover()` indexed it); until then store-wide calls list
   every journal, as before the index existed.
@@ -37,7 +39,7 @@ import hashlib
 import json
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import attrs
 
@@ -45,7 +47,7 @@ from loom_kernel._coordination._streams import StreamFolds, retained
 from loom_kernel._core import ConflictError, LoomError, NewRecord, Record, SchemaError, Status
 from loom_kernel._spi import JournalStore
 
-__all__ = ["ENDED", "PARTITIONS", "OpenHint", "RunIndex", "partition_of"]
+__all__ = ["ENDED", "PARTITIONS", "Closing", "EndedEntry", "OpenHint", "RunIndex", "partition_of"]
 
 #: How many partitions runs are spread over (a hex digit of a hash of the run id).
 PARTITIONS: Final = 16
@@ -90,6 +92,8 @@ class OpenHint:
             known: a checkpoint an older Loom wrote). Two hints of a run are equal
             only when they are one record, so a worker that saw one finds a nudge
             news even when its clock gave both the same `at`.
+        started: when the run's first hint was written (a nudge keeps it), just
+            before its first record; None when not known (an older Loom's hint).
     """
 
     execution_id: str
@@ -98,6 +102,25 @@ class OpenHint:
     at: float
     queue: str | None = None
     position: int = 0
+    started: float | None = None
+
+
+#: What the index keeps of a closed run: when it was closed, its generation (the
+#: how-manyth run of its id), when it started (None: not known) and its parent.
+Closing = tuple[float, int, float | None, str | None]
+
+
+class EndedEntry(NamedTuple):
+    """An ended run as the index files it (see `RunIndex.ended_entries`): a named
+    tuple, as a listing makes one per ended run in the store."""
+
+    execution_id: str
+    status: Status
+    flow: str
+    ended_at: float
+    generation: int
+    started_at: float | None
+    parent: str | None
 
 
 @attrs.define
@@ -109,8 +132,7 @@ class _Partition:
     head: int = 0
     open: dict[str, OpenHint] = attrs.Factory(dict)
     closed: dict[str, tuple[str, Status, str]] = attrs.Factory(dict)
-    #: id -> (when it was closed, its generation: the how-manyth run of the id)
-    closed_at: dict[str, tuple[float, int]] = attrs.Factory(dict)
+    closed_at: dict[str, Closing] = attrs.Factory(dict)
 
     def copy(self) -> _Partition:
         return _Partition(
@@ -159,11 +181,20 @@ class RunIndex:
         data = {"id": execution_id, "flow": flow, "by": None, "nudge": True}
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
 
-    def closed(self, execution_id: str, status: Status, flow: str, generation: int = 1) -> None:
+    def closed(
+        self,
+        execution_id: str,
+        status: Status,
+        flow: str,
+        generation: int = 1,
+        parent: str | None = None,
+    ) -> None:
         """Record that a finished run's listeners have all been called."""
         data: dict[str, Any] = {"id": execution_id, "status": status.value, "flow": flow}
         if generation > 1:
             data["g"] = generation
+        if parent is not None:
+            data["p"] = parent
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_CLOSED, _dump(data), 0.0))
 
     def dropped(self, execution_id: str, generation: int | None = None) -> None:
@@ -203,10 +234,11 @@ class RunIndex:
     def index_ended(
         self,
         runs: Iterable[tuple[str, Status, str]],
-        at: Mapping[str, tuple[float, int]] | None = None,
+        at: Mapping[str, Closing] | None = None,
     ) -> None:
         """File finished runs (id, status, flow) under their status, each with when it
-        was closed (`at`, where known: retention measures from it)."""
+        was closed, its generation, when it started and its parent (`at`, where known:
+        retention measures from its close, listings show its times)."""
         by_stream: dict[str, list[list[Any]]] = {}
         for execution_id, status, flow in runs:
             stream = _ended_stream(status, partition_of(execution_id))
@@ -252,6 +284,24 @@ class RunIndex:
             for record in retained(self._store, stream) or []:
                 yield from ((str(e[0]), str(e[1])) for e in _entries(record, stream))
 
+    def ended_entries(self) -> Iterator[EndedEntry]:
+        """Every ended run the index files, with its times and parent: the entries of
+        the status streams, then the runs closed but not moved yet. An id may repeat
+        (a run filed twice, or two runs of one id); an entry an older Loom filed has
+        no start time or parent (None) and gives the time it was filed as its end."""
+        for partition in self.partitions():
+            for status in ENDED:
+                stream = _ended_stream(status, partition)
+                for record in retained(self._store, stream) or []:
+                    for entry in _entries(record, stream):
+                        yield _ended_entry(entry, status, record.timestamp)
+            found = self._folds.read(_open_stream(partition))
+            for execution_id, status, flow in found.closed.values():
+                at, generation, started, parent = found.closed_at.get(
+                    execution_id, (self._clock(), 1, None, None)
+                )
+                yield EndedEntry(execution_id, status, flow, at, generation, started, parent)
+
     def ended_in(self, partition: str) -> Iterator[tuple[str, Status, float, int]]:
         """(id, status, when it was closed, generation) of the runs one partition files
         as ended:
@@ -267,7 +317,9 @@ class RunIndex:
                     yield str(entry[0]), status, at, int(entry[3]) if len(entry) > 3 else 1
         found = self._folds.read(_open_stream(partition))
         for execution_id, status, _flow in found.closed.values():
-            at, generation = found.closed_at.get(execution_id, (self._clock(), 1))
+            at, generation, _started, _parent = found.closed_at.get(
+                execution_id, (self._clock(), 1, None, None)
+            )
             yield execution_id, status, at, generation
 
     def forget(self, partition: str, runs: Mapping[str, int]) -> None:
@@ -303,7 +355,7 @@ class RunIndex:
         self,
         open_runs: Iterable[OpenHint],
         ended: dict[str, tuple[str, Status, str]],
-        ended_at: Mapping[str, tuple[float, int]] | None = None,
+        ended_at: Mapping[str, Closing] | None = None,
     ) -> None:
         """Bring the index up to what a full listing of the journals found.
 
@@ -334,8 +386,8 @@ class RunIndex:
                     for execution_id in opened:
                         if execution_id in ended:
                             _id, status, flow = ended[execution_id]
-                            _at, generation = (ended_at or {}).get(execution_id, (0.0, 1))
-                            self.closed(execution_id, status, flow, generation)
+                            closing = (ended_at or {}).get(execution_id, (0.0, 1, None, None))
+                            self.closed(execution_id, status, flow, closing[1], closing[3])
                     break
                 self.index_ended(closed.values(), ended_at)
                 merged = {**opened, **hints}
@@ -362,9 +414,13 @@ class RunIndex:
 
 def _generation_of(data: dict[str, Any]) -> int:
     generation = data.get("g", 1)
-    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+    _check_generation(generation)
+    return int(generation)
+
+
+def _check_generation(generation: object) -> None:
+    if type(generation) is not int or generation < 1:
         raise TypeError(f"a generation is an int >= 1, not {generation!r}")
-    return generation
 
 
 def _forgotten(entry: list[Any], runs: Mapping[str, int]) -> bool:
@@ -372,17 +428,31 @@ def _forgotten(entry: list[Any], runs: Mapping[str, int]) -> bool:
     return upto is not None and (int(entry[3]) if len(entry) > 3 else 1) <= upto
 
 
+def _ended_entry(entry: list[Any], status: Status, filed_at: float) -> EndedEntry:
+    at = float(entry[2]) if len(entry) > 2 else filed_at
+    generation = int(entry[3]) if len(entry) > 3 else 1
+    started = None if len(entry) <= 4 or entry[4] is None else float(entry[4])
+    parent = None if len(entry) <= 5 else entry[5]
+    return EndedEntry(str(entry[0]), status, str(entry[1]), at, generation, started, parent)
+
+
 def _entries(record: Record, stream: str) -> list[list[Any]]:
-    """The entries of a status stream's batch: [id, flow] or [id, flow, closed at]."""
+    """The entries of a status stream's batch: [id, flow], then, where known, when it
+    was closed, its generation, when it started and its parent."""
     try:
         entries = json.loads(record.payload)["runs"]
         for entry in entries:
             if not isinstance(entry[0], str) or not isinstance(entry[1], str):
                 raise TypeError("an entry is [id, flow, ...]")
-            if len(entry) > 2:
+            size = len(entry)
+            if size > 2:
                 float(entry[2])
-            if len(entry) > 3:
-                _generation_of({"g": entry[3]})
+                if size > 3:
+                    _check_generation(entry[3])
+                    if size > 4 and entry[4] is not None:
+                        float(entry[4])
+                    if size > 5 and not (entry[5] is None or isinstance(entry[5], str)):
+                        raise TypeError("an entry's parent is a str or null")
         return list(entries)
     except (ValueError, KeyError, TypeError, IndexError, RecursionError) as exc:
         raise _damaged(record, exc, stream) from None
@@ -396,6 +466,8 @@ def _hint_data(hint: OpenHint) -> dict[str, Any]:
         "at": hint.at,
         "position": hint.position,
     }
+    if hint.started is not None:
+        data["started"] = hint.started
     if hint.queue is not None:
         data["queue"] = hint.queue
     return data
@@ -446,7 +518,7 @@ def _fold_record(
     stream: str,
     opened: dict[str, OpenHint],
     closed: dict[str, tuple[str, Status, str]],
-    closed_at: dict[str, tuple[float, int]] | None = None,
+    closed_at: dict[str, Closing] | None = None,
 ) -> None:
     """Fold one partition record into the open and closed runs.
 
@@ -468,11 +540,13 @@ def _fold_record(
                     float(item["at"]),
                     _queue_of(item),
                     _position_of(item),
+                    _started_of(item),
                 )
                 opened[hint.execution_id] = hint
         elif record.kind == _OPEN:
             execution_id = str(data["id"])
-            if data.get("nudge") is True and execution_id not in opened:
+            nudge = data.get("nudge") is True
+            if nudge and execution_id not in opened:
                 return  # the run closed (or was dropped) before the nudge: it stays so
             opened[execution_id] = OpenHint(
                 execution_id,
@@ -481,6 +555,7 @@ def _fold_record(
                 record.timestamp,
                 _queue_of(data),
                 record.position,
+                opened[execution_id].started if nudge else record.timestamp,
             )
             closed.pop(execution_id, None)
             if closed_at is not None:
@@ -489,21 +564,33 @@ def _fold_record(
             execution_id = str(data["id"])
             if data["status"] is None and "g" in data:  # runs up to g deleted: unfiled
                 upto = _generation_of(data)
-                if closed_at is None or closed_at.get(execution_id, (0.0, 1))[1] <= upto:
+                if (
+                    closed_at is None
+                    or closed_at.get(execution_id, (0.0, 1, None, None))[1] <= upto
+                ):
                     closed.pop(execution_id, None)
                     if closed_at is not None:
                         closed_at.pop(execution_id, None)
                 return  # a later run of the id, open now, stays open
-            opened.pop(execution_id, None)
+            was_open = opened.pop(execution_id, None)
             if data["status"] is None:  # a dropped hint: filed nowhere
                 return
             closed[execution_id] = (execution_id, Status(data["status"]), str(data["flow"]))
             if closed_at is not None:
-                closed_at[execution_id] = (record.timestamp, _generation_of(data))
+                parent = data.get("p")
+                if not (parent is None or isinstance(parent, str)):
+                    raise TypeError(f"a closed run's parent is a str, not {parent!r}")
+                started = None if was_open is None else was_open.started
+                closed_at[execution_id] = (record.timestamp, _generation_of(data), started, parent)
         else:
             raise ValueError(f"unknown kind {record.kind!r}")
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise _damaged(record, exc, stream) from None
+
+
+def _started_of(data: dict[str, Any]) -> float | None:
+    started = data.get("started")  # absent: a checkpoint an older Loom wrote
+    return None if started is None else float(started)
 
 
 def _position_of(data: dict[str, Any]) -> int:

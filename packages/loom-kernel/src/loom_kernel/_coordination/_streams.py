@@ -22,6 +22,7 @@ from typing import Final, Generic, Protocol, Self, TypeVar
 
 from loom_kernel._core import (
     ConflictError,
+    LoomError,
     NewRecord,
     Record,
     StoreUnavailableError,
@@ -292,3 +293,13 @@ def retained(store: JournalStore, stream: str, after: int = 0) -> list[Record] |
         except StreamDeletedError:
             return None
     return None
+
+
+def first_timestamp(store: JournalStore, stream: str) -> float | None:
+    """When a stream's first record was written; None when it has none, its first
+    record was trimmed off, or it cannot be read now."""
+    try:
+        records = store.raw_read(stream, 0, 1)
+    except LoomError:
+        return None
+    return records[0].timestamp if records else None

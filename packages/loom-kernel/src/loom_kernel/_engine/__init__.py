@@ -11,7 +11,7 @@ from loom_kernel._engine._facade import Engine, EngineParts, Listener, parts_of
 from loom_kernel._engine._handles import RunHandle
 from loom_kernel._engine._recovery import NOT_STARTED
 from loom_kernel._engine._retention import Retention, RetentionSweep
-from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
+from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage, RunSummary
 
 __all__ = [
     "DRIVE_WATCH",
@@ -28,6 +28,7 @@ __all__ = [
     "Retention",
     "RetentionSweep",
     "RunHandle",
+    "RunSummary",
     "parts_of",
     "raise_first",
     "try_each",

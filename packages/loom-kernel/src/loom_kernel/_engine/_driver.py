@@ -436,7 +436,13 @@ class Driver:
     def close(self, execution: Execution) -> None:
         """Close a finished run in the run index, once its listeners have all run."""
         if execution.status.finished:
-            self.runs.closed(execution.id, execution.status, execution.flow, execution.generation)
+            self.runs.closed(
+                execution.id,
+                execution.status,
+                execution.flow,
+                execution.generation,
+                execution.parent,
+            )
 
 
 def check_reason(reason: object) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
+from datetime import datetime
 from typing import Any
 
 import attrs
@@ -43,7 +44,7 @@ from loom_kernel._engine._retention import Retention, RetentionSweep, Sweeper
 from loom_kernel._engine._starts import Starts
 from loom_kernel._engine._twins import async_twin
 from loom_kernel._engine._versions import Versions
-from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
+from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage, RunSummary
 from loom_kernel._replay import Flow, RetryPolicy, awaitable_sleep, in_a_thread
 from loom_kernel._spi import JournalStore
 
@@ -582,6 +583,36 @@ class Engine:
                 and `loom ls` go on past it and report it).
         """
         return self._parts.reading.listing(prefix, status, flow)
+
+    def runs(
+        self,
+        prefix: str = "",
+        *,
+        status: Status | str | Iterable[Status | str] | None = None,
+        flow: str | None = None,
+        since: float | datetime | None = None,
+        limit: int | None = None,
+    ) -> list[RunSummary]:
+        """The runs in the store, newest start first: what a listing shows of each
+        (status, flow, start and end times, gate, parent), read from the run index for
+        an ended run and from its journal only for an open one, so it costs the runs
+        still open, not every journal (`loom ls` and the web view use it; `executions`
+        gives whole views and reads every journal it lists).
+
+        Args:
+            prefix: an id prefix.
+            status: one status or several ("failed", Status.FAILED, or a list).
+            flow: a flow name.
+            since: only runs started at or after it (Unix seconds, or an aware
+                datetime); a run whose start is not known is left out.
+            limit: at most this many (the newest).
+
+        Raises:
+            InvalidIdError: the prefix breaks the id rules.
+            InvalidArgumentError: an unknown status, a bad `since` or `limit`.
+            SchemaError: an open run's journal cannot be folded.
+        """
+        return self._parts.reading.runs(prefix, status=status, flow=flow, since=since, limit=limit)
 
     def get_event(self, execution_id: str, key: str, timeout: float | None = None) -> Any:
         """The latest value a run published under `key` (`ctx.set_event`), read without

@@ -8,10 +8,17 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from datetime import datetime
 from types import MappingProxyType
 from typing import Any
 
-from loom_kernel._coordination import ENDED, execution_ids
+from loom_kernel._coordination import (
+    ENDED,
+    EndedEntry,
+    execution_ids,
+    first_timestamp,
+    last_record,
+)
 from loom_kernel._core import (
     EXECUTION_PREFIX,
     ExecutionNotFoundError,
@@ -32,7 +39,7 @@ from loom_kernel._core import (
     validate_prefix,
 )
 from loom_kernel._engine._driver import Driver
-from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage
+from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage, RunSummary
 from loom_kernel._replay import consumed_positions
 
 __all__ = ["EventLooks", "Reading"]
@@ -107,6 +114,122 @@ class Reading:
                 flow is None or execution.flow == flow
             ):
                 yield execution
+
+    def runs(
+        self,
+        prefix: str,
+        *,
+        status: Status | str | Iterable[Status | str] | None,
+        flow: str | None,
+        since: float | datetime | None,
+        limit: int | None,
+        unreadable: Callable[[str, SchemaError], None] | None = None,
+    ) -> list[RunSummary]:
+        """`Engine.runs`; with `unreadable`, an open run whose journal cannot be folded
+        is handed to it and the listing goes on (`loom ls`)."""
+        wanted = _statuses(status)
+        if not isinstance(prefix, str):
+            raise InvalidIdError(prefix, "an execution id prefix is a str")
+        validate_prefix(EXECUTION_PREFIX + prefix)
+        moment = _moment(since)
+        if limit is not None and (
+            isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
+        ):
+            raise InvalidArgumentError(f"limit is an int >= 0 or None, not {limit!r}")
+        found = self._summaries(prefix, wanted is None or bool(wanted - set(ENDED)), unreadable)
+        kept = [
+            run
+            for run in found
+            if (wanted is None or run.status in wanted)
+            and (flow is None or run.flow == flow)
+            and (moment is None or (run.started_at is not None and run.started_at >= moment))
+        ]
+        kept.sort(key=lambda run: (run.started_at is None, -(run.started_at or 0.0), run.id))
+        return kept if limit is None else kept[:limit]
+
+    def _summaries(
+        self,
+        prefix: str,
+        open_wanted: bool,
+        unreadable: Callable[[str, SchemaError], None] | None,
+    ) -> Iterator[RunSummary]:
+        """Every run whose id starts with `prefix`: an ended run as the run index files
+        it, an open one (and every run of a store not indexed yet) from its journal."""
+        driver = self._driver
+        runs = driver.runs
+        try:
+            indexed = runs.built()
+            ended: dict[str, EndedEntry] = {}
+            started: dict[str, float | None] = {}
+            if indexed:
+                for entry in runs.ended_entries():
+                    if entry.execution_id.startswith(prefix):
+                        known = ended.get(entry.execution_id)
+                        if known is None or known.generation <= entry.generation:
+                            ended[entry.execution_id] = entry
+                for hint in runs.open_runs():
+                    if hint.execution_id.startswith(prefix):
+                        started[hint.execution_id] = hint.started
+        except SchemaError as exc:
+            logger.warning("loom: %s; listing every journal instead", exc)
+            indexed = False
+        if not indexed:
+            ended, started = {}, dict.fromkeys(execution_ids(driver.store, prefix))
+        for entry in ended.values():
+            if entry.execution_id in started:
+                continue  # open again (a later run of the id): its journal tells
+            began = entry.started_at
+            if began is None:  # filed by an older Loom: its first record tells
+                began = first_timestamp(driver.store, stream_of(entry.execution_id))
+            yield RunSummary(
+                entry.execution_id,
+                entry.flow,
+                entry.status,
+                began,
+                entry.ended_at,
+                None,
+                entry.parent,
+                entry.generation,
+            )
+        for execution_id, began in started.items():
+            summary = self._summary_of(execution_id, began, unreadable)
+            if summary is not None and (open_wanted or summary.status.finished):
+                yield summary
+
+    def _summary_of(
+        self,
+        execution_id: str,
+        began: float | None,
+        unreadable: Callable[[str, SchemaError], None] | None,
+    ) -> RunSummary | None:
+        """A run as its journal tells it; None when there is no such run."""
+        driver = self._driver
+        try:
+            execution = driver.execution(execution_id)
+        except ExecutionNotFoundError:
+            return None
+        except SchemaError as exc:
+            if unreadable is None:
+                raise
+            unreadable(execution_id, exc)
+            return None
+        stream = stream_of(execution_id)
+        if began is None:
+            began = first_timestamp(driver.store, stream)
+        ended_at = None
+        if execution.status.finished:
+            last = last_record(driver.store, stream)
+            ended_at = None if last is None else last.timestamp
+        return RunSummary(
+            execution.id,
+            execution.flow,
+            execution.status,
+            began,
+            ended_at,
+            execution.waiting_on,
+            execution.parent,
+            execution.generation,
+        )
 
     def _indexed_ids(
         self, prefix: str, wanted: frozenset[Status] | None, flow: str | None
@@ -248,3 +371,18 @@ def _deletion_told(driver: Driver, execution_id: str) -> Iterator[None]:
     except StreamDeletedError:
         driver.view(execution_id, _generation)
         raise
+
+
+def _moment(since: object) -> float | None:
+    """`since` as Unix seconds: a number of them, or an aware datetime."""
+    if since is None:
+        return None
+    if isinstance(since, datetime):
+        if since.tzinfo is None:
+            raise InvalidArgumentError(
+                f"since is an aware datetime (with a tzinfo) or Unix seconds, not {since!r}"
+            )
+        return since.timestamp()
+    if not finite_number(since):
+        raise InvalidArgumentError(f"since is Unix seconds or an aware datetime, not {since!r}")
+    return float(since)  # type: ignore[arg-type]

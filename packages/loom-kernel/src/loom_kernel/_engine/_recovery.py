@@ -11,9 +11,11 @@ from collections.abc import Callable
 from typing import Final
 
 from loom_kernel._coordination import (
+    Closing,
     OpenHint,
     abandoned_here,
     execution_ids,
+    first_timestamp,
     last_record,
     sighting,
 )
@@ -130,14 +132,16 @@ class Recovery:
         driver = self._driver
         still_open: dict[str, OpenHint] = {}
         ended: dict[str, tuple[str, Status, str]] = {}
-        ended_at: dict[str, tuple[float, int]] = {}  # when each ended, and its generation
+        ended_at: dict[str, Closing] = {}  # when each ended and started, and more
 
         def file_ended(execution: Execution) -> None:
             if execution.status.finished:
                 ended[execution.id] = (execution.id, execution.status, execution.flow)
-                last = last_record(driver.store, stream_of(execution.id))
+                stream = stream_of(execution.id)
+                last = last_record(driver.store, stream)
                 at = driver.clock() if last is None else last.timestamp
-                ended_at[execution.id] = (at, execution.generation)
+                started = first_timestamp(driver.store, stream)
+                ended_at[execution.id] = (at, execution.generation, started, execution.parent)
 
         def visit(execution_id: str) -> str | None:
             try:

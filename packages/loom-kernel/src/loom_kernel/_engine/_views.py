@@ -111,6 +111,34 @@ class HistoryEntry:
 
 
 @attrs.frozen
+class RunSummary:
+    """A run as `Engine.runs` lists it: what a listing shows, read from the run index
+    for an ended run (no journal read) and from its journal for an open one.
+
+    Attributes:
+        id: the execution id.
+        flow: the flow's name.
+        status: running, suspended, completed, failed or cancelled.
+        started_at: when it started (for an ended run, when its start was filed in the
+            run index, just before its first record); None when not known.
+        ended_at: when it ended (for an ended run, when the index filed its end, once
+            its listeners had run); None while it is open.
+        waiting_on: the gate a suspended run is parked at, if any.
+        parent: the execution that started it, if any.
+        generation: which run of its id it is (see `Execution.generation`).
+    """
+
+    id: str
+    flow: str
+    status: Status
+    started_at: float | None
+    ended_at: float | None
+    waiting_on: str | None = None
+    parent: str | None = None
+    generation: int = 1
+
+
+@attrs.frozen
 class InboxMessage:
     """A message in a run's inbox, as `Engine.inbox` shows it.
 

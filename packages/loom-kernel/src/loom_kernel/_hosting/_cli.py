@@ -12,12 +12,15 @@ import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from importlib.metadata import entry_points
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from loom_kernel._core import LoomError, NewRecord
-from loom_kernel._hosting._operate import add_operate_commands, run_times, since
+from loom_kernel._hosting._operate import add_operate_commands, since
 from loom_kernel._hosting._store_option import add_store_option
 from loom_kernel._spi import JournalStore, installed_stores, open_store, store_factory
+
+if TYPE_CHECKING:
+    from loom_kernel._engine import RunSummary
 
 __all__ = ["COMMAND_GROUP", "check_store", "main"]
 
@@ -105,29 +108,27 @@ def _inspect_command(args: argparse.Namespace) -> int:
         with open_store(args.store, create=False) as store:
             engine = Engine(store, listeners=[])
             if args.command == "ls":
-                listed = [
-                    (execution, *run_times(engine, execution))
-                    for execution in parts_of(engine).reading.listing(
-                        "", args.status, args.flow, report
-                    )
-                ]
-                if args.since is not None:
-                    listed = [row for row in listed if row[1] is not None and row[1] >= args.since]
-                listed.sort(key=lambda row: (row[1] is None, -(row[1] or 0.0), row[0].id))
-                if args.limit is not None:
-                    listed = listed[: args.limit]
+                listed = parts_of(engine).reading.runs(
+                    "",
+                    status=args.status,
+                    flow=args.flow,
+                    since=args.since,
+                    limit=args.limit,
+                    unreadable=report,
+                )
                 if args.json:
-                    print(json.dumps([_listed(*row) for row in listed], indent=2))
+                    print(json.dumps([_listed(run) for run in listed], indent=2))
                     return 1 if unreadable else 0
                 print(
                     f"{'ID':<40} {'FLOW':<20} {'STATUS':<10} {'STARTED':<24} {'ENDED':<24} "
                     "WAITING ON"
                 )
-                for execution, started, ended in listed:
-                    waiting = repr(execution.waiting_on) if execution.waiting_on else "-"
+                for run in listed:
+                    waiting = repr(run.waiting_on) if run.waiting_on else "-"
                     print(
-                        f"{execution.id:<40} {execution.flow:<20} {execution.status.value:<10} "
-                        f"{_when(started) or '-':<24} {_when(ended) or '-':<24} {waiting}"
+                        f"{run.id:<40} {run.flow:<20} {run.status.value:<10} "
+                        f"{_when(run.started_at) or '-':<24} {_when(run.ended_at) or '-':<24} "
+                        f"{waiting}"
                     )
             else:
                 execution = engine.get(args.execution_id)
@@ -140,16 +141,16 @@ def _inspect_command(args: argparse.Namespace) -> int:
     return 1 if unreadable else 0
 
 
-def _listed(execution: Any, started: float | None, ended: float | None) -> dict[str, Any]:
+def _listed(run: RunSummary) -> dict[str, Any]:
     """A run as `loom ls --json` prints it."""
     return {
-        "id": execution.id,
-        "flow": execution.flow,
-        "status": execution.status.value,
-        "started_at": _when(started),
-        "ended_at": _when(ended),
-        "waiting_on": execution.waiting_on,
-        "parent": execution.parent,
+        "id": run.id,
+        "flow": run.flow,
+        "status": run.status.value,
+        "started_at": _when(run.started_at),
+        "ended_at": _when(run.ended_at),
+        "waiting_on": run.waiting_on,
+        "parent": run.parent,
     }
 
 
