@@ -5,7 +5,13 @@ core, the SPI and the replay layer's gate names.
 """
 
 from loom_kernel._coordination._deletion import delete_ended, finish_deletion
-from loom_kernel._coordination._executions import SNAPSHOT_KIND, compact, execution_ids, load
+from loom_kernel._coordination._executions import (
+    SNAPSHOT_KIND,
+    compact,
+    execution_ids,
+    load,
+    snapshot,
+)
 from loom_kernel._coordination._inbox import Inbox
 from loom_kernel._coordination._leases import (
     DEFAULT_LEASE,
@@ -75,4 +81,5 @@ __all__ = [
     "pick",
     "rate_frees_at",
     "sighting",
+    "snapshot",
 ]

@@ -42,7 +42,7 @@ from loom_kernel._core import (
 )
 from loom_kernel._spi import JournalStore
 
-__all__ = ["SNAPSHOT_KIND", "compact", "execution_ids", "load"]
+__all__ = ["SNAPSHOT_KIND", "compact", "execution_ids", "load", "snapshot"]
 
 SNAPSHOT_KIND: Final = "loom.snapshot"
 #: Loads restarted because a compaction moved the journal on meanwhile, before giving up.
@@ -197,12 +197,10 @@ def _covered(record: Record, stream: str) -> int:
     return position
 
 
-def compact(store: JournalStore, state: ExecutionState, clock: Callable[[], float]) -> int:
-    """Snapshot `state`, then trim the journal below the latest snapshot.
-
-    The snapshot is written first, so a crash between the two writes loses nothing.
-    When a snapshot covering as much or more is already there (another engine
-    compacted meanwhile), none is written and the journal is trimmed to that one.
+def snapshot(store: JournalStore, state: ExecutionState, clock: Callable[[], float]) -> int:
+    """Snapshot `state` (a committed state of the run), unless a snapshot covering as
+    much or more is there already; the journal is left whole. A load then reads the
+    snapshot and the records after it, not the whole journal.
 
     Returns:
         The journal position the latest snapshot covers.
@@ -215,14 +213,26 @@ def compact(store: JournalStore, state: ExecutionState, clock: Callable[[], floa
         if last is not None:
             covered = _covered(last, stream)
             if covered >= state.position:
-                break
+                return covered
         try:
             store.append(stream, head, [NewRecord(SNAPSHOT_KIND, payload, clock())])
         except ConflictError:
             continue  # another snapshot landed first: compare with it
         store.trim(stream, head + 1)  # older snapshots are never read again
-        covered = state.position
-        break
+        return state.position
+
+
+def compact(store: JournalStore, state: ExecutionState, clock: Callable[[], float]) -> int:
+    """Snapshot `state`, then trim the journal below the latest snapshot.
+
+    The snapshot is written first, so a crash between the two writes loses nothing.
+    When a snapshot covering as much or more is already there (another engine
+    compacted meanwhile), none is written and the journal is trimmed to that one.
+
+    Returns:
+        The journal position the latest snapshot covers.
+    """
+    covered = snapshot(store, state, clock)
     # The last covered record stays: its time tells when the run was last written
     # (a takeover's sighting of its owner); a load reads after the snapshot anyway.
     store.trim(stream_of(state.id), covered)

@@ -30,6 +30,7 @@ from loom_kernel._coordination import (
     driving_here,
     load,
     sighting,
+    snapshot,
 )
 from loom_kernel._core import (
     ConflictError,
@@ -66,6 +67,9 @@ from loom_kernel._spi import JournalStore
 __all__ = ["DRIVE_WATCH", "Driver", "check_reason"]
 
 logger = logging.getLogger("loom")
+#: Records a parked run's journal grows by between two snapshots, on a store whose
+#: reads cost a request each (see `Driver._snapshot_if_long`).
+SNAPSHOT_EVERY: Final = 256
 
 #: Set by a worker around the drives it makes: called with 1 as each drive made under
 #: it begins and -1 as it ends, nested drives (a listener resuming a parent) included,
@@ -287,6 +291,7 @@ class Driver:
         control = control or DriveControl()
         with self._drives_lock:
             self._drives[state.id] = control
+        began_at = state.position
         fenced = False
         was_open = not state.status.finished
         watch = DRIVE_WATCH.get()
@@ -307,6 +312,8 @@ class Driver:
             if watch is not None:
                 watch(-1)
         execution = Execution.of(state)
+        if not fenced and state.status is Status.SUSPENDED:
+            self._snapshot_if_long(state, began_at)
         self.cache.give_back(state)
         if was_open and execution.status is Status.FAILED and execution.error is not None:
             logger.info(
@@ -432,6 +439,21 @@ class Driver:
         with self._finishes:
             if self.finished_count == seen:
                 self._finishes.wait(seconds)
+
+    def _snapshot_if_long(self, state: ExecutionState, began_at: int) -> None:
+        """Snapshot a run that parked, on a store whose reads cost a request each, once
+        its journal grew past another `SNAPSHOT_EVERY` records: a later cold load (a
+        resume by another process, a takeover) reads the snapshot and the records
+        after it, not every record. The journal is left whole."""
+        if (
+            self.store.head_is_cheap
+            or state.position // SNAPSHOT_EVERY <= began_at // SNAPSHOT_EVERY
+        ):
+            return
+        try:
+            snapshot(self.store, state, self.clock)
+        except LoomError as exc:  # a load reads the whole journal instead, as before
+            logger.warning("loom: %s: no snapshot written: %s", state.id, exc)
 
     def close(self, execution: Execution) -> None:
         """Close a finished run in the run index, once its listeners have all run."""
