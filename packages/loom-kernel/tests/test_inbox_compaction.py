@@ -4,12 +4,14 @@ compacted message, and a message that arrives during a compaction is never lost.
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, MemoryStore, Status, flow
-from loom_kernel.spi import NewRecord
+from loom_kernel.spi import NewRecord, StoreUnavailableError
 from loom_kernel.testing import FakeClock
 
 
@@ -50,8 +52,7 @@ def test_a_long_receive_loop_leaves_an_inbox_of_what_is_left_to_read() -> None:
     engine = _engine(store)
     engine.start("compaction.loop", 1_000, key="r")
     for number in range(1_000):
-        key = f"k{number}" if number % 2 else None
-        engine.send("r", number, topic="work", key=key)
+        engine.send("r", number, topic="work")
     assert _records(store, "inbox/r") <= 2 * 64 + 1, "a checkpoint and what came since"
     assert _floor(store, "inbox/r") > 800
     # A fresh engine (another process) replays the whole run from its journal alone.
@@ -59,6 +60,37 @@ def test_a_long_receive_loop_leaves_an_inbox_of_what_is_left_to_read() -> None:
     done = fresh.resume("r", None, on="finish")
     assert done.status is Status.COMPLETED
     assert done.result == list(range(1_000))
+
+
+class _CheckpointBytes(MemoryStore):
+    """Adds up the bytes of every inbox checkpoint appended."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpointed = 0
+
+    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+        head = super().append(stream, expected, records)
+        self.checkpointed += sum(
+            len(r.payload) for r in records if r.kind == "loom.message.checkpoint"
+        )
+        return head
+
+
+def test_keyed_sends_cost_checkpoints_in_proportion_to_what_was_sent() -> None:
+    """Every checkpoint copies every key, so one is written only once it drops as many
+    messages as it copies keys: the checkpoints' bytes stay a small multiple of the
+    messages', not their square."""
+    store = _CheckpointBytes()
+    engine = _engine(store)
+    engine.start("compaction.loop", 1_000, key="r")
+    for number in range(1_000):
+        engine.send("r", number, topic="work", key=f"key-{number:06d}")
+    every_key = len(json.dumps({f"key-{n:06d}": n for n in range(1_000)}))
+    assert store.checkpointed > 0
+    # Copying the keys at every look (every 64 sends) would copy them 7.7 times over.
+    assert store.checkpointed <= 3 * every_key, "the keys copied double, then double"
+    assert _records(store, "inbox/r") <= 1_000 // 2 + 2 * 64 + 1
 
 
 def test_a_resend_of_a_compacted_message_is_still_a_resend() -> None:
@@ -132,3 +164,32 @@ def test_a_damaged_checkpoint_is_a_schema_error_naming_where() -> None:
     store.append("inbox/r", 0, [NewRecord("loom.message.checkpoint", b'{"keys": 1}', 0.0)])
     with pytest.raises(SchemaError, match="a damaged inbox checkpoint"):
         _engine(store).inbox("r")
+
+
+class _TrimFailsOnce(MemoryStore):
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def trim(self, stream: str, before: int) -> None:
+        if stream.startswith("inbox/") and not self.failed:
+            self.failed = True
+            raise StoreUnavailableError("a trim that failed (injected)")
+        super().trim(stream, before)
+
+
+def test_a_compaction_that_fails_never_fails_the_send_that_made_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The message is in the inbox before the compaction: a send that raised then
+    would be retried by its caller, and its message received twice."""
+    store = _TrimFailsOnce()
+    engine = _engine(store)
+    engine.start("compaction.loop", 200, key="r")
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        positions = [engine.send("r", number, topic="work") for number in range(200)]
+    assert store.failed
+    assert "its inbox was not compacted" in caplog.text
+    assert len(set(positions)) == 200
+    done = engine.resume("r", None, on="finish")
+    assert done.result == list(range(200))

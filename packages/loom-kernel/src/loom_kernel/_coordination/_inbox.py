@@ -144,9 +144,10 @@ class Inbox:
 
     def compact(self, execution_id: str, consumed: set[int], generation: int = 1) -> bool:
         """Drop the messages in `consumed` from the inbox, if it holds at least
-        `_COMPACT_AT` of them: a checkpoint of the rest (and of every key) at the
-        exact head read, then a trim below it. Whether it compacted (False too when a
-        message arrived meanwhile: a later look compacts).
+        `_COMPACT_AT` of them and half as many as the keys the inbox has seen: a checkpoint
+        of the rest (and of every key) at the exact head read, then a trim below it.
+        Whether it compacted (False too when a message arrived meanwhile: a later
+        look compacts).
 
         `consumed` must be positions the run's journal holds as consumed (committed,
         never a drive's pending records): what is dropped here is gone.
@@ -155,7 +156,12 @@ class Inbox:
         with self._folds.holding(stream):
             parsed = self._parsed(stream)
             left = [message for message in parsed.messages if message.position not in consumed]
-            if len(parsed.messages) - len(left) < _COMPACT_AT:
+            # A checkpoint copies every key: it is written only once the messages it
+            # drops are at least half the keys it copies, so the keys copied double
+            # from one checkpoint to the next and all checkpoints together copy a
+            # small multiple of what was sent, however many keys there are.
+            dropped = len(parsed.messages) - len(left)
+            if dropped < _COMPACT_AT or 2 * dropped < len(parsed.keys):
                 return False
             payload = json.dumps(
                 {

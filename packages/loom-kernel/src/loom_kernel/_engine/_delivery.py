@@ -215,11 +215,14 @@ class Delivery:
             consumed = consumed_positions(state.resume_keys)
             if state.status.finished and position not in consumed:
                 raise RunFinishedError(execution_id, state.status.value, position)
-            if self._compact_now(execution_id):
-                # What the journal (folded from the store: committed) says was read.
-                driver.inbox.compact(execution_id, consumed, state.generation)
+            generation = state.generation
         finally:
             driver.cache.give_back(state)
+        if self._compact_now(execution_id):
+            try:  # `consumed` is what the committed journal says was read
+                driver.inbox.compact(execution_id, consumed, generation)
+            except LoomError as exc:  # the message is sent: a later send compacts
+                logger.warning("loom: %s: its inbox was not compacted: %s", execution_id, exc)
         return position
 
     def _compact_now(self, execution_id: str) -> bool:
