@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from loom_kernel import Context, Engine, MemoryStore, Status, flow
+from loom_kernel import Context, Engine, MemoryStore, SentKey, Status, flow
 from loom_kernel.spi import NewRecord, StoreUnavailableError
 from loom_kernel.testing import FakeClock
 
@@ -103,7 +103,7 @@ def test_a_resend_of_a_compacted_message_is_still_a_resend() -> None:
     assert _floor(store, "inbox/r") > first, "the keyed message was compacted away"
     for reader in (engine, _engine(store)):
         assert reader.send("r", "again", topic="work", key="once") == first
-        assert reader.inbox_keys("r") == {"once": True}
+        assert reader.inbox_keys("r") == {"once": SentKey(first, received=True)}
     done = engine.resume("r", None, on="finish")
     assert done.result is not None
     assert done.result.count("first") == 1
@@ -122,9 +122,9 @@ def test_messages_not_read_yet_survive_a_compaction_where_they_were() -> None:
         assert [(m.position, m.message, m.received) for m in reader.inbox("r")][:1] == [
             (waiting, "for later", False)
         ]
-        assert reader.inbox_keys("r") == {"l": False}
+        assert reader.inbox_keys("r") == {"l": SentKey(waiting, received=False)}
     assert engine.resume("r", None, on="go").result == [list(range(100)), "for later"]
-    assert engine.inbox_keys("r") == {"l": True}
+    assert engine.inbox_keys("r") == {"l": SentKey(waiting, received=True)}
 
 
 class _SendDuringCheckpoint(MemoryStore):

@@ -61,7 +61,8 @@ def receipts(engine: Engine, chain: str) -> list[tuple[str, int]]:
     order: run by run, each run's in the order its journal took them."""
     found = []
     for run in chain_runs(engine, chain):
-        keys = {m.position: m.key for m in engine.inbox(run.id)}
+        # Through the keys: a message the run read may be compacted out of its inbox.
+        keys = {sent.position: key for key, sent in engine.inbox_keys(run.id).items()}
         for resume_key in engine.state(run.id).resume_keys:
             if resume_key.startswith("loom.inbox:"):
                 key = keys.get(int(resume_key.removeprefix("loom.inbox:")))

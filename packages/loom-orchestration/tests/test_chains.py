@@ -21,6 +21,7 @@ from loom_kernel import (
     Status,
     flow,
 )
+from loom_kernel.spi import TrimmedError
 from loom_kernel.testing import FakeClock
 from loom_orchestration import (
     ROTATED,
@@ -71,6 +72,20 @@ def test_messages_a_run_did_not_read_go_to_its_successor_in_send_order_per_topic
         mine = [p for p, (t, _v) in zip(positions, sent, strict=True) if t == topic]
         assert [p for _run, p in got if p in mine] == mine, f"topic {topic} in send order"
     assert len({run for run, _p in got}) == 3, "two a run, over three runs"
+
+
+def test_runs_whose_inboxes_are_compacted_still_receive_each_message_once() -> None:
+    """Each run is forwarded 100 messages, so its inbox is compacted as it reads them:
+    every message is still received once, in send order, and none is forwarded
+    again to the run after it."""
+    e = _engine()
+    start_chain(e, "big", "chain.mixed", {"per_run": 100})
+    positions = [send_to_chain(e, "big", f"m{n}", topic="a") for n in range(250)]
+    got = receipts(e, "big")
+    assert [position for _run, position in got] == positions, "each once, in send order"
+    assert [run.id for run in chain_runs(e, "big")] == ["big@1", "big@2", "big@3"]
+    with pytest.raises(TrimmedError):  # compacted as it was read
+        e.store.read("inbox/big@1", 0)
 
 
 def test_what_a_run_left_unread_reaches_its_successor_in_the_call_that_rotated_it() -> None:

@@ -39,7 +39,13 @@ from loom_kernel._core._state import ExecutionState, Gate, Status, StepFrame
 from loom_kernel._engine._facade import Engine, Listener
 from loom_kernel._engine._handles import RunHandle
 from loom_kernel._engine._retention import Retention, RetentionSweep
-from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage, RunSummary
+from loom_kernel._engine._views import (
+    Execution,
+    HistoryEntry,
+    InboxMessage,
+    RunSummary,
+    SentKey,
+)
 from loom_kernel._hosting._worker import Worker, WorkerStats
 from loom_kernel._replay._async_context import AsyncContext
 from loom_kernel._replay._context import Context
@@ -87,6 +93,7 @@ __all__ = [
     "RunHandle",
     "RunSummary",
     "SchemaError",
+    "SentKey",
     "Status",
     "StepFailedError",
     "StepFrame",

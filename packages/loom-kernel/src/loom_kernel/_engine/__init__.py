@@ -11,7 +11,13 @@ from loom_kernel._engine._facade import Engine, EngineParts, Listener, parts_of
 from loom_kernel._engine._handles import RunHandle
 from loom_kernel._engine._recovery import NOT_STARTED
 from loom_kernel._engine._retention import Retention, RetentionSweep
-from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage, RunSummary
+from loom_kernel._engine._views import (
+    Execution,
+    HistoryEntry,
+    InboxMessage,
+    RunSummary,
+    SentKey,
+)
 
 __all__ = [
     "DRIVE_WATCH",
@@ -29,6 +35,7 @@ __all__ = [
     "RetentionSweep",
     "RunHandle",
     "RunSummary",
+    "SentKey",
     "parts_of",
     "raise_first",
     "try_each",

@@ -44,7 +44,13 @@ from loom_kernel._engine._retention import Retention, RetentionSweep, Sweeper
 from loom_kernel._engine._starts import Starts
 from loom_kernel._engine._twins import async_twin
 from loom_kernel._engine._versions import Versions
-from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage, RunSummary
+from loom_kernel._engine._views import (
+    Execution,
+    HistoryEntry,
+    InboxMessage,
+    RunSummary,
+    SentKey,
+)
 from loom_kernel._replay import Flow, RetryPolicy, awaitable_sleep, in_a_thread
 from loom_kernel._spi import JournalStore
 
@@ -650,9 +656,10 @@ class Engine:
         """
         return self._parts.reading.inbox(execution_id)
 
-    def inbox_keys(self, execution_id: str) -> dict[str, bool]:
+    def inbox_keys(self, execution_id: str) -> dict[str, SentKey]:
         """Every dedupe key a message to a run was sent with, those of messages
-        compacted away too, each mapped to whether the run has read that message.
+        compacted away too, each with the position of the message first sent with it
+        and whether the run has read that message.
 
         Raises:
             ExecutionNotFoundError: there is no such run.

@@ -39,7 +39,13 @@ from loom_kernel._core import (
     validate_prefix,
 )
 from loom_kernel._engine._driver import Driver
-from loom_kernel._engine._views import Execution, HistoryEntry, InboxMessage, RunSummary
+from loom_kernel._engine._views import (
+    Execution,
+    HistoryEntry,
+    InboxMessage,
+    RunSummary,
+    SentKey,
+)
 from loom_kernel._replay import consumed_positions
 
 __all__ = ["EventLooks", "Reading"]
@@ -291,13 +297,13 @@ class Reading:
             for m in messages
         ]
 
-    def inbox_keys(self, execution_id: str) -> dict[str, bool]:
+    def inbox_keys(self, execution_id: str) -> dict[str, SentKey]:
         """See `Engine.inbox_keys`."""
         keys, generation = self._driver.view(execution_id, _resume_keys)
         consumed = consumed_positions(keys)
         with _deletion_told(self._driver, execution_id):
             sent = self._driver.inbox.keys(execution_id, generation)
-        return {key: position in consumed for key, position in sent.items()}
+        return {key: SentKey(position, position in consumed) for key, position in sent.items()}
 
     def get_events(self, execution_id: str) -> dict[str, Any]:
         """See `Engine.get_events`."""

@@ -139,6 +139,19 @@ class RunSummary:
 
 
 @attrs.frozen
+class SentKey:
+    """A dedupe key a message to a run was sent with, as `Engine.inbox_keys` shows it.
+
+    Attributes:
+        position: the inbox position of the message first sent with it.
+        received: whether the run has read that message.
+    """
+
+    position: int
+    received: bool
+
+
+@attrs.frozen
 class InboxMessage:
     """A message in a run's inbox, as `Engine.inbox` shows it.
 

@@ -127,8 +127,8 @@ def received_by(engine: Engine, execution_id: str) -> set[int]:
     the forwarded resumes its gates took."""
     got = {
         position
-        for key, received in engine.inbox_keys(execution_id).items()
-        if received and (position := _forwarded(key)) is not None
+        for key, sent in engine.inbox_keys(execution_id).items()
+        if sent.received and (position := _forwarded(key)) is not None
     }
     for key in engine.state(execution_id).resume_keys:
         position = _forwarded(key)
