@@ -1,3 +1,4 @@
-"""Every test directory shares the local S3 server fixtures (moto and Ceph RGW)."""
+"""Every test directory shares the local S3 server fixtures (moto and Ceph RGW) and
+fresh stores of each kind (`store_kinds`)."""
 
-pytest_plugins = ["loom_store_s3.pytest_plugin"]
+pytest_plugins = ["loom_store_s3.pytest_plugin", "store_kinds"]

@@ -7,17 +7,17 @@ Afterwards a fresh engine must load the run and finish it.
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import Context, Engine, MemoryStore, Status, flow, open_store
+from loom_kernel import Context, Engine, Status, flow
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import Interleaving
+from store_kinds import StoreFactory, store_maker
 
 STEPS = 5
 
@@ -31,24 +31,10 @@ def ledger(ctx: Context, _input: Any) -> Any:
     return total
 
 
-StoreFactory = Callable[[], JournalStore]
-
-
 @pytest.fixture(params=["memory", "sqlite", "moto", "rgw"])
 def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
     opened: list[JournalStore] = []
-
-    def make() -> JournalStore:
-        if request.param == "memory":
-            store: JournalStore = MemoryStore()
-        elif request.param == "sqlite":
-            store = open_store(f"sqlite:///{tempfile.mkdtemp(dir=tmp_path)}/loom.db")
-        else:
-            store = request.getfixturevalue(f"{request.param}_server").store()
-        opened.append(store)
-        return store
-
-    yield make
+    yield store_maker(request, tmp_path, request.param, opened)
     for store in opened:
         store.close()
 

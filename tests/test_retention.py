@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,7 @@ from loom_kernel import (
 from loom_kernel._engine import parts_of
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
-
-StoreFactory = Callable[[], JournalStore]
+from store_kinds import StoreFactory
 
 effects: list[tuple[str, Any]] = []
 
@@ -68,26 +66,6 @@ def parent(ctx: Context, value: Any) -> Any:
 
 
 FLOWS = [once, parks, parent]
-
-
-@pytest.fixture(params=["memory", "sqlite", "moto"])
-def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
-    opened: list[JournalStore] = []
-
-    def make() -> JournalStore:
-        if request.param == "memory":
-            store: JournalStore = MemoryStore()
-        elif request.param == "sqlite":
-            store = open_store(f"sqlite:///{tempfile.mkdtemp(dir=tmp_path)}/loom.db")
-        else:
-            store = request.getfixturevalue("moto_server").store()
-        opened.append(store)
-        return store
-
-    make.kind = request.param  # type: ignore[attr-defined]
-    yield make
-    for store in opened:
-        store.close()
 
 
 def _engine(store: JournalStore, clock: FakeClock, **options: Any) -> Engine:

@@ -4,10 +4,8 @@ journals (`executions`) on every store."""
 
 from __future__ import annotations
 
-import tempfile
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,12 +20,10 @@ from loom_kernel import (
     Retention,
     Status,
     flow,
-    open_store,
 )
 from loom_kernel.spi import JournalStore, NewRecord, Record
 from loom_kernel.testing import FakeClock
-
-StoreFactory = Callable[[], JournalStore]
+from store_kinds import StoreFactory
 
 
 @flow(name="list.done")
@@ -60,25 +56,6 @@ def parent(ctx: Context, value: int) -> Any:
 
 
 FLOWS = [done, fails, parks, parent]
-
-
-@pytest.fixture(params=["memory", "sqlite", "moto"])
-def new_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreFactory]:
-    opened: list[JournalStore] = []
-
-    def make() -> JournalStore:
-        if request.param == "memory":
-            store: JournalStore = MemoryStore()
-        elif request.param == "sqlite":
-            store = open_store(f"sqlite:///{tempfile.mkdtemp(dir=tmp_path)}/loom.db")
-        else:
-            store = request.getfixturevalue("moto_server").store()
-        opened.append(store)
-        return store
-
-    yield make
-    for store in opened:
-        store.close()
 
 
 def _engine(store: JournalStore, clock: FakeClock) -> Engine:
