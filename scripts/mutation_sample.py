@@ -35,6 +35,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {
@@ -326,8 +327,16 @@ def _check_baseline(scratch: Path, packages: list[str], timeout: float) -> None:
             raise SystemExit(f"the unmutated tests of {package} fail: fix them first")
 
 
+#: Seconds one test may take before pytest-timeout fails it: a mutant that makes a
+#: test hang (a lost wake-up, a lock never released) is caught in this long, not at
+#: the whole run's `--timeout`. The baseline run checks no test of the unmutated
+#: tree takes as long.
+PER_TEST_SECONDS: Final = 60
+
+
 def _pytest_command(workers: str) -> list[str]:
-    """pytest on the fast tests, quietly, with no cache, on `workers` processes."""
+    """pytest on the fast tests, quietly, with no cache, on `workers` processes, each
+    test failed once it runs `PER_TEST_SECONDS`."""
     return [
         sys.executable,
         "-m",
@@ -337,6 +346,8 @@ def _pytest_command(workers: str) -> list[str]:
         "not slow",
         "-p",
         "no:cacheprovider",
+        "--timeout",
+        str(PER_TEST_SECONDS),
         "-n",
         workers,
     ]
