@@ -779,3 +779,26 @@ def test_the_first_start_on_an_empty_store_marks_it_indexed() -> None:
     later = _engine(store)
     assert parts_of(later).driver.runs.built()
     assert later.recover() == []
+
+
+def test_an_engine_that_only_starts_runs_keeps_the_index_compact() -> None:
+    """A writer compacts the partitions it closes runs in as it goes, so a store nobody
+    read since (a web tier that only starts runs) leaves the next reader a few
+    records a partition to fold, not every hint and close it ever wrote."""
+    from loom_kernel.spi import TrimmedError
+
+    store = MemoryStore()
+    engine = _engine(store)
+    for number in range(3_000):
+        engine.start("work", "fail" if number % 7 == 0 else "done")
+    retained = 0
+    for partition in RunIndex.partitions():
+        stream = f"runs/open/{partition}"
+        try:
+            retained += len(store.read(stream))
+        except TrimmedError as exc:
+            retained += len(store.read(stream, exc.floor))
+    assert retained <= 16 * (2 * 64 + 1), "each partition: a checkpoint and what came since"
+    fresh = _engine(store)
+    assert fresh.recover() == []
+    assert len(fresh.runs(status="failed")) == len(range(0, 3_000, 7))
