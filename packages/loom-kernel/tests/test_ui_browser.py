@@ -95,9 +95,24 @@ def _shot(browser: Any, name: str) -> None:
     assert browser.save_screenshot(str(_ARTIFACTS / "ui" / f"{name}.png"))
 
 
+def _showing(browser: Any, text: str, seconds: float = 15.0) -> str:
+    """The page's text once it shows `text`: a click's navigation may still be under
+    way when the click returns."""
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def body(driver: Any) -> str | None:
+        shown = str(driver.find_element(By.TAG_NAME, "body").text)
+        return shown if text in shown else None
+
+    ignored = (NoSuchElementException, StaleElementReferenceException)
+    return str(WebDriverWait(browser, seconds, ignored_exceptions=ignored).until(body))
+
+
 def test_the_web_view_in_a_real_browser(site: str, browser: Any) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select
+    from selenium.webdriver.support.ui import Select, WebDriverWait
 
     browser.get(site)
     assert browser.title == "Runs · Loom"
@@ -108,13 +123,14 @@ def test_the_web_view_in_a_real_browser(site: str, browser: Any) -> None:
 
     Select(browser.find_element(By.NAME, "status")).select_by_visible_text("failed")
     browser.find_element(By.TAG_NAME, "button").click()
+    WebDriverWait(browser, 15).until(lambda driver: "status=failed" in driver.current_url)
     rows = browser.find_elements(By.CSS_SELECTOR, "table tr")[1:]
     assert [row.find_element(By.TAG_NAME, "a").text for row in rows] == ["failed-1"]
     _shot(browser, "runs-failed")
 
     browser.get(site)
     browser.find_element(By.LINK_TEXT, "order-1").click()
-    assert browser.title == "order-1 · Loom"
+    WebDriverWait(browser, 15).until(lambda driver: driver.title == "order-1 · Loom")
     assert browser.find_element(By.LINK_TEXT, "order-1/c0").is_displayed(), "the tree"
     assert "progress" in browser.find_element(By.TAG_NAME, "body").text
     _shot(browser, "run")
@@ -125,20 +141,15 @@ def test_the_web_view_in_a_real_browser(site: str, browser: Any) -> None:
     message.send_keys('"ship it"')
     send.find_element(By.NAME, "topic").send_keys("go")
     send.find_element(By.TAG_NAME, "button").click()
-    assert "is in its inbox" in browser.find_element(By.TAG_NAME, "body").text
-    assert "ship it" in browser.find_element(By.TAG_NAME, "body").text
+    assert "ship it" in _showing(browser, "is in its inbox")
     _shot(browser, "run-after-send")
 
     cancel = browser.find_element(By.CSS_SELECTOR, "form[action$='/cancel']")
     cancel.find_element(By.NAME, "reason").send_keys("from the browser")
     cancel.find_element(By.TAG_NAME, "button").click()
-    body = browser.find_element(By.TAG_NAME, "body").text
-    assert "Cancelled." in body
-    assert "from the browser" in body
+    assert "from the browser" in _showing(browser, "Cancelled.")
     _shot(browser, "run-cancelled")
 
     browser.find_element(By.LINK_TEXT, "Queues").click()
-    body = browser.find_element(By.TAG_NAME, "body").text
-    assert "concurrency 1" in body
-    assert "queued-1" in body
+    assert "queued-1" in _showing(browser, "concurrency 1")
     _shot(browser, "queues")
