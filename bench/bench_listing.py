@@ -21,7 +21,6 @@ import contextlib
 import io
 import os
 import sqlite3
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from typing import Any
 
 from loom_kernel import Context, Engine, flow, open_store
 from loom_kernel._hosting._cli import main as loom_main
+from timing import median_seconds
 
 PARKED = 10
 
@@ -44,12 +44,7 @@ def listed(ctx: Context, what: str) -> Any:
 
 
 def _timed(func: Callable[[], object], repeat: int = 3) -> float:
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        func()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    return median_seconds(func, repeat)
 
 
 def _raw(folder: str, runs: int) -> float:

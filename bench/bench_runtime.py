@@ -37,6 +37,7 @@ from loom_kernel._hosting._cli import main as loom_main
 from loom_kernel._hosting._worker import _IDLE_POLL_COSTLY
 from loom_kernel.spi import JournalStore
 from loom_kernel.testing import FakeClock
+from timing import median_seconds
 
 SLEEPERS = 10  # one run in SLEEPERS sleeps on a timer
 PER_BUCKET = 100  # runs per fake minute while filling
@@ -65,12 +66,7 @@ def ten(ctx: Context, _input: Any) -> int:
 
 
 def _timed(func: Callable[[], object], repeat: int = 5) -> float:
-    times = []
-    for _ in range(repeat):
-        began = time.perf_counter()
-        func()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+    return median_seconds(func, repeat)
 
 
 def _fill(store: JournalStore, finished: int) -> None:
