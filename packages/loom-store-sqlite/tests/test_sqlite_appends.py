@@ -160,7 +160,7 @@ class RefusedCommitStore(SqliteStore):
 def test_a_group_whose_commit_fails_keeps_the_conflicts_it_decided_before(
     tmp_path: Path, code: int, failure: type[Exception]
 ) -> None:
-    from loom_store_sqlite._group import PendingAppend
+    from loom_kernel.spi import PendingAppend
 
     store = RefusedCommitStore(str(tmp_path / "refused.db"))
     for stream in "ab":

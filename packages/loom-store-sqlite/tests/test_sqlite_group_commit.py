@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from loom_kernel._spi._group_commit import PendingAppend, Wake
 from loom_kernel.spi import (
     ConflictError,
     InvalidArgumentError,
@@ -20,7 +21,6 @@ from loom_kernel.spi import (
     StoreUnavailableError,
 )
 from loom_store_sqlite import SqliteOptions, SqliteStore
-from loom_store_sqlite._group import PendingAppend, Wake
 from loom_store_sqlite.testing import connection_stand_in, queued_appends, raw_connection
 
 
@@ -358,7 +358,7 @@ def test_an_append_interrupted_while_queued_leaves_the_store_working(
         def wait(self, timeout: float) -> bool:
             raise KeyboardInterrupt  # Ctrl-C while it waits behind the leader
 
-    monkeypatch.setattr("loom_store_sqlite._group.Wake", Interrupted)
+    monkeypatch.setattr("loom_kernel._spi._group_commit.Wake", Interrupted)
     with pytest.raises(KeyboardInterrupt):
         store.append("b", 0, _record("b1"))
     monkeypatch.undo()
@@ -441,7 +441,7 @@ class _InterruptAt:
     interpreter looks for one after the call that releases the lock, not before)."""
 
     def __init__(self, nth: int) -> None:
-        from loom_store_sqlite import _group
+        from loom_kernel._spi import _group_commit as _group
 
         self._file = _group.__file__
         self._left = nth
@@ -494,7 +494,7 @@ def _in_a_thread(call: Any) -> threading.Thread:
 def _round_interrupted_at(role: str, nth: int) -> bool:
     """One round of the test below, the append on this thread interrupted at its
     `nth` line; whether the interrupt fired (it did not: the append ran fewer lines)."""
-    from loom_store_sqlite import _group
+    from loom_kernel._spi import _group_commit as _group
 
     committed: list[PendingAppend] = []
     gate = threading.Event()
@@ -552,7 +552,7 @@ def test_an_interrupt_at_any_line_of_group_commit_leaves_no_append_waiting_for_g
     the lead with another append queued behind it) leaves the store working: every
     other append ends, a later one commits, the leading ends, and no append is told it
     landed unless a group committed it."""
-    from loom_store_sqlite import _group
+    from loom_kernel._spi import _group_commit as _group
 
     monkeypatch.setattr(_group, "LOOK_AGAIN", 0.01)
     nth = 0

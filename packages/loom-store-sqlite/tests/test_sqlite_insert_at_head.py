@@ -13,10 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loom_kernel import InvalidArgumentError, StoreUnavailableError
-from loom_kernel.spi import ConflictError, NewRecord, StreamDeletedError
+from loom_kernel.spi import ConflictError, NewRecord, PendingAppend, StreamDeletedError
 from loom_store_sqlite import SqliteOptions, SqliteStore, _appends
 from loom_store_sqlite._failures import store_error
-from loom_store_sqlite._group import PendingAppend
 from loom_store_sqlite.testing import raw_connection
 
 LIMIT = 5000  # bytes: a record above it is refused, as a full disk would refuse it

@@ -24,11 +24,11 @@ from loom_kernel.spi import (
     Fault,
     LoomError,
     NewRecord,
+    PendingAppend,
     StoreUnavailableError,
     StreamDeletedError,
 )
 from loom_store_sqlite import SqliteStore, _walindex, open_sqlite_store
-from loom_store_sqlite._group import PendingAppend
 from loom_store_sqlite._heads import StampedHeads
 from loom_store_sqlite.testing import (
     connection_stand_in,

@@ -34,6 +34,7 @@ from loom_kernel._spi._faults import (
     SupportsFaultInjection,
 )
 from loom_kernel._spi._fsspec_blobs import FsspecBlobs
+from loom_kernel._spi._group_commit import GroupCommit, PendingAppend
 from loom_kernel._spi._journal import JournalStore
 from loom_kernel._spi._registry import (
     ENTRY_POINT_GROUP,
@@ -57,6 +58,7 @@ __all__ = [
     "Fault",
     "FaultInjection",
     "FsspecBlobs",
+    "GroupCommit",
     "InvalidArgumentError",
     "InvalidIdError",
     "JournalStore",
@@ -64,6 +66,7 @@ __all__ = [
     "MemoryBlobs",
     "NewRecord",
     "OpenStore",
+    "PendingAppend",
     "Record",
     "SchemaError",
     "StoreFactory",

@@ -17,15 +17,16 @@ from loom_kernel.spi import (
     AmbiguousWriteError,
     ConflictError,
     FaultInjection,
+    GroupCommit,
     InvalidArgumentError,
     NewRecord,
+    PendingAppend,
     StoreUnavailableError,
     StreamDeletedError,
 )
 
 from loom_store_sqlite._connections import forked_error, forks
 from loom_store_sqlite._failures import store_error
-from loom_store_sqlite._group import GroupCommit, PendingAppend
 from loom_store_sqlite._heads import DATA_VERSION, KnownHeads, StampedHeads
 from loom_store_sqlite._packing import Kinds, pack
 from loom_store_sqlite._transactions import Transactions, begin_transaction, roll_back

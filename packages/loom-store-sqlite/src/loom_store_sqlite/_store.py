@@ -17,6 +17,7 @@ from typing import Any, Final, cast
 
 from loom_kernel.spi import (
     FsspecBlobs,
+    GroupCommit,
     JournalStore,
     Record,
     StoreFactory,
@@ -35,7 +36,6 @@ from loom_store_sqlite._connections import (
     open_lock,
 )
 from loom_store_sqlite._failures import store_error
-from loom_store_sqlite._group import GroupCommit
 from loom_store_sqlite._heads import DATA_VERSION, KnownHeads, StampedHeads
 from loom_store_sqlite._options import SqliteOptions, parse_store_url
 from loom_store_sqlite._packing import Kinds, unpack
