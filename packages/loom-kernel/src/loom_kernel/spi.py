@@ -43,6 +43,7 @@ from loom_kernel._spi._registry import (
     installed_stores,
     register_store,
 )
+from loom_kernel._spi._wakes import WAKE_PREFIXES, SupportsWakeups
 
 __all__ = [
     "DEFAULT_BLOB_THRESHOLD",
@@ -50,6 +51,7 @@ __all__ = [
     "ID_ALPHABET",
     "MAX_ID_LENGTH",
     "MAX_KIND_LENGTH",
+    "WAKE_PREFIXES",
     "AmbiguousWriteError",
     "BlobNotFoundError",
     "BlobStore",
@@ -74,6 +76,7 @@ __all__ = [
     "StoreUnavailableError",
     "StreamDeletedError",
     "SupportsFaultInjection",
+    "SupportsWakeups",
     "TrimmedError",
     "collect_blobs",
     "installed_stores",

@@ -17,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import FrameType
@@ -37,6 +37,7 @@ from loom_kernel._hosting._queue_serving import QueueServing
 from loom_kernel._hosting._slots import Slots, Task, WorkerStats
 from loom_kernel._hosting._visits import OpenRunVisits
 from loom_kernel._replay import Drive, LoopThread
+from loom_kernel._spi._wakes import SupportsWakeups
 
 __all__ = ["Worker", "WorkerStats", "terminal_status"]
 
@@ -203,12 +204,14 @@ class Worker:
         logger.info(
             "loom: worker %s started (concurrency %d)", self.engine.worker_id, self.concurrency
         )
+        unsubscribe = self._subscribe_wakes()
         try:
             self._announce()
             self._poll_until_stopped(status)
             slots.let_go_handed(everything=True)  # not held through the grace
             self._wind_down()
         finally:
+            unsubscribe()
             enqueueing.slots.remove(slots)
             slots.close()
             # The drives on the loop end (released at their next step) before the pool
@@ -230,6 +233,19 @@ class Worker:
                 self._stopped.set()
 
     # -- polling ----------------------------------------------------------------
+
+    def _subscribe_wakes(self) -> Callable[[], None]:
+        """Have a store that pushes changes (`SupportsWakeups`) wake the poll as work
+        lands from any process; the function that stops it. Polling goes on as before:
+        a wake lost costs a wait until the next poll, never the work."""
+        store = self.engine.store
+        if not isinstance(store, SupportsWakeups):
+            return lambda: None
+        try:
+            return store.subscribe_wakes(self._wake.set)
+        except Exception as exc:  # a worker that polls only is slower, never wrong
+            logger.warning("loom: no wake-ups from the store (%s); polling only", exc)
+            return lambda: None
 
     def _poll_until_stopped(self, status: TextIO | None) -> None:
         visits, slots = self._visits, self._slots

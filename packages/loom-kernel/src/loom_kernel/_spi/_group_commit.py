@@ -19,6 +19,7 @@ from contextlib import suppress
 from typing import Any, Final
 
 import attrs
+
 from loom_kernel._core import StoreUnavailableError
 
 __all__ = ["LOOK_AGAIN", "GroupCommit", "PendingAppend", "Wake"]
