@@ -1,5 +1,6 @@
-"""Where the process tests run their `loom worker` processes: a SQLite file, or a
-bucket on the Ceph RGW the session started (the `rgw_server` fixture)."""
+"""Where the process tests run their `loom worker` processes: a SQLite file, a bucket
+on the Ceph RGW the session started (the `rgw_server` fixture), or a schema of the
+session's PostgreSQL cluster (`postgres_server`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import attrs
 import pytest
 from loom_kernel import open_store
+from loom_store_postgres.testing import PostgresServer
 from loom_store_s3.testing import S3Server
 
 
@@ -24,15 +26,20 @@ class Target:
 
 
 def make_target(request: pytest.FixtureRequest, tmp_path: Path, prefix: str) -> Target:
-    """The target `request.param` names ("sqlite" or "rgw"), fresh for the test."""
+    """The target `request.param` names ("sqlite", "rgw" or "postgres"), fresh for the test."""
     if request.param == "sqlite":
         db = tmp_path / "loom.db"
         open_store(f"sqlite://{db}").close()
         return Target("sqlite", f"sqlite://{db}?timeout=30", {})
-    server: S3Server = request.getfixturevalue("rgw_server")
-    bucket = server.new_bucket()
-    url = f"s3://{bucket}/{prefix}?endpoint_url={server.endpoint_url}"
-    return Target("rgw", url, server.environment())
+    if request.param == "postgres":
+        server: PostgresServer = request.getfixturevalue("postgres_server")
+        url = server.store_url()
+        open_store(url).close()  # the schema made before any race
+        return Target("postgres", url, {})
+    s3: S3Server = request.getfixturevalue("rgw_server")
+    bucket = s3.new_bucket()
+    url = f"s3://{bucket}/{prefix}?endpoint_url={s3.endpoint_url}"
+    return Target("rgw", url, s3.environment())
 
 
 def loom_worker(

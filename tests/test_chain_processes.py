@@ -25,10 +25,10 @@ HERE = Path(__file__).parent
 
 
 #: Rotations a test makes on each store: a worker on S3 polls once a second at most.
-MESSAGES = {"sqlite": 300, "rgw": 60}
+MESSAGES = {"sqlite": 300, "rgw": 60, "postgres": 300}
 
 
-@pytest.fixture(params=["sqlite", "rgw"])
+@pytest.fixture(params=["sqlite", "rgw", "postgres"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     return make_target(request, tmp_path, "chains")
 

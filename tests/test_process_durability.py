@@ -25,6 +25,7 @@ import attrs
 import pytest
 from loom_kernel import Engine, open_store
 from loom_kernel.events import Status, StepCompleted, decode_events
+from loom_store_postgres.testing import PostgresServer
 from loom_store_s3.testing import S3Server
 
 WORKER = Path(__file__).parent / "journal_worker.py"
@@ -39,12 +40,17 @@ class _Target:
     sqlite_file: Path | None = None
 
 
-@pytest.fixture(params=["sqlite", "rgw"])
+@pytest.fixture(params=["sqlite", "rgw", "postgres"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> _Target:
     if request.param == "sqlite":
         db = tmp_path / "loom.db"
         open_store(f"sqlite://{db}").close()  # create the schema before any race
         return _Target(f"sqlite://{db}?timeout=30", {}, db)
+    if request.param == "postgres":
+        postgres: PostgresServer = request.getfixturevalue("postgres_server")
+        url = postgres.store_url()
+        open_store(url).close()  # create the schema before any race
+        return _Target(url, {})
     server: S3Server = request.getfixturevalue("rgw_server")
     bucket = server.new_bucket()
     url = f"s3://{bucket}/durability?endpoint_url={server.endpoint_url}&shards=4"

@@ -22,7 +22,7 @@ from process_targets import Target, loom_worker, make_target
 HERE = Path(__file__).parent
 
 
-@pytest.fixture(params=["sqlite", "rgw"])
+@pytest.fixture(params=["sqlite", "rgw", "postgres"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     return make_target(request, tmp_path, "queues")
 

@@ -26,7 +26,7 @@ HERE = Path(__file__).parent
 CHAOS_SECONDS = 60.0
 
 
-@pytest.fixture(params=["sqlite", "rgw"])
+@pytest.fixture(params=["sqlite", "rgw", "postgres"])
 def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
     return make_target(request, tmp_path, "schedules")
 
