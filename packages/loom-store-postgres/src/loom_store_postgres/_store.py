@@ -215,9 +215,14 @@ class PostgresStore(FaultInjection, JournalStore):
                 if len(batch) == 1:
                     self._apply(connection, batch)
                     return
+                # Row locks taken in one order by every group of every process: two
+                # groups holding streams the other wants would deadlock (a second's
+                # stall, then one rolled back). A stable sort keeps one stream's
+                # appends in the order their heads chain.
+                ordered = sorted(batch, key=lambda append: append.stream)
                 try:
                     with connection.transaction():
-                        self._apply(connection, batch)
+                        self._apply(connection, ordered)
                 except psycopg.Error as exc:
                     if is_connection_lost(exc) or connection.closed:
                         raise

@@ -1,0 +1,138 @@
+"""Group commit on PostgreSQL: appends of concurrent threads share a transaction sent as
+one pipeline, each keeping its own head check and verdict; an append the server
+refuses inside a group fails alone, the others landing."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from loom_kernel.spi import ConflictError, NewRecord, PendingAppend
+from loom_store_postgres import PostgresStore
+from loom_store_postgres.testing import PostgresServer
+
+THREADS = 24
+ROUNDS = 30
+
+
+def _record(text: str) -> list[NewRecord]:
+    return [NewRecord("n", text.encode(), 1.0)]
+
+
+def test_racing_appends_share_transactions_and_each_keeps_its_verdict(
+    postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = postgres_server.store(pool_max=THREADS)
+    groups: list[int] = []
+    apply = store._apply
+
+    def noted(connection: Any, batch: list[PendingAppend]) -> None:
+        groups.append(len(batch))
+        apply(connection, batch)
+
+    monkeypatch.setattr(store, "_apply", noted)
+    won: dict[int, str] = {}  # position in "shared" -> the payload acknowledged there
+    lock = threading.Lock()
+    start = threading.Barrier(THREADS)
+
+    def writer(number: int) -> None:
+        start.wait()
+        for round_ in range(ROUNDS):
+            store.append(f"own/{number}", round_, _record(f"{number}.{round_}"))
+            head = store.head("shared")
+            text = f"{number}.{round_}"
+            try:
+                landed = store.append("shared", head, _record(text))
+            except ConflictError:
+                continue
+            with lock:
+                assert landed not in won, "two appends acknowledged at one position"
+                won[landed] = text
+
+    threads = [threading.Thread(target=writer, args=(n,)) for n in range(THREADS)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert max(groups) > 1, "no group formed: the test did not exercise group commit"
+    for number in range(THREADS):
+        records = store.read(f"own/{number}")
+        assert [r.payload.decode() for r in records] == [
+            f"{number}.{round_}" for round_ in range(ROUNDS)
+        ]
+    shared = store.read("shared")
+    assert [r.position for r in shared] == list(range(1, len(shared) + 1))
+    assert {r.position: r.payload.decode() for r in shared} == won
+    store.close()
+
+
+def test_an_append_the_server_refuses_inside_a_group_fails_alone(
+    postgres_server: PostgresServer,
+) -> None:
+    store = postgres_server.store()
+    store.append("a", 0, _record("a1"))
+
+    def pending(stream: str, expected: int, **overrides: Any) -> PendingAppend:
+        sql = store._statements.appends[(expected == 0, True, False)]
+        params = {
+            "stream": stream,
+            "expected": expected,
+            "head": expected + 1,
+            "first": expected + 1,
+            "commit": 7,
+            "channel": "unused",
+            "kind": "n",
+            "payload": b"x",
+            "ts": 1.0,
+            **overrides,
+        }
+        return PendingAppend(stream, expected, [sql, params])
+
+    good, refused, also_good = (
+        pending("a", 1),
+        pending("b", 0, head=2**70),  # over bigint: the server refuses the statement
+        pending("c", 0),
+    )
+    store._commit_group([good, refused, also_good])
+    assert good.error is None
+    assert also_good.error is None
+    assert refused.error is not None
+    assert store.head("a") == 2
+    assert store.head("c") == 1
+    assert store.head("b") == 0
+    store.close()
+
+
+def test_appends_to_one_stream_in_one_group_chain_their_heads(
+    postgres_server: PostgresServer,
+) -> None:
+    store: PostgresStore = postgres_server.store()
+    sql = store._statements.appends
+
+    def pending(stream: str, expected: int) -> PendingAppend:
+        params = {
+            "stream": stream,
+            "expected": expected,
+            "head": expected + 1,
+            "first": expected + 1,
+            "commit": expected + 100,
+            "channel": "unused",
+            "kind": "n",
+            "payload": f"{stream}{expected}".encode(),
+            "ts": 1.0,
+        }
+        return PendingAppend(stream, expected, [sql[(expected == 0, True, False)], params])
+
+    batch = [pending("z", 0), pending("y", 0), pending("z", 1), pending("z", 1), pending("y", 1)]
+    store._commit_group(batch)
+    assert [type(a.error).__name__ if a.error else None for a in batch] == [
+        None,
+        None,
+        None,
+        "ConflictError",
+        None,
+    ]
+    assert [r.payload for r in store.read("z")] == [b"z0", b"z1"]
+    assert [r.payload for r in store.read("y")] == [b"y0", b"y1"]
+    store.close()
