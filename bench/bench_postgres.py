@@ -12,6 +12,12 @@ cost of one durable conditional write, with no engine. Each side runs in a proce
 of its own (DBOS owns process-wide state), the sides alternating round by round so
 that the machine's drift hits all alike; printed are the median ratios and ranges.
 A peer that is not installed is reported as such, not guessed.
+
+Queues: JOBS one-step runs on a `Queue` capped at 16, enqueued by an engine with no
+worker, driven by two `Worker`s of 8 slots (two store instances: two processes as
+far as the server knows); against the same jobs as rows claimed with `FOR UPDATE
+SKIP LOCKED` by 16 threads, each job claimed in one transaction and its step row
+written and the job marked done in a second: jobs/s ÷ jobs/s, alternating.
 """
 
 from __future__ import annotations
@@ -141,7 +147,81 @@ def dbos_side(url: str, level: int, workflows: int, tag: str) -> float | None:
     return workflows * STEPS / seconds
 
 
-SIDES = {"loom": loom_side, "raw": raw_side, "dbos": dbos_side}
+JOBS = 400
+QUEUE_CAP = 16
+PER_WORKER = 8
+
+
+def loom_queue_side(url: str, level: int, jobs: int, tag: str) -> float:
+    """Jobs/s through the queue (`level` 1) or enqueued with no queue (0: each run
+    journaled with no owner, claimed by a worker's poll as after a crash)."""
+    from loom_kernel import Context, Engine, Queue, Worker, flow, open_store
+
+    @flow(name="one_step", version="1")
+    def one_step(ctx: Context, number: int) -> Any:
+        return ctx.step("only", lambda: {"n": number})
+
+    queue = Queue(f"jobs_{tag.replace('-', '_')}", concurrency=QUEUE_CAP)
+    stores = [open_store(f"{url}&pool_max={POOL}") for _ in range(3)]
+    web = Engine(stores[0], [one_step], listeners=[], queues=[queue])
+    engines = [
+        Engine(s, [one_step], listeners=[], queues=[queue], worker_id=f"{tag}-w{n}")
+        for n, s in enumerate(stores[1:])
+    ]
+    on = queue.name if level else None
+    handles = [web.enqueue("one_step", n, queue=on) for n in range(jobs)]
+    began = time.perf_counter()
+    workers = [Worker(e, concurrency=PER_WORKER, idle_poll=0.05).start() for e in engines]
+    for handle in handles:
+        handle.result(timeout=300)
+    elapsed = time.perf_counter() - began
+    for worker in workers:
+        worker.stop()
+    for store in stores:
+        store.close()
+    return jobs / elapsed
+
+
+def skip_locked_side(url: str, _level: int, jobs: int, tag: str) -> float:
+    import psycopg
+    from loom_store_postgres._options import parse_postgres_url
+
+    conninfo, _options = parse_postgres_url(url)
+    table = f"jobs_{tag.replace('-', '_')}"
+    with psycopg.connect(conninfo, autocommit=True) as setup:
+        setup.execute(f"CREATE TABLE {table} (id bigserial PRIMARY KEY, state text NOT NULL)")
+        setup.execute("CREATE TABLE IF NOT EXISTS job_steps (job bigint, step int, payload bytea)")
+        setup.execute(
+            f"INSERT INTO {table} (state) SELECT 'queued' FROM generate_series(1, %s)", (jobs,)
+        )
+
+    def drain(_number: int) -> None:
+        with psycopg.connect(conninfo, autocommit=True) as connection:
+            while True:
+                row = connection.execute(
+                    f"UPDATE {table} SET state = 'running' WHERE id = (SELECT id FROM {table} "
+                    "WHERE state = 'queued' ORDER BY id FOR UPDATE SKIP LOCKED LIMIT 1) "
+                    "RETURNING id"
+                ).fetchone()
+                if row is None:
+                    return
+                with connection.transaction():
+                    connection.execute(
+                        "INSERT INTO job_steps VALUES (%s, 1, %s)", (row[0], b'{"n":1}')
+                    )
+                    connection.execute(f"UPDATE {table} SET state = 'done' WHERE id = %s", row)
+
+    seconds = _in_threads(QUEUE_CAP, QUEUE_CAP, drain)
+    return jobs / seconds
+
+
+SIDES = {
+    "loom": loom_side,
+    "raw": raw_side,
+    "dbos": dbos_side,
+    "loom-queue": loom_queue_side,
+    "skip-locked": skip_locked_side,
+}
 
 
 def _child(side: str, url: str, level: int, workflows: int, tag: str) -> float | None:
@@ -168,6 +248,7 @@ def main() -> None:
     parser.add_argument("--url", help=argparse.SUPPRESS)
     parser.add_argument("--level", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
+    parser.add_argument("--only-queues", action="store_true", help="the queue section alone")
     args = parser.parse_args()
     if args.side:
         print(json.dumps(SIDES[args.side](args.url, args.level, args.workflows, args.tag)))
@@ -178,7 +259,7 @@ def main() -> None:
     with PostgresServer(fsync=True) as server:
         url = server.store_url(schema="bench")
         rows: list[tuple[str, str]] = []
-        for level in LEVELS:
+        for level in () if args.only_queues else LEVELS:
             over_raw: list[float] = []
             over_dbos: list[float] = []
             rates: dict[str, list[float]] = {"loom": [], "raw": [], "dbos": []}
@@ -207,6 +288,32 @@ def main() -> None:
                 f"{side} {statistics.median(found):,.0f}" for side, found in rates.items() if found
             )
             rows.append((f"{level:>2} at once: steps/s (median)", medians))
+        queue_ratios, bound_ratios, queue_rates = [], [], []
+        for number in range(args.rounds):
+            loom_jobs = _child("loom-queue", url, 1, JOBS, f"q-{number}")
+            plain_jobs = _child("loom-queue", url, 0, JOBS, f"p-{number}")
+            raw_jobs = _child("skip-locked", url, 0, JOBS, f"q-{number}")
+            assert loom_jobs is not None
+            assert plain_jobs is not None
+            assert raw_jobs is not None
+            queue_ratios.append(loom_jobs / raw_jobs)
+            bound_ratios.append(loom_jobs / plain_jobs)
+            queue_rates.append((loom_jobs, plain_jobs, raw_jobs))
+        rows.append(("queue, 2 workers: Loom jobs/s ÷ SKIP LOCKED jobs/s", _spread(queue_ratios)))
+        rows.append(
+            (
+                "queue, 2 workers: Loom jobs/s with the queue ÷ without",
+                _spread(bound_ratios),
+            )
+        )
+        rows.append(
+            (
+                "queue, 2 workers: jobs/s (median)",
+                f"loom queue {statistics.median(r[0] for r in queue_rates):,.0f}, "
+                f"loom no queue {statistics.median(r[1] for r in queue_rates):,.0f}, "
+                f"skip-locked {statistics.median(r[2] for r in queue_rates):,.0f}",
+            )
+        )
         width = max(len(name) for name, _ in rows)
         print(f"PostgreSQL {server.port}, fsync on; {args.workflows} workflows of {STEPS} steps")
         for name, value in rows:
