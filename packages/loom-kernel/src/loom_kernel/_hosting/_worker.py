@@ -37,7 +37,7 @@ from loom_kernel._hosting._queue_serving import QueueServing
 from loom_kernel._hosting._slots import Slots, Task, WorkerStats
 from loom_kernel._hosting._visits import OpenRunVisits
 from loom_kernel._replay import Drive, LoopThread
-from loom_kernel._spi._wakes import SupportsWakeups
+from loom_kernel._spi import SupportsWakeups
 
 __all__ = ["Worker", "WorkerStats", "terminal_status"]
 

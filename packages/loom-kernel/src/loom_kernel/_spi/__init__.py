@@ -1,6 +1,7 @@
 """The storage SPI and what the kernel is given from outside: `JournalStore` (the
 checked operations a store implements), the fault-injection seam, the `memory://`
-reference store, stores by URL scheme, blobs, and the fake clock. It imports only the
+reference store, stores by URL scheme, blobs, group commit, wake-ups, and the fake
+clock. It imports only the
 core.
 """
 
@@ -9,6 +10,7 @@ from loom_kernel._spi._clock import FakeClock
 from loom_kernel._spi._faults import AmbiguousWriteError
 from loom_kernel._spi._journal import APPENDS, JournalStore
 from loom_kernel._spi._registry import installed_stores, open_store, store_factory
+from loom_kernel._spi._wakes import SupportsWakeups
 
 __all__ = [
     "APPENDS",
@@ -16,6 +18,7 @@ __all__ = [
     "BlobsCollected",
     "FakeClock",
     "JournalStore",
+    "SupportsWakeups",
     "collect_blobs",
     "installed_stores",
     "open_store",

@@ -63,6 +63,8 @@ def _factory(found: StoreFactory | OpenStore) -> StoreFactory:
 _KNOWN_DISTRIBUTIONS = {
     "sqlite": "loom-store-sqlite",
     "s3": "loom-store-s3",
+    "postgresql": "loom-store-postgres",
+    "postgres": "loom-store-postgres",
 }
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*")
 _BUILT_IN: dict[str, StoreFactory] = {
