@@ -17,7 +17,7 @@ __all__ = ["is_connection_lost", "store_error"]
 
 #: SQLSTATE classes and codes that no retry changes, with what to do about each.
 _PERMANENT: Final = {
-    "28": "the server refused the login: check the user and password in the store URL",
+    "28": "the server refused the login: check the user, the password and pg_hba.conf",
     "3D": "the database does not exist: create it, or fix the store URL",
     "3F": "the schema does not exist or cannot be made: check the store URL's schema",
     "42501": "the user lacks a privilege on the store's schema: GRANT it (docs/stores/postgres.md)",
@@ -28,9 +28,22 @@ _PERMANENT: Final = {
 _TOO_LARGE: Final = frozenset({"54000", "54001", "22001"})
 
 
+#: A refusal at login carries no SQLSTATE in psycopg's error, only the server's words.
+_LOGIN_REFUSALS: Final = (
+    ('role "', "28"),  # role "x" does not exist
+    ("does not exist", "3D"),  # database "x" does not exist
+    ("password authentication failed", "28"),
+    ("no pg_hba.conf entry", "28"),
+    ("permission denied for database", "42501"),
+)
+
+
 def store_error(what: str, exc: psycopg.Error) -> LoomError:
     """The kernel's error for a psycopg failure while doing `what`."""
     state = exc.sqlstate or ""
+    if not state and isinstance(exc, psycopg.OperationalError):
+        text = str(exc)
+        state = next((code for words, code in _LOGIN_REFUSALS if words in text), "")
     if state in _TOO_LARGE:
         return InvalidArgumentError(
             f"{what}: {exc}: a record is over PostgreSQL's limits (the store's "

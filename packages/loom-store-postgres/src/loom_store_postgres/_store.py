@@ -115,14 +115,18 @@ class PostgresStore(FaultInjection, JournalStore):
 
     # -- connections --------------------------------------------------------------
 
+    def _check_fork(self) -> None:
+        if os.getpid() != self._pid:
+            raise StoreMisconfiguredError(
+                "a PostgreSQL store does not cross a fork: this process was forked from "
+                "the one that opened it, whose pooled connections and group commit it "
+                "cannot share; open the store again in the child (or start it by spawn)"
+            )
+
     @contextmanager
     def _connection(self, what: str) -> Iterator[Connection]:
         """A pooled connection; psycopg's errors in the kernel's tree."""
-        if os.getpid() != self._pid:
-            raise StoreMisconfiguredError(
-                "a PostgreSQL store does not cross a fork: its pooled connections belong "
-                "to the parent; open the store again in the child"
-            )
+        self._check_fork()
         try:
             with self._pool.connection() as connection:
                 yield connection
@@ -148,6 +152,9 @@ class PostgresStore(FaultInjection, JournalStore):
     # -- appends ------------------------------------------------------------------
 
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        # Before the group: a parent's thread leading a group as the process forked
+        # would leave this child's append queued behind a leader that is not here.
+        self._check_fork()
         lose_reply = self._next_fault(stream)
         params: dict[str, Any] = {
             "stream": stream,
