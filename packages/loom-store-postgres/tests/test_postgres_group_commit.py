@@ -136,3 +136,65 @@ def test_appends_to_one_stream_in_one_group_chain_their_heads(
     assert [r.payload for r in store.read("z")] == [b"z0", b"z1"]
     assert [r.payload for r in store.read("y")] == [b"y0", b"y1"]
     store.close()
+
+
+def test_a_conflict_within_a_group_that_never_committed_is_not_reported(
+    tmp_path: Any,
+) -> None:
+    """Two appends at 0 to one stream share a group: inside its transaction the second
+    sees the first's row and conflicts. The server crashes before the group's COMMIT
+    returns: nothing landed, so the second must not report a ConflictError (a head of
+    1 that never was); both confirm by commit id and fail as may-have-landed."""
+    import time
+
+    import psycopg
+    from loom_kernel.spi import StoreUnavailableError
+
+    with PostgresServer() as server:
+        url = server.store_url(schema="fc", pool_max=4, timeout=5)
+        from loom_kernel import open_store
+
+        store = open_store(url)
+        with psycopg.connect(server.url, autocommit=True) as admin:
+            # Test scaffolding: a COMMIT that takes 1.5 s when it holds a "slow/" record,
+            # a window the server's crash falls into.
+            admin.execute(
+                "CREATE FUNCTION fc.slow_commit() RETURNS trigger LANGUAGE plpgsql AS "
+                "$$ BEGIN PERFORM pg_sleep(1.5); RETURN NULL; END $$; "
+                "CREATE CONSTRAINT TRIGGER slow AFTER INSERT ON fc.loom_records "
+                "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
+                "WHEN (NEW.stream LIKE 'slow%') EXECUTE FUNCTION fc.slow_commit()"
+            )
+        results: dict[str, str] = {}
+
+        def append(name: str, stream: str) -> None:
+            try:
+                store.append(stream, 0, _record(name))
+                results[name] = "landed"
+            except ConflictError:
+                results[name] = "ConflictError"
+            except StoreUnavailableError:
+                results[name] = "unavailable"
+
+        lead = threading.Thread(target=append, args=("lead", "slow/first"))
+        lead.start()  # alone, slow to commit: the three below queue into one group
+        time.sleep(0.3)
+        group = [
+            threading.Thread(target=append, args=(name, stream))
+            for name, stream in (("one", "pair"), ("two", "pair"), ("three", "slow/second"))
+        ]
+        for thread in group:
+            thread.start()
+            time.sleep(0.05)
+        lead.join()
+        time.sleep(0.5)  # the group now waits in its COMMIT
+        server.stop_immediately()
+        for thread in group:
+            thread.join()
+        server.start()
+        check = open_store(url)
+        assert check.head("pair") == 0, "the group landed after all: the test missed"
+        assert results["one"] == "unavailable"
+        assert results["two"] == "unavailable", "a conflict with a write that never landed"
+        store.close()
+        check.close()

@@ -240,7 +240,10 @@ class PostgresStore(FaultInjection, JournalStore):
                         self._apply(connection, [append])
         except (psycopg.Error, StoreUnavailableError, StoreMisconfiguredError) as exc:
             for append in batch:
-                if append.error is None:
+                # A group's verdicts were read inside its transaction: a conflict with an
+                # earlier append of the group is void if the group did not commit. So
+                # every append of a failed group confirms by its commit id.
+                if append.error is None or len(batch) > 1:
                     append.error = self._commit_failure(append, exc)
 
     def _commit_failure(self, append: PendingAppend, exc: BaseException) -> BaseException:
