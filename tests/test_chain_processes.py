@@ -25,7 +25,7 @@ HERE = Path(__file__).parent
 
 
 #: Rotations a test makes on each store: a worker on S3 polls once a second at most.
-MESSAGES = {"sqlite": 300, "rgw": 60, "postgres": 300}
+MESSAGES = {"sqlite": 300, "rgw": 60, "postgres": 120}
 
 
 @pytest.fixture(params=["sqlite", "rgw", "postgres"])
