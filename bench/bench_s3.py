@@ -9,24 +9,29 @@ The servers are started by the benchmark on 127.0.0.1 (scripts/install-rgw insta
 Ceph RGW). Work: durable steps through the engine (workflows of 10 steps, and one
 run of 200 steps) against `put_object(IfNoneMatch="*")` calls of the same size, in
 alternating rounds; then a cold resume of a run of 1,000 steps parked at a gate,
-by a new engine on a new store (requests counted by operation, and milliseconds).
+by a new engine on a new store (requests counted by operation, and milliseconds);
+then CONCURRENT runs at once: a `Worker` of CONCURRENT slots driving as many 10-step
+workflows (enqueued, handed to its slots), against CONCURRENT threads of raw
+conditional PUTs, as many as the workflows' steps, in alternating rounds.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from call_counter import on_servers
-from loom_kernel import Context, Engine, flow
+from loom_kernel import Context, Engine, Worker, flow
 from loom_store_s3 import S3Options, S3Store
 from loom_store_s3.testing import RequestCounter, S3Server
 
 ROUNDS = 5
+CONCURRENT = 32
 BODY = b'{"v":1,"commit":"0123456789abcdef0123456789abcdef","start":7,"count":1}\n' + b"x" * 90
 
 
@@ -59,6 +64,55 @@ def _raw_puts(client: Any, bucket: str, count: int) -> float:
             )
             for n in range(count)
         ]
+    )
+
+
+def _raw_puts_at_once(client: Any, bucket: str, threads: int, each: int) -> float:
+    """Seconds for `threads` threads to make `each` conditional PUTs apiece."""
+    prefix = uuid.uuid4().hex
+    barrier = threading.Barrier(threads + 1)
+
+    def put(number: int) -> None:
+        barrier.wait()
+        for n in range(each):
+            client.put_object(
+                Bucket=bucket, Key=f"raw/{prefix}/{number}/{n:06d}", Body=BODY, IfNoneMatch="*"
+            )
+
+    running = [threading.Thread(target=put, args=(n,)) for n in range(threads)]
+    for thread in running:
+        thread.start()
+    barrier.wait()
+    began = time.perf_counter()
+    for thread in running:
+        thread.join()
+    return time.perf_counter() - began
+
+
+def _worker_runs(engine: Engine, runs: int) -> float:
+    """Seconds for a running worker of `engine` to drive `runs` enqueued workflows."""
+    began = time.perf_counter()
+    handles = [engine.enqueue("bench.steps", 10) for _ in range(runs)]
+    for handle in handles:
+        handle.result(timeout=600)
+    return time.perf_counter() - began
+
+
+def _measure_at_once(server: S3Server) -> None:
+    client = server.client()
+    bucket = server.new_bucket()
+    engine = Engine(_store(server, bucket, client, "at-once"), [steps, parked], listeners=[])
+    ratios: list[float] = []
+    with Worker(engine, concurrency=CONCURRENT):
+        _worker_runs(engine, CONCURRENT)  # warm up the pool and the slots
+        for _ in range(ROUNDS):
+            raw = _raw_puts_at_once(client, bucket, CONCURRENT, 10)
+            loom = _worker_runs(engine, CONCURRENT)
+            ratios.append(raw / loom)
+    print(
+        f"| {CONCURRENT} runs at once on a Worker: Loom steps/s ÷ raw conditional PUTs/s "
+        f"from {CONCURRENT} threads | {statistics.median(ratios):.2f}x "
+        f"({min(ratios):.2f}-{max(ratios):.2f}) |"
     )
 
 
@@ -116,6 +170,7 @@ def _measure(server: S3Server) -> None:
         f"| cold resume of a 1,000-step run | {total} requests {cold_requests}, "
         f"{cold_ms:.0f} ms = {cold_ms / raw_ms:.0f}x one PUT |"
     )
+    _measure_at_once(server)
 
 
 def main() -> None:
