@@ -74,8 +74,9 @@ def _stores_command(urls: Sequence[str]) -> int:
     failures = 0
     installed = installed_stores()
     print("installed stores:")
+    width = max((len(scheme) + 3 for scheme in installed), default=0)
     for scheme, origin in installed.items():
-        print(f"  {scheme + '://':<12} from {origin}")
+        print(f"  {scheme + '://':<{width}} from {origin}")
     with tempfile.TemporaryDirectory(prefix="loom-check-") as scratch:
         checkable = {scheme: _self_check_url(scheme, scratch) for scheme in installed}
         targets = list(urls) or [url for url in checkable.values() if url is not None]
