@@ -199,3 +199,74 @@ def test_a_user_without_privileges_on_the_schema_is_told_to_grant_them(
     with pytest.raises(StoreMisconfiguredError, match="GRANT"):
         open_store(f"postgresql://stranger@127.0.0.1:{postgres_server.port}/postgres?schema=owned")
     owner.close()
+
+
+def test_every_connection_flushes_its_commits_and_keeps_the_urls_own_options(
+    postgres_server: PostgresServer,
+) -> None:
+    """synchronous_commit is on for the store's sessions whatever the role says (off
+    would lose acknowledged appends in a crash); libpq `options` of the URL are kept."""
+    with psycopg.connect(postgres_server.url, autocommit=True) as admin:
+        admin.execute("DROP ROLE IF EXISTS careless")
+        admin.execute("CREATE ROLE careless LOGIN SUPERUSER")
+        admin.execute("ALTER ROLE careless SET synchronous_commit = off")
+    base = f"postgresql://careless@127.0.0.1:{postgres_server.port}/postgres?schema=careful"
+    store = open_store(f"{base}&options=-c%20work_mem%3D7MB&timeout=2")
+    assert isinstance(store, PostgresStore)
+    with store._pool.connection() as connection:
+        shown = [
+            connection.execute(f"SHOW {name}").fetchone()
+            for name in ("synchronous_commit", "work_mem", "statement_timeout")
+        ]
+    assert shown == [("on",), ("7MB",), ("2s",)]
+    store.close()
+    # A timeout under a millisecond is one, never 0 (which would turn it off).
+    tiny = open_store(f"{base}&timeout=0.0004&pool_min=1")
+    assert isinstance(tiny, PostgresStore)
+    kwargs = tiny._pool.kwargs
+    assert isinstance(kwargs, dict)
+    assert "statement_timeout=1 " in kwargs["options"]
+    tiny.close()
+
+
+def test_reads_after_a_server_restart_get_live_connections(
+    tmp_path: object,
+) -> None:
+    with PostgresServer() as server:
+        store = server.store(pool_min=4, pool_max=4, timeout=3)
+        store.append("s", 0, RECORD)
+        for _ in range(8):
+            store.head("s")  # every pooled connection used
+        server.stop_immediately()
+        server.start()
+        assert [store.head("s") for _ in range(12)] == [1] * 12
+        store.close()
+
+
+def test_a_lost_reply_confirmed_after_another_trimmed_the_record_is_not_a_conflict(
+    postgres_server: PostgresServer,
+) -> None:
+    """The record that would tell whose append landed was trimmed meanwhile: the store
+    cannot tell, so it says so (never ConflictError for what may be its own write)."""
+    store = postgres_server.store()
+    store.append("t", 0, RECORD * 3)
+    store.trim("t", 3)
+    with pytest.raises(StoreUnavailableError, match="trimmed meanwhile"):
+        store._confirm("t", 0, 1, commit=12345, cause=RuntimeError("lost"))
+    store.close()
+
+
+def test_a_schema_name_of_63_characters_gets_a_notification_channel(
+    postgres_server: PostgresServer,
+) -> None:
+    schema = "s" * 63
+    store = postgres_server.store(schema=schema)
+    woken = threading.Event()
+    store.subscribe_wakes(woken.set)
+    store.append("runs/open/0", 0, RECORD)
+    assert woken.wait(5)
+    store.close()
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        store.subscribe_wakes(woken.set)
+    with pytest.raises(StoreUnavailableError, match="closed"):
+        store.head("runs/open/0")

@@ -23,6 +23,7 @@ _PERMANENT: Final = {
     "42501": "the user lacks a privilege on the store's schema: GRANT it (docs/stores/postgres.md)",
     "25006": "the server is read-only (a standby): point the store at the primary",
     "0A000": "the server lacks a feature the store needs (PostgreSQL 13 or newer)",
+    "55000": "the database does not accept connections (ALLOW_CONNECTIONS false): use another",
 }
 #: A value over one of PostgreSQL's limits (a row or a field too large).
 _TOO_LARGE: Final = frozenset({"54000", "54001", "22001"})
@@ -34,6 +35,8 @@ _LOGIN_REFUSALS: Final = (
     ("does not exist", "3D"),  # database "x" does not exist
     ("password authentication failed", "28"),
     ("no pg_hba.conf entry", "28"),
+    ("pg_hba.conf rejects connection", "28"),
+    ("is not currently accepting connections", "55000"),
     ("permission denied for database", "42501"),
 )
 

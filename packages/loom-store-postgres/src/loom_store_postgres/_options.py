@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from math import isfinite
 from typing import Final
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import attrs
 from loom_kernel.spi import InvalidArgumentError
@@ -130,5 +130,7 @@ def parse_postgres_url(url: str) -> tuple[str, PostgresOptions]:
         raise InvalidArgumentError(f"PostgreSQL store options given more than once: {repeated}")
     ours = {name: value for name, value in pairs if name in _OURS}
     theirs = [(name, value) for name, value in pairs if name not in _OURS]
-    conninfo = urlunsplit(("postgresql", parts.netloc, parts.path, urlencode(theirs), ""))
+    # libpq decodes %XX in a URI's query, never '+': a space goes as %20.
+    query = urlencode(theirs, quote_via=quote)
+    conninfo = urlunsplit(("postgresql", parts.netloc, parts.path, query, ""))
     return conninfo, PostgresOptions.from_query(ours)

@@ -144,7 +144,7 @@ class Statements:
             appends=appends,
             state=f"SELECT head, deleted FROM {s}.loom_streams WHERE name = %s",
             confirm=(
-                f"SELECT s.head, s.deleted, r.commit_id FROM {s}.loom_streams s "
+                f"SELECT s.head, s.deleted, s.floor, r.commit_id FROM {s}.loom_streams s "
                 f"LEFT JOIN {s}.loom_records r ON r.stream = s.name AND r.position = %s "
                 "WHERE s.name = %s"
             ),

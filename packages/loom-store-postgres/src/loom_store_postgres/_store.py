@@ -5,10 +5,11 @@ reads are one statement, so a read sees one snapshot of the head, floor and reco
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any, ClassVar, Final
 
 import psycopg
@@ -19,6 +20,7 @@ from loom_kernel.spi import (
     FaultInjection,
     FsspecBlobs,
     GroupCommit,
+    InvalidArgumentError,
     JournalStore,
     NewRecord,
     PendingAppend,
@@ -28,7 +30,8 @@ from loom_kernel.spi import (
     StreamDeletedError,
     TrimmedError,
 )
-from psycopg_pool import ConnectionPool, PoolTimeout
+from psycopg.conninfo import conninfo_to_dict
+from psycopg_pool import ConnectionPool, PoolClosed, PoolTimeout
 
 from loom_store_postgres._failures import is_connection_lost, store_error
 from loom_store_postgres._listening import Listener
@@ -42,6 +45,20 @@ Connection = psycopg.Connection[tuple[Any, ...]]
 #: The largest payload of a record: PostgreSQL's 1 GB field limit, with room for the
 #: protocol's copy of it (larger ones go to blobs: `blobs=`).
 _MAX_RECORD_BYTES: Final = 256 * 1024 * 1024
+
+
+class _HeadArrivedError(StoreUnavailableError):
+    """An append at a head the stream had not reached when it looked, and had by the
+    time the store asked why: it wrote nothing, and may go again at once."""
+
+
+def channel_of(schema: str) -> str:
+    """The NOTIFY channel of the store in `schema`: an identifier of at most 63 bytes
+    (a long schema's name is hashed)."""
+    channel = f"loom_{schema}"
+    if len(channel) <= 63:
+        return channel
+    return "loom_" + hashlib.blake2b(schema.encode(), digest_size=16).hexdigest()
 
 
 def _lost(stream: str) -> AmbiguousWriteError:
@@ -72,15 +89,25 @@ class PostgresStore(FaultInjection, JournalStore):
         self.options = options = options or PostgresOptions()
         self._pid = os.getpid()
         self._statements = Statements.of(options.schema)
-        self._channel = f"loom_{options.schema}"
-        timeout_ms = int(options.timeout * 1000)
-        # Every connection waits no longer than the timeout for a lock or a statement.
-        settings = f"-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms}"
+        self._channel = channel_of(options.schema)
+        timeout_ms = max(1, round(options.timeout * 1000))  # 0 would turn them off
+        # Every connection waits no longer than the timeout for a lock or a statement,
+        # and an acknowledged append is flushed whatever the role's or database's own
+        # synchronous_commit says (off would lose acknowledged appends in a crash).
+        settings = (
+            f"-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms} "
+            "-c synchronous_commit=on"
+        )
         self._conninfo = conninfo
+        try:
+            theirs = conninfo_to_dict(conninfo).get("options")
+        except psycopg.Error as exc:
+            raise InvalidArgumentError(f"a PostgreSQL store URL libpq cannot read: {exc}") from exc
         connect_options: dict[str, Any] = {
-            "options": settings,
+            "options": f"{theirs} {settings}" if theirs else settings,
             "connect_timeout": max(1, round(options.timeout)),
         }
+        self._closed = False
         try:
             with psycopg.connect(conninfo, autocommit=True, **connect_options) as connection:
                 if create:
@@ -134,8 +161,18 @@ class PostgresStore(FaultInjection, JournalStore):
             raise StoreUnavailableError(
                 f"{what}: no connection to PostgreSQL within {self.options.timeout} s ({exc})"
             ) from exc
+        except PoolClosed as exc:
+            raise StoreUnavailableError(f"{what}: the store is closed") from exc
         except psycopg.Error as exc:
+            if is_connection_lost(exc):
+                self._drop_dead_connections()
             raise store_error(what, exc) from exc
+
+    def _drop_dead_connections(self) -> None:
+        """After a connection was lost (a server restart drops them all), have the pool
+        try each idle one and replace the dead, so the next call gets a live one."""
+        with suppress(psycopg.Error, PoolClosed, PoolTimeout):
+            self._pool.check()
 
     def _query(self, what: str, query: str, params: Any) -> list[tuple[Any, ...]]:
         """The rows of a read-only `query`, tried twice: a pooled connection the server
@@ -202,11 +239,16 @@ class PostgresStore(FaultInjection, JournalStore):
             ) from exc
         if not rows:
             raise StoreUnavailableError(f"an append to {stream!r} did not land ({cause})")
-        head, deleted, found = rows[0]
+        head, deleted, floor, found = rows[0]
         if found == commit:
             return expected + count
         if deleted:
             raise StreamDeletedError(stream, head)
+        if found is None and floor > expected:  # trimmed off since: whose was it?
+            raise StoreUnavailableError(
+                f"an append to {stream!r} may or may not have landed ({cause}), and the "
+                "record that would tell was trimmed meanwhile: re-read the stream"
+            )
         if head == expected:
             raise StoreUnavailableError(
                 f"an append to {stream!r} did not land, or has not yet ({cause}): re-read "
@@ -268,6 +310,15 @@ class PostgresStore(FaultInjection, JournalStore):
                 return
             if row is None or row[0] == 0:
                 append.error = self._refusal(connection, append)
+                if isinstance(append.error, _HeadArrivedError):  # it wrote nothing: once more
+                    append.error = None
+                    row = connection.execute(sql, params).fetchone()
+                    if row is None or row[0] == 0:
+                        append.error = self._refusal(connection, append)
+            if isinstance(append.error, _HeadArrivedError):
+                append.error = StoreUnavailableError(
+                    f"an append to {append.stream!r} did not land: retry it"
+                )
             return
         with connection.pipeline() as pipeline:
             cursors = [connection.execute(*append.rows) for append in batch]
@@ -283,8 +334,8 @@ class PostgresStore(FaultInjection, JournalStore):
         head, deleted = (0, False) if row is None else row
         if deleted:
             return StreamDeletedError(append.stream, head)
-        if head == append.expected:  # never: the head it expects would have moved
-            return StoreUnavailableError(f"an append to {append.stream!r} did not land")
+        if head == append.expected:  # others brought the head there since it looked
+            return _HeadArrivedError(f"an append to {append.stream!r} did not land: retry it")
         return ConflictError(append.stream, append.expected, head)
 
     # -- reads --------------------------------------------------------------------
@@ -355,6 +406,9 @@ class PostgresStore(FaultInjection, JournalStore):
         """Call `wake()` when an append that has work for workers lands, from any
         process (LISTEN/NOTIFY); returns the function that stops it. With
         `notify=off`, never (workers poll)."""
+        self._check_fork()
+        if self._closed:
+            raise StoreUnavailableError("the PostgreSQL store is closed: no wake-ups from it")
         if not self.options.notify:
             return lambda: None
         if self._listener is None:
@@ -363,6 +417,7 @@ class PostgresStore(FaultInjection, JournalStore):
 
     def close(self) -> None:
         """Close the pool and stop listening."""
+        self._closed = True
         if self._listener is not None:
             self._listener.close()
         if os.getpid() == self._pid:
