@@ -1,7 +1,8 @@
 """Sample mutations of Loom's code and count how many the test suite catches.
 
     python3 -m uv run python scripts/mutation_sample.py [--sample 200] [--seed 1]
-        [--only kernel|stores|orchestration] [--equivalent scripts/equivalent-mutants.txt]
+        [--only kernel|stores|postgres|orchestration]
+        [--equivalent scripts/equivalent-mutants.txt]
         [--mutants ID ...]
 
 Each mutant is one small change to one module, made on its syntax tree: a statement
@@ -45,12 +46,21 @@ PACKAGES = {
         ["packages/loom-store-sqlite/tests"],
     ),
     "s3": ("packages/loom-store-s3/src/loom_store_s3", ["packages/loom-store-s3/tests"]),
+    "postgres": (
+        "packages/loom-store-postgres/src/loom_store_postgres",
+        ["packages/loom-store-postgres/tests"],
+    ),
     "orchestration": (
         "packages/loom-orchestration/src/loom_orchestration",
         ["packages/loom-orchestration/tests"],
     ),
 }
-GROUPS = {"kernel": ["kernel"], "stores": ["sqlite", "s3"], "orchestration": ["orchestration"]}
+GROUPS = {
+    "kernel": ["kernel"],
+    "stores": ["sqlite", "s3", "postgres"],
+    "postgres": ["postgres"],
+    "orchestration": ["orchestration"],
+}
 #: Modules a mutant of which no test should be expected to catch: the command line's
 #: printing, the demo's narration, the benchmark-only and typing-only helpers, and the
 #: test support a store ships for its own tests (`testing.py`, `pytest_plugin.py`: the
