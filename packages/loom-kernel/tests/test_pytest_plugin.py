@@ -56,4 +56,18 @@ def test_the_stores_are_chosen_on_the_command_line(pytester: pytest.Pytester) ->
     result.stdout.fnmatch_lines(["*test_one?memory? PASSED*"])
     bad = pytester.runpytest("-p", "no:xdist", "--loom-stores", "mongo")
     assert bad.ret != 0
-    bad.stdout.fnmatch_lines(["*--loom-stores takes memory, sqlite, s3*"])
+    bad.stdout.fnmatch_lines(["*--loom-stores takes memory, sqlite, s3, postgres*"])
+
+
+def test_a_test_runs_on_postgresql_when_asked(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from loom_kernel.spi import NewRecord
+
+        def test_one(loom_store):
+            assert type(loom_store).__name__ == "PostgresStore"
+            assert loom_store.append("s", 0, [NewRecord("k", b"1", 1.0)]) == 1
+        """
+    )
+    result = pytester.runpytest("-p", "no:xdist", "--loom-stores", "postgres", "-v")
+    result.assert_outcomes(passed=1)

@@ -3,7 +3,8 @@ installed (the `pytest11` entry point; the `testing` extra brings pytest):
 
 - `loom_clock`: a `FakeClock` of the test's own;
 - `loom_store`: a fresh store, the test run once on each kind `--loom-stores` names
-  (default `memory,sqlite`; `s3` runs on moto, from loom-store-s3's testing extra);
+  (default `memory,sqlite`; `s3` runs on moto, from loom-store-s3's testing extra;
+  `postgres` on a throwaway cluster, from loom-store-postgres);
 - `loom_engine(*flows, **options)`: an `Engine` on both, made for this test;
 - `loom_advance(engine, seconds)`: move the clock and fire what came due; the ids of
   the runs it woke.
@@ -37,9 +38,14 @@ __all__ = [
 ]
 
 #: The kinds of store `loom_store` can be: memory (built in), sqlite
-#: (loom-store-sqlite), s3 (loom-store-s3 with its testing extra: moto).
-STORE_KINDS = ("memory", "sqlite", "s3")
-_DISTRIBUTION = {"sqlite": "loom_store_sqlite", "s3": "loom_store_s3"}
+#: (loom-store-sqlite), s3 (loom-store-s3 with its testing extra: moto), postgres
+#: (loom-store-postgres: a throwaway cluster, with PostgreSQL's server installed).
+STORE_KINDS = ("memory", "sqlite", "s3", "postgres")
+_DISTRIBUTION = {
+    "sqlite": "loom_store_sqlite",
+    "s3": "loom_store_s3",
+    "postgres": "loom_store_postgres",
+}
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -84,6 +90,9 @@ def loom_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Journ
         with open_store(f"sqlite:///{tmp_path}/loom.db") as store:
             yield store
         return
+    if kind == "postgres":
+        yield from _postgres_store()
+        return
     from loom_store_s3.testing import MotoServer  # noqa: PLC0415 - only where asked for
 
     with MotoServer() as server:
@@ -94,6 +103,19 @@ def loom_store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Journ
                 patched.setenv(name, value)
             with open_store(url) as store:
                 yield store
+
+
+def _postgres_store() -> Iterator[JournalStore]:
+    """A store on a PostgreSQL cluster of the test's own (started in about a second)."""
+    from loom_store_postgres.testing import (  # noqa: PLC0415 - only where asked for
+        PostgresServer,
+        find_programs,
+    )
+
+    if find_programs() is None:
+        pytest.skip("PostgreSQL's server is not installed (initdb, pg_ctl): no postgres store")
+    with PostgresServer() as server, open_store(server.store_url()) as store:
+        yield store
 
 
 @pytest.fixture
