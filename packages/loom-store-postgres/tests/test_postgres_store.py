@@ -21,6 +21,7 @@ from loom_kernel.spi import (
 )
 from loom_store_postgres import PostgresOptions, PostgresStore
 from loom_store_postgres._options import parse_postgres_url
+from loom_store_postgres._store import session_settings
 from loom_store_postgres.testing import PostgresServer
 
 RECORD = [NewRecord("k", b"1", 1.0)]
@@ -220,13 +221,12 @@ def test_every_connection_flushes_its_commits_and_keeps_the_urls_own_options(
         ]
     assert shown == [("on",), ("7MB",), ("2s",)]
     store.close()
-    # A timeout under a millisecond is one, never 0 (which would turn it off).
-    tiny = open_store(f"{base}&timeout=0.0004&pool_min=1")
-    assert isinstance(tiny, PostgresStore)
-    kwargs = tiny._pool.kwargs
-    assert isinstance(kwargs, dict)
-    assert "statement_timeout=1 " in kwargs["options"]
-    tiny.close()
+
+
+def test_a_timeout_under_a_millisecond_is_one_never_zero_which_is_off() -> None:
+    settings = session_settings("postgresql://h/db", 0.0004)
+    assert "statement_timeout=1 " in settings
+    assert "lock_timeout=1 " in settings
 
 
 def test_reads_after_a_server_restart_get_live_connections(

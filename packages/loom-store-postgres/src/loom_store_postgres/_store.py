@@ -61,6 +61,27 @@ def channel_of(schema: str) -> str:
     return "loom_" + hashlib.blake2b(schema.encode(), digest_size=16).hexdigest()
 
 
+def session_settings(conninfo: str, timeout: float) -> str:
+    """libpq's `options` for every connection of a store: the URL's own, then a wait of
+    no longer than `timeout` for a lock or a statement (at least a millisecond: 0
+    would turn them off), and synchronous_commit on whatever the role or database says
+    (off would lose acknowledged appends in a crash).
+
+    Raises:
+        InvalidArgumentError: libpq cannot read the URL.
+    """
+    try:
+        theirs = conninfo_to_dict(conninfo).get("options")
+    except psycopg.Error as exc:
+        raise InvalidArgumentError(f"a PostgreSQL store URL libpq cannot read: {exc}") from exc
+    milliseconds = max(1, round(timeout * 1000))
+    ours = (
+        f"-c statement_timeout={milliseconds} -c lock_timeout={milliseconds} "
+        "-c synchronous_commit=on"
+    )
+    return f"{theirs} {ours}" if theirs else ours
+
+
 def _lost(stream: str) -> AmbiguousWriteError:
     return AmbiguousWriteError(f"the connection was lost appending to {stream!r}")
 
@@ -90,21 +111,9 @@ class PostgresStore(FaultInjection, JournalStore):
         self._pid = os.getpid()
         self._statements = Statements.of(options.schema)
         self._channel = channel_of(options.schema)
-        timeout_ms = max(1, round(options.timeout * 1000))  # 0 would turn them off
-        # Every connection waits no longer than the timeout for a lock or a statement,
-        # and an acknowledged append is flushed whatever the role's or database's own
-        # synchronous_commit says (off would lose acknowledged appends in a crash).
-        settings = (
-            f"-c statement_timeout={timeout_ms} -c lock_timeout={timeout_ms} "
-            "-c synchronous_commit=on"
-        )
         self._conninfo = conninfo
-        try:
-            theirs = conninfo_to_dict(conninfo).get("options")
-        except psycopg.Error as exc:
-            raise InvalidArgumentError(f"a PostgreSQL store URL libpq cannot read: {exc}") from exc
         connect_options: dict[str, Any] = {
-            "options": f"{theirs} {settings}" if theirs else settings,
+            "options": session_settings(conninfo, options.timeout),
             "connect_timeout": max(1, round(options.timeout)),
         }
         self._closed = False
