@@ -198,3 +198,44 @@ def test_a_conflict_within_a_group_that_never_committed_is_not_reported(
         assert results["two"] == "unavailable", "a conflict with a write that never landed"
         store.close()
         check.close()
+
+
+def test_a_row_lock_held_elsewhere_fails_only_its_own_append_of_a_group(
+    postgres_server: PostgresServer,
+) -> None:
+    """Another session holds stream x's row past the store's lock timeout: the group's
+    transaction fails on it (a lock timeout, not a lost connection), so each append
+    goes again alone, and y lands while x alone fails."""
+    import psycopg
+    from loom_kernel.spi import StoreUnavailableError
+
+    store: PostgresStore = postgres_server.store(timeout=1)
+    store.append("x", 0, _record("x1"))
+    sql = store._statements.appends
+
+    def pending(stream: str, expected: int) -> PendingAppend:
+        params = {
+            "stream": stream,
+            "expected": expected,
+            "head": expected + 1,
+            "first": expected + 1,
+            "commit": 40 + expected,
+            "channel": "unused",
+            "kind": "n",
+            "payload": b"p",
+            "ts": 1.0,
+        }
+        return PendingAppend(stream, expected, [sql[(expected == 0, True, False)], params])
+
+    with psycopg.connect(store.conninfo) as holder:
+        holder.execute(
+            f"SELECT 1 FROM {store.options.schema}.loom_streams WHERE name = 'x' FOR UPDATE"
+        )
+        batch = [pending("x", 1), pending("y", 0)]
+        store._commit_group(batch)
+        holder.rollback()
+    assert isinstance(batch[0].error, StoreUnavailableError)
+    assert batch[1].error is None
+    assert store.head("y") == 1
+    assert store.head("x") == 1
+    store.close()

@@ -9,15 +9,18 @@ import subprocess
 import sys
 import textwrap
 import threading
+from typing import Any
 
 import psycopg
 import pytest
 from loom_kernel import open_store
 from loom_kernel.spi import (
+    ConflictError,
     InvalidArgumentError,
     NewRecord,
     StoreMisconfiguredError,
     StoreUnavailableError,
+    StreamDeletedError,
 )
 from loom_store_postgres import PostgresOptions, PostgresStore
 from loom_store_postgres._options import parse_postgres_url
@@ -270,3 +273,73 @@ def test_a_schema_name_of_63_characters_gets_a_notification_channel(
         store.subscribe_wakes(woken.set)
     with pytest.raises(StoreUnavailableError, match="closed"):
         store.head("runs/open/0")
+
+
+def test_the_largest_record_is_256_mib_as_documented(postgres_server: PostgresServer) -> None:
+    store = postgres_server.store()
+    assert store.max_record_bytes == 256 * 1024 * 1024
+    store.close()
+
+
+def test_an_append_whose_connection_died_is_never_reported_landed(
+    postgres_server: PostgresServer,
+) -> None:
+    """The server ends the pooled connection under a lone append: it wrote nothing,
+    so it fails as may-have-landed (confirmed by its commit id), and the next lands."""
+    store = postgres_server.store(pool_min=1, pool_max=1)
+    store.append("s", 0, RECORD)
+    with store._pool.connection() as connection:
+        row = connection.execute("SELECT pg_backend_pid()").fetchone()
+    assert row is not None
+    with psycopg.connect(postgres_server.url, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", row)
+    with pytest.raises(StoreUnavailableError):
+        store.append("s", 1, RECORD)
+    assert store.head("s") == 1
+    assert store.append("s", 1, RECORD) == 2
+    store.close()
+
+
+def test_a_confirmation_reads_whose_record_follows_the_expected_head(
+    postgres_server: PostgresServer,
+) -> None:
+    store = postgres_server.store()
+    lost = RuntimeError("the reply was lost")
+    store.append("mine", 0, RECORD)
+    with pytest.raises(StoreUnavailableError, match="did not land"):
+        store._confirm("mine", 1, 1, commit=1, cause=lost)  # head still 1: not landed
+    store.append("theirs", 0, RECORD * 2)
+    with pytest.raises(ConflictError) as conflict:
+        store._confirm("theirs", 1, 1, commit=1, cause=lost)  # another's record at 2
+    assert conflict.value.actual == 2
+    store.delete("theirs")
+    with pytest.raises(StreamDeletedError):
+        store._confirm("theirs", 1, 1, commit=1, cause=lost)
+    with pytest.raises(StoreUnavailableError, match="did not land"):
+        store._confirm("never", 0, 1, commit=1, cause=lost)
+    store.close()
+
+
+def test_an_append_refused_at_a_head_that_others_reach_meanwhile_goes_once_more(
+    postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The append at 2 finds the stream at 1 and writes nothing; before the store reads
+    why, another writer brings the head to 2: the append goes again and lands."""
+    store = postgres_server.store()
+    other = PostgresStore(store.conninfo, store.options)
+    store.append("s", 0, RECORD)
+    refusal = store._refusal
+    calls: list[int] = []
+
+    def racing(connection: Any, append: Any) -> BaseException:
+        if not calls:
+            other.append("s", 1, [NewRecord("k", b"other", 1.0)])
+        calls.append(1)
+        return refusal(connection, append)
+
+    monkeypatch.setattr(store, "_refusal", racing)
+    assert store.append("s", 2, [NewRecord("k", b"mine", 1.0)]) == 3
+    assert [r.payload for r in store.read("s")] == [b"1", b"other", b"mine"]
+    assert calls == [1]
+    other.close()
+    store.close()

@@ -138,3 +138,20 @@ def _opened(url: str) -> tuple[str, Any]:
     from loom_store_postgres._options import parse_postgres_url
 
     return parse_postgres_url(url)
+
+
+def test_closing_a_store_stops_its_listening_thread_and_connection(
+    postgres_server: PostgresServer,
+) -> None:
+    store = postgres_server.store()
+    store.subscribe_wakes(lambda: None)
+    name = f"loom-listen-{store._channel}"
+    assert any(thread.name == name for thread in threading.enumerate())
+    store.close()
+    assert not any(thread.name == name for thread in threading.enumerate())
+    with psycopg.connect(postgres_server.url) as admin:
+        listening = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE query = %s",
+            (f'LISTEN "{store._channel}"',),
+        ).fetchone()
+    assert listening == (0,)

@@ -22,6 +22,7 @@ from loom_kernel.spi import (
     GroupCommit,
     InvalidArgumentError,
     JournalStore,
+    LoomError,
     NewRecord,
     PendingAppend,
     Record,
@@ -80,6 +81,16 @@ def session_settings(conninfo: str, timeout: float) -> str:
         "-c synchronous_commit=on"
     )
     return f"{theirs} {ours}" if theirs else ours
+
+
+def _commit_failure(append: PendingAppend, exc: BaseException, *, alone: bool) -> BaseException:
+    """The error of an append whose group failed with `exc`: a lasting refusal as it
+    is; anything else, an outcome its commit id tells."""
+    if isinstance(exc, StoreMisconfiguredError) or (
+        alone and isinstance(exc, InvalidArgumentError)
+    ):
+        return exc
+    return _lost(append.stream)
 
 
 def _lost(stream: str) -> AmbiguousWriteError:
@@ -289,20 +300,16 @@ class PostgresStore(FaultInjection, JournalStore):
                     for append in batch:
                         append.error = None
                         self._apply(connection, [append])
-        except (psycopg.Error, StoreUnavailableError, StoreMisconfiguredError) as exc:
+        except (psycopg.Error, LoomError) as exc:
+            # What reaches here is a lost connection (the connection's context turned
+            # it into StoreUnavailableError), a fork or a lasting refusal: a statement's
+            # own errors are caught where it runs.
             for append in batch:
                 # A group's verdicts were read inside its transaction: a conflict with an
                 # earlier append of the group is void if the group did not commit. So
                 # every append of a failed group confirms by its commit id.
                 if append.error is None or len(batch) > 1:
-                    append.error = self._commit_failure(append, exc)
-
-    def _commit_failure(self, append: PendingAppend, exc: BaseException) -> BaseException:
-        if isinstance(exc, StoreMisconfiguredError):
-            return exc
-        if isinstance(exc, psycopg.Error) and not is_connection_lost(exc):
-            return store_error(f"cannot append to {append.stream!r}", exc)
-        return _lost(append.stream)  # landed or not: its commit id tells
+                    append.error = _commit_failure(append, exc, alone=len(batch) == 1)
 
     def _apply(self, connection: Connection, batch: list[PendingAppend]) -> None:
         """Run each append's statement (in a pipeline when several), and set the error of
