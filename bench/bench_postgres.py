@@ -34,6 +34,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from timing import seconds_in_threads
+
 STEPS = 10
 LEVELS = (1, 16, 64)
 POOL = 20  # connections each side may open: DBOS's default system-database pool
@@ -41,23 +43,14 @@ POOL = 20  # connections each side may open: DBOS's default system-database pool
 
 def _in_threads(level: int, workflows: int, run: Callable[[int], object]) -> float:
     """Seconds for `level` threads to run `workflows` workflows between them."""
-    barrier = threading.Barrier(level + 1)
     share = [workflows // level + (1 if n < workflows % level else 0) for n in range(level)]
 
     def thread(number: int) -> None:
-        barrier.wait()
         base = sum(share[:number])
         for offset in range(share[number]):
             run(base + offset)
 
-    threads = [threading.Thread(target=thread, args=(n,)) for n in range(level)]
-    for started in threads:
-        started.start()
-    barrier.wait()
-    began = time.perf_counter()
-    for started in threads:
-        started.join()
-    return time.perf_counter() - began
+    return seconds_in_threads(level, thread)
 
 
 def loom_side(url: str, level: int, workflows: int, tag: str) -> float:

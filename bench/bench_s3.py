@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from call_counter import on_servers
 from loom_kernel import Context, Engine, Worker, flow
 from loom_store_s3 import S3Options, S3Store
 from loom_store_s3.testing import RequestCounter, S3Server
+from timing import seconds_in_threads
 
 ROUNDS = 5
 CONCURRENT = 32
@@ -70,23 +70,14 @@ def _raw_puts(client: Any, bucket: str, count: int) -> float:
 def _raw_puts_at_once(client: Any, bucket: str, threads: int, each: int) -> float:
     """Seconds for `threads` threads to make `each` conditional PUTs apiece."""
     prefix = uuid.uuid4().hex
-    barrier = threading.Barrier(threads + 1)
 
     def put(number: int) -> None:
-        barrier.wait()
         for n in range(each):
             client.put_object(
                 Bucket=bucket, Key=f"raw/{prefix}/{number}/{n:06d}", Body=BODY, IfNoneMatch="*"
             )
 
-    running = [threading.Thread(target=put, args=(n,)) for n in range(threads)]
-    for thread in running:
-        thread.start()
-    barrier.wait()
-    began = time.perf_counter()
-    for thread in running:
-        thread.join()
-    return time.perf_counter() - began
+    return seconds_in_threads(threads, put)
 
 
 def _worker_runs(engine: Engine, runs: int) -> float:

@@ -20,6 +20,25 @@ def _record(text: str) -> list[NewRecord]:
     return [NewRecord("n", text.encode(), 1.0)]
 
 
+def _pending(store: PostgresStore, stream: str, expected: int, **overrides: Any) -> PendingAppend:
+    """A one-record append as the store hands it to its group commit (for calling
+    `_commit_group` directly), with any statement parameter overridden."""
+    params = {
+        "stream": stream,
+        "expected": expected,
+        "head": expected + 1,
+        "first": expected + 1,
+        "commit": 1000 + expected,
+        "channel": "unused",
+        "kind": "n",
+        "payload": b"p",
+        "ts": 1.0,
+        **overrides,
+    }
+    sql = store._statements.appends[(expected == 0, True, False)]
+    return PendingAppend(stream, expected, [sql, params])
+
+
 def test_racing_appends_share_transactions_and_each_keeps_its_verdict(
     postgres_server: PostgresServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -73,26 +92,10 @@ def test_an_append_the_server_refuses_inside_a_group_fails_alone(
     store = postgres_server.store()
     store.append("a", 0, _record("a1"))
 
-    def pending(stream: str, expected: int, **overrides: Any) -> PendingAppend:
-        sql = store._statements.appends[(expected == 0, True, False)]
-        params = {
-            "stream": stream,
-            "expected": expected,
-            "head": expected + 1,
-            "first": expected + 1,
-            "commit": 7,
-            "channel": "unused",
-            "kind": "n",
-            "payload": b"x",
-            "ts": 1.0,
-            **overrides,
-        }
-        return PendingAppend(stream, expected, [sql, params])
-
     good, refused, also_good = (
-        pending("a", 1),
-        pending("b", 0, head=2**70),  # over bigint: the server refuses the statement
-        pending("c", 0),
+        _pending(store, "a", 1),
+        _pending(store, "b", 0, head=2**70),  # over bigint: the server refuses it
+        _pending(store, "c", 0),
     )
     store._commit_group([good, refused, also_good])
     assert good.error is None
@@ -108,23 +111,10 @@ def test_appends_to_one_stream_in_one_group_chain_their_heads(
     postgres_server: PostgresServer,
 ) -> None:
     store: PostgresStore = postgres_server.store()
-    sql = store._statements.appends
-
-    def pending(stream: str, expected: int) -> PendingAppend:
-        params = {
-            "stream": stream,
-            "expected": expected,
-            "head": expected + 1,
-            "first": expected + 1,
-            "commit": expected + 100,
-            "channel": "unused",
-            "kind": "n",
-            "payload": f"{stream}{expected}".encode(),
-            "ts": 1.0,
-        }
-        return PendingAppend(stream, expected, [sql[(expected == 0, True, False)], params])
-
-    batch = [pending("z", 0), pending("y", 0), pending("z", 1), pending("z", 1), pending("y", 1)]
+    batch = [
+        _pending(store, stream, expected, payload=f"{stream}{expected}".encode())
+        for stream, expected in (("z", 0), ("y", 0), ("z", 1), ("z", 1), ("y", 1))
+    ]
     store._commit_group(batch)
     assert [type(a.error).__name__ if a.error else None for a in batch] == [
         None,
@@ -211,27 +201,11 @@ def test_a_row_lock_held_elsewhere_fails_only_its_own_append_of_a_group(
 
     store: PostgresStore = postgres_server.store(timeout=1)
     store.append("x", 0, _record("x1"))
-    sql = store._statements.appends
-
-    def pending(stream: str, expected: int) -> PendingAppend:
-        params = {
-            "stream": stream,
-            "expected": expected,
-            "head": expected + 1,
-            "first": expected + 1,
-            "commit": 40 + expected,
-            "channel": "unused",
-            "kind": "n",
-            "payload": b"p",
-            "ts": 1.0,
-        }
-        return PendingAppend(stream, expected, [sql[(expected == 0, True, False)], params])
-
     with psycopg.connect(store.conninfo) as holder:
         holder.execute(
             f"SELECT 1 FROM {store.options.schema}.loom_streams WHERE name = 'x' FOR UPDATE"
         )
-        batch = [pending("x", 1), pending("y", 0)]
+        batch = [_pending(store, "x", 1), _pending(store, "y", 0)]
         store._commit_group(batch)
         holder.rollback()
     assert isinstance(batch[0].error, StoreUnavailableError)
