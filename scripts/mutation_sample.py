@@ -461,7 +461,10 @@ def main() -> int:
     )
     args = parser.parse_args()
     shard, shards = _shard(args.shard)
-    packages = [p for group in (args.only or sorted(GROUPS)) for p in GROUPS[group]]
+    # Groups overlap (postgres is one of the stores): each package once.
+    packages = list(
+        dict.fromkeys(p for group in (args.only or sorted(GROUPS)) for p in GROUPS[group])
+    )
     mutants = _all_mutants(packages)
     equivalent = _equivalents(args.equivalent, mutants) if args.equivalent.exists() else set()
     if args.mutants:
