@@ -40,12 +40,14 @@ class HeldStepWrites(MemoryStore):
         self.waited: list[bool] = []
         self.threads: set[int] = set()
 
-    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+    def append(
+        self, stream: str, expected: int, records: Sequence[NewRecord], *, sync: bool = True
+    ) -> int:
         if any(record.kind == "STEP_COMPLETED" for record in records):
             self.threads.add(threading.get_ident())
             self.writing.set()
             self.waited.append(self.release.wait(5))
-        return super().append(stream, expected, records)
+        return super().append(stream, expected, records, sync=sync)
 
 
 @flow(name="loop.one_step")

@@ -69,8 +69,10 @@ class _CheckpointBytes(MemoryStore):
         super().__init__()
         self.checkpointed = 0
 
-    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
-        head = super().append(stream, expected, records)
+    def append(
+        self, stream: str, expected: int, records: Sequence[NewRecord], *, sync: bool = True
+    ) -> int:
+        head = super().append(stream, expected, records, sync=sync)
         self.checkpointed += sum(
             len(r.payload) for r in records if r.kind == "loom.message.checkpoint"
         )
@@ -134,12 +136,14 @@ class _SendDuringCheckpoint(MemoryStore):
         super().__init__()
         self.sneaked = 0
 
-    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+    def append(
+        self, stream: str, expected: int, records: Sequence[NewRecord], *, sync: bool = True
+    ) -> int:
         if records and records[0].kind == "loom.message.checkpoint" and self.sneaked < 3:
             self.sneaked += 1
             payload = b'{"topic": "work", "key": null, "message": "sneaked"}'
             super().append(stream, expected, [NewRecord("loom.message", payload, 0.0)])
-        return super().append(stream, expected, records)
+        return super().append(stream, expected, records, sync=sync)
 
 
 def test_a_message_arriving_during_a_compaction_is_never_lost() -> None:

@@ -92,11 +92,11 @@ def test_a_start_by_key_that_loses_the_race_for_its_first_record_drives_nothing(
     second = Engine(store, [raced], listeners=[])
     opened = parts_of(second).driver.runs.opened
 
-    def opened_after_the_first_start(*args: Any) -> None:
+    def opened_after_the_first_start(*args: Any, **options: Any) -> None:
         first.start("raced", "first", key="k")  # lands between the check and the append
-        opened(*args)
+        opened(*args, **options)
 
-    parts_of(second).driver.runs.opened = opened_after_the_first_start  # type: ignore[method-assign,assignment]
+    parts_of(second).driver.runs.opened = opened_after_the_first_start  # type: ignore[method-assign]
     view = second.start("raced", "second", key="k")
     assert view.status is Status.COMPLETED
     assert view.result == "first"

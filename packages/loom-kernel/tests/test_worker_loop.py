@@ -29,10 +29,12 @@ class BarrierOnStepWrites(MemoryStore):
         super().__init__()
         self.barrier = threading.Barrier(parties, timeout=10)
 
-    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+    def append(
+        self, stream: str, expected: int, records: Sequence[NewRecord], *, sync: bool = True
+    ) -> int:
         if any(record.kind == "STEP_COMPLETED" for record in records):
             self.barrier.wait()
-        return super().append(stream, expected, records)
+        return super().append(stream, expected, records, sync=sync)
 
 
 loops_seen: list[asyncio.AbstractEventLoop] = []

@@ -34,7 +34,7 @@ from loom_kernel._spi._faults import (
     SupportsFaultInjection,
 )
 from loom_kernel._spi._fsspec_blobs import FsspecBlobs
-from loom_kernel._spi._group_commit import GroupCommit, PendingAppend
+from loom_kernel._spi._group_commit import GroupCommit, PendingAppend, SyncedOrNot
 from loom_kernel._spi._journal import JournalStore
 from loom_kernel._spi._registry import (
     ENTRY_POINT_GROUP,
@@ -77,6 +77,7 @@ __all__ = [
     "StreamDeletedError",
     "SupportsFaultInjection",
     "SupportsWakeups",
+    "SyncedOrNot",
     "TrimmedError",
     "collect_blobs",
     "installed_stores",

@@ -29,6 +29,7 @@ from loom_kernel.spi import (
     StoreMisconfiguredError,
     StoreUnavailableError,
     StreamDeletedError,
+    SyncedOrNot,
     TrimmedError,
 )
 from psycopg.conninfo import conninfo_to_dict
@@ -93,11 +94,19 @@ def _commit_failure(append: PendingAppend, exc: BaseException, *, alone: bool) -
     return _lost(append.stream)
 
 
+#: The first statement of a transaction holding only unsynced appends.
+_UNSYNCED: Final = "SET LOCAL synchronous_commit TO OFF"
+
+
+class _RefusedError(Exception):
+    """Internal: the lone append of a transaction was refused: roll it back."""
+
+
 def _lost(stream: str) -> AmbiguousWriteError:
     return AmbiguousWriteError(f"the connection was lost appending to {stream!r}")
 
 
-class PostgresStore(FaultInjection, JournalStore):
+class PostgresStore(FaultInjection, SyncedOrNot, JournalStore):
     """Streams in one PostgreSQL schema, shared by threads, processes and machines.
 
     Args:
@@ -208,7 +217,9 @@ class PostgresStore(FaultInjection, JournalStore):
 
     # -- appends ------------------------------------------------------------------
 
-    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+    def _append_as(
+        self, stream: str, expected: int, records: tuple[NewRecord, ...], *, sync: bool
+    ) -> int:
         # Before the group: a parent's thread leading a group as the process forked
         # would leave this child's append queued behind a leader that is not here.
         self._check_fork()
@@ -232,7 +243,7 @@ class PostgresStore(FaultInjection, JournalStore):
             )
         notify = self.options.notify and stream.startswith(WAKE_PREFIXES)
         sql = self._statements.appends[(expected == 0, len(records) == 1, notify)]
-        pending = PendingAppend(stream, expected, [sql, params])
+        pending = PendingAppend(stream, expected, [sql, params], sync=sync)
         try:
             self._group.submit(pending)
             if lose_reply:
@@ -279,9 +290,13 @@ class PostgresStore(FaultInjection, JournalStore):
     def _commit_group(self, batch: list[PendingAppend]) -> None:
         """Commit a group's appends: one alone in a statement of its own, several in one
         transaction sent as a pipeline; each gets its own verdict."""
+        # A group of unsynced appends alone commits with synchronous_commit off, for
+        # its transaction only: the WAL is flushed in order, so the next synced commit
+        # (or the WAL writer, within three wal_writer_delay) makes it durable too.
+        unsynced = not any(append.sync for append in batch)
         try:
             with self._connection("cannot append") as connection:
-                if len(batch) == 1:
+                if len(batch) == 1 and not unsynced:
                     self._apply(connection, batch)
                     return
                 # Row locks taken in one order by every group of every process: two
@@ -291,7 +306,13 @@ class PostgresStore(FaultInjection, JournalStore):
                 ordered = sorted(batch, key=lambda append: append.stream)
                 try:
                     with connection.transaction():
+                        if unsynced:
+                            connection.execute(_UNSYNCED)
                         self._apply(connection, ordered)
+                        if len(batch) == 1 and batch[0].error is not None:
+                            raise _RefusedError  # its statement may have aborted the transaction
+                except _RefusedError:
+                    pass
                 except psycopg.Error as exc:
                     if is_connection_lost(exc) or connection.closed:
                         raise

@@ -10,6 +10,7 @@ import itertools
 import os
 import sqlite3
 import threading
+from contextlib import suppress
 from time import monotonic
 from typing import Final
 
@@ -23,6 +24,7 @@ from loom_kernel.spi import (
     PendingAppend,
     StoreUnavailableError,
     StreamDeletedError,
+    SyncedOrNot,
 )
 
 from loom_store_sqlite._connections import forked_error, forks
@@ -96,7 +98,7 @@ class _InsertRefusedError(Exception):
         self.cause = cause
 
 
-class Appends(Transactions, FaultInjection):
+class Appends(Transactions, FaultInjection, SyncedOrNot):
     """The appends part of `SqliteStore` (a base of it): `_append` and the group
     commit behind it, and what the store's other hooks share with them (`_stream_row`,
     `_at`, `_forget_head`). The store's `__init__` sets the state declared here."""
@@ -144,7 +146,9 @@ class Appends(Transactions, FaultInjection):
         head, floor, deleted = row
         return (floor if deleted or head is None else max(head, floor)), floor, deleted
 
-    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+    def _append_as(
+        self, stream: str, expected: int, records: tuple[NewRecord, ...], *, sync: bool
+    ) -> int:
         if self._forks != forks[0]:
             raise forked_error(self.path)
         lose_reply = self._next_fault(stream)
@@ -158,7 +162,7 @@ class Appends(Transactions, FaultInjection):
             ]
         try:
             try:
-                self._group.submit(PendingAppend(stream, expected, rows))
+                self._group.submit(PendingAppend(stream, expected, rows, sync=sync))
             except BaseException:
                 self._forget_head(stream)
                 raise
@@ -199,11 +203,15 @@ class Appends(Transactions, FaultInjection):
         (Measured with bench/bench_sqlite.py: sqlite-utils' insert_all, or a head
         column updated on every append, cost more than the commit they wrap.)
         """
+        # Unsynced only if every append in it is (and the store syncs commits at all).
+        unsynced = self._syncs_each_commit and not any(append.sync for append in batch)
         with self._commit_lock:
             landed: list[PendingAppend] | None = None
             connection: sqlite3.Connection | None = None
             try:
                 connection = self._use()
+                if not self._synced_as(connection, batch, synced=not unsynced):
+                    return
                 witness = self._witness(connection, batch)
                 try:
                     # One append of one record to a stream that exists (expected above 0).
@@ -215,6 +223,9 @@ class Appends(Transactions, FaultInjection):
                             landed = self._transact(connection, batch, isolated=True)
                 finally:
                     self._record_commit(connection, witness, batch, landed)
+                if unsynced:  # its commit is over: the connection syncs again
+                    with suppress(sqlite3.Error):  # else its next write sets it
+                        self._restore_sync(connection)
             finally:
                 if connection is not None:
                     self._done(connection)
@@ -222,6 +233,35 @@ class Appends(Transactions, FaultInjection):
         if landed and not self._memory and (known := getattr(self._local, "heads", None)):
             for append in landed:
                 known.learn(append.stream, append.expected + len(append.rows))
+
+    def _synced_as(
+        self, connection: sqlite3.Connection, batch: list[PendingAppend], *, synced: bool
+    ) -> bool:
+        """Before a group commits: the connection set to sync its commit, or not (a
+        group of unsynced appends alone, see `JournalStore.append`); False, with an
+        error on every append of the group, when SQLite refused the setting.
+
+        An unsynced commit is SQLite's `synchronous=NORMAL` for that one commit: in
+        WAL mode it lands in the WAL after every commit before it and before every
+        commit after it, and the WAL is synced whole, so the next synced commit of any
+        connection makes it durable too; a checkpoint syncs the WAL first, as at FULL.
+        The connection is marked unsynced (`_local.unsynced`) before its level goes
+        down and unmarked only once it is back, so an interrupt between them leaves
+        it marked, and the next write of its thread (here, or `_in_transaction`) sets
+        it back first (`_restore_sync`).
+        """
+        try:
+            if synced:
+                self._restore_sync(connection)
+            else:
+                roll_back(connection)  # the level cannot change inside a transaction
+                self._local.unsynced = connection
+                connection.execute("PRAGMA synchronous=NORMAL")
+        except sqlite3.Error as exc:
+            for append in batch:
+                append.error = store_error(f"sqlite cannot set synchronous on {self.path!r}", exc)
+            return False
+        return True
 
     def _witness(
         self, connection: sqlite3.Connection, batch: list[PendingAppend]

@@ -91,6 +91,10 @@ class SqliteStore(Appends, JournalStore):
         self._left_to_users: set[sqlite3.Connection] = set()
         self._closed = False
         self._group = GroupCommit(self._commit_group)
+        self._syncs_each_commit = not self._memory and self._options.synchronous in (
+            "full",
+            "extra",
+        )
         self._wal: WalIndex | None = None
         self._stamped = StampedHeads()
         self._last_leader = 0  # the thread that led the last group (`_witness`)

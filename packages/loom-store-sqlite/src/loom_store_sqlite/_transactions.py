@@ -42,6 +42,22 @@ class Transactions(ThreadConnections):
     """The transactions part of `SqliteStore` (a base of it): `_transaction()` holds a
     call's statements in one transaction on its thread's connection."""
 
+    #: Whether a commit syncs (`synchronous` full or extra, on a file): only then does
+    #: an unsynced append (`JournalStore.append(..., sync=False)`) commit otherwise.
+    _syncs_each_commit: bool
+
+    def _restore_sync(self, connection: sqlite3.Connection) -> None:
+        """Set the store's own `synchronous` level back on this thread's connection if
+        an unsynced append left it below (see `Appends._synced_as`).
+
+        Raises:
+            sqlite3.Error: SQLite refused it (the connection stays marked).
+        """
+        if getattr(self._local, "unsynced", None) is connection:
+            roll_back(connection)  # the level cannot change inside a transaction
+            connection.execute(f"PRAGMA synchronous={self._options.synchronous}")
+            self._local.unsynced = None
+
     @contextmanager
     def _transaction(self, begin: str = "BEGIN") -> Iterator[sqlite3.Connection]:
         with self._serialised(), self._open_transaction(begin) as connection:
@@ -61,6 +77,7 @@ class Transactions(ThreadConnections):
     @contextmanager
     def _in_transaction(self, connection: sqlite3.Connection, begin: str) -> Iterator[None]:
         try:
+            self._restore_sync(connection)
             begin_transaction(connection, begin)
         except sqlite3.Error as exc:
             raise store_error(f"sqlite {begin} failed on {self.path!r}", exc) from exc

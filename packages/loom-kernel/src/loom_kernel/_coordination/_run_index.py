@@ -166,9 +166,19 @@ class RunIndex:
     # -- writing --------------------------------------------------------------
 
     def opened(
-        self, execution_id: str, flow: str, by: str | None, queue: str | None = None
+        self,
+        execution_id: str,
+        flow: str,
+        by: str | None,
+        queue: str | None = None,
+        *,
+        sync: bool = True,
     ) -> None:
         """Hint that a run is about to start: before its first record is appended.
+
+        With `sync` False the hint is appended unsynced (`JournalStore.append`): for
+        the hint just before a run's start, which, synced, makes it durable too (and
+        without which a hint lost to a power loss named no run).
 
         The first hint of this index on a store with no run yet marks the store built.
         """
@@ -178,7 +188,9 @@ class RunIndex:
         data: dict[str, Any] = {"id": execution_id, "flow": flow, "by": by}
         if queue is not None:
             data["queue"] = queue
-        self._add(_open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0))
+        self._add(
+            _open_stream(partition_of(execution_id)), NewRecord(_OPEN, _dump(data), 0.0), sync=sync
+        )
 
     def nudged(self, execution_id: str, flow: str) -> None:
         """Hint an open run afresh, so workers that saw it open look at it again (a run
@@ -194,14 +206,18 @@ class RunIndex:
         generation: int = 1,
         parent: str | None = None,
     ) -> None:
-        """Record that a finished run's listeners have all been called."""
+        """Record that a finished run's listeners have all been called.
+
+        Appended unsynced (`JournalStore.append`): a close a power loss takes leaves
+        the run open, and the next `recover()` calls its listeners again and closes it,
+        as after a crash between the run's end and its close."""
         data: dict[str, Any] = {"id": execution_id, "status": status.value, "flow": flow}
         if generation > 1:
             data["g"] = generation
         if parent is not None:
             data["p"] = parent
         partition = partition_of(execution_id)
-        self._add(_open_stream(partition), NewRecord(_CLOSED, _dump(data), 0.0))
+        self._add(_open_stream(partition), NewRecord(_CLOSED, _dump(data), 0.0), sync=False)
         with self._closes_lock:
             closes = self._closes[partition] = self._closes.get(partition, 0) + 1
         if closes % _COMPACT_EVERY == 0:
@@ -221,9 +237,11 @@ class RunIndex:
             data["g"] = generation
         self._add(_open_stream(partition_of(execution_id)), NewRecord(_CLOSED, _dump(data), 0.0))
 
-    def _add(self, stream: str, record: NewRecord) -> None:
+    def _add(self, stream: str, record: NewRecord, *, sync: bool = True) -> None:
         """Append one record wherever the stream's head is now."""
-        self._folds.append(stream, [NewRecord(record.kind, record.payload, self._clock())])
+        self._folds.append(
+            stream, [NewRecord(record.kind, record.payload, self._clock())], sync=sync
+        )
 
     # -- the built marker -------------------------------------------------------
 

@@ -161,18 +161,18 @@ class StreamFolds(Generic[F]):
         with self.holding(stream):
             return self.refresh(stream).copy()
 
-    def append(self, stream: str, records: Sequence[NewRecord]) -> int:
+    def append(self, stream: str, records: Sequence[NewRecord], *, sync: bool = True) -> int:
         """Append `records` wherever the stream's head is now; the last one's position.
 
         For records that need no place of their own (an index's hint, a message, a
         queue's add): the head guessed is where this reader last left the stream, and
-        a conflict names the head to try next.
+        a conflict names the head to try next. `sync` as `JournalStore.append`'s.
         """
         with self._lock:
             head = max(self._heads.get(stream, 0), self._folded(stream))
         while True:
             try:
-                head = self._store.append(stream, head, records)
+                head = self._store.append(stream, head, records, sync=sync)
                 break
             except ConflictError as exc:
                 head = exc.actual if exc.actual != head else self._store.head(stream)

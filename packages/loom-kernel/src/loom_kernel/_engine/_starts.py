@@ -201,7 +201,8 @@ class Starts:
                     return None  # a start by key of a run that exists: no second hint
                 finish_deletion(driver.store, state, driver.clock)
             hinted = time.monotonic()
-            driver.runs.opened(execution_id, event.flow, driver.worker_id, queue)
+            # Unsynced: the start, synced just after it, makes it durable too.
+            driver.runs.opened(execution_id, event.flow, driver.worker_id, queue, sync=False)
             now = driver.clock()
             records = [encode_event(item, now) for item in (event, *then)]
             driver.store.append(stream, state.position, records)

@@ -16,13 +16,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import suppress
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import attrs
 
 from loom_kernel._core import StoreUnavailableError
 
-__all__ = ["LOOK_AGAIN", "GroupCommit", "PendingAppend", "Wake"]
+if TYPE_CHECKING:
+    from loom_kernel._core import NewRecord
+
+__all__ = ["LOOK_AGAIN", "GroupCommit", "PendingAppend", "SyncedOrNot", "Wake"]
 
 #: Seconds a queued append waits before it looks whether its turn came with its wake
 #: lost (an interrupt in the thread that was to wake it).
@@ -38,18 +41,39 @@ class PendingAppend:
         expected: the head the caller expects.
         rows: the records' rows.
         error: set when this append did not land (or may not have).
+        sync: False for an append whose sync may wait for the next synced one
+            (`JournalStore.append(..., sync=False)`): a group of such appends alone
+            may commit without a sync of its own.
     """
 
     stream: str
     expected: int
     rows: list[Any]
     error: BaseException | None = None
+    sync: bool = attrs.field(default=True, kw_only=True)
     # Made only for an append that queues behind a commit (the common, lone append
     # never waits).
     _done: Wake | None = attrs.field(default=None, init=False)
     _lead: bool = attrs.field(default=False, init=False)  # it holds the lead
     _decided: bool = attrs.field(default=False, init=False)  # a group's verdict is in
     _taken: Sequence[PendingAppend] = attrs.field(default=(), init=False)  # its group's others
+
+
+class SyncedOrNot:
+    """For a store (a base before `JournalStore`) whose one append path takes the
+    `sync` flag its `PendingAppend` carries: `_append` and `_append_unsynced` are its
+    `_append_as` with `sync` True and False."""
+
+    def _append_as(
+        self, stream: str, expected: int, records: tuple[NewRecord, ...], *, sync: bool
+    ) -> int:
+        raise NotImplementedError
+
+    def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        return self._append_as(stream, expected, records, sync=True)
+
+    def _append_unsynced(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        return self._append_as(stream, expected, records, sync=False)
 
 
 class GroupCommit:

@@ -90,13 +90,23 @@ class JournalStore(abc.ABC):
             )
         self.blobs, self.blob_threshold = blobs, threshold
 
-    def append(self, stream: str, expected: int, records: Sequence[NewRecord]) -> int:
+    def append(
+        self, stream: str, expected: int, records: Sequence[NewRecord], *, sync: bool = True
+    ) -> int:
         """Append records atomically where the stream's head is exactly `expected`.
 
         Args:
             stream: the stream id.
             expected: the head the caller saw; 0 means the stream must not exist yet.
             records: one or more records; they land together or not at all.
+            sync: False: the store need not make this append durable on its own before
+                it returns, only no later than the next append it syncs (a store whose
+                every write is durable, or that keeps them in order on disk, as a WAL
+                does, gives that for nothing). A crash of the process loses nothing
+                either way; a power loss may lose an unsynced append together with
+                what was appended after it and not synced, never on its own. For
+                bookkeeping whose loss a later synced record makes good (a run
+                index's hint, written just before the run's synced start).
 
         Returns:
             The new head: `expected + len(records)`.
@@ -136,10 +146,11 @@ class JournalStore(abc.ABC):
                     "written, and no retry can take it (keep payloads that large out of "
                     "the journal)"
                 )
+        write = self._append if sync else self._append_unsynced
         if blobs is None or not written:
-            return self._append(stream, expected, batch)
+            return write(stream, expected, batch)
         try:
-            return self._append(stream, expected, batch)
+            return write(stream, expected, batch)
         finally:  # landed or not, or not known (an ambiguous write)
             for key, content in written.items():
                 # A writer that stalled past a collector's grace between its blob and
@@ -255,6 +266,11 @@ class JournalStore(abc.ABC):
 
     @abc.abstractmethod
     def _append(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int: ...
+
+    def _append_unsynced(self, stream: str, expected: int, records: tuple[NewRecord, ...]) -> int:
+        """`append(..., sync=False)`: a store that can leave an append's sync to the
+        next synced one overrides it; by default, an append like any other."""
+        return self._append(stream, expected, records)
 
     @abc.abstractmethod
     def _read(self, stream: str, after: int, limit: int | None) -> list[Record]: ...

@@ -500,6 +500,59 @@ def check_reopen_keeps_everything(harness: StoreHarness) -> None:
 
 
 @_check
+def check_unsynced_appends_keep_the_contract(harness: StoreHarness) -> None:
+    """`append(..., sync=False)` differs from an append only in when the store syncs
+    it: the same heads, conflicts, refusals and reads, in order with synced appends,
+    seen by a second instance and kept by a reopen (a process that ends loses
+    nothing; only a power loss may, see docs/spi.md)."""
+    store = harness.open()
+    try:
+        assert store.append("u", 0, records(2, "a"), sync=False) == 2
+        assert store.append("u", 2, records(1, "b")) == 3
+        assert store.append("u", 3, records(2, "c"), sync=False) == 5
+        for expected in (0, 2, 6):
+            exc = _raises(
+                ConflictError,
+                partial(store.append, "u", expected, records(1, "stale"), sync=False),
+                f"unsynced append at expected={expected} when the head is 5",
+            )
+            assert isinstance(exc, ConflictError)
+            assert exc.actual == 5, f"the conflict must report the actual head 5: {exc!r}"
+        _same(store.read("u"), records(2, "a") + records(1, "b") + records(2, "c"), 1)
+        store.delete("u")
+        _raises(
+            StreamDeletedError,
+            lambda: store.append("u", 5, records(1, "gone"), sync=False),
+            "unsynced append to a deleted stream",
+        )
+        _raises(
+            InvalidIdError,
+            lambda: store.append("../u", 0, records(1), sync=False),
+            "unsynced append to a bad id",
+        )
+        assert store.append("v", 0, records(1, "v"), sync=False) == 1
+        want = records(1, "v")
+        if harness.twin is not None:
+            twin = harness.twin(store)
+            try:
+                assert twin.head("v") == 1, "a second instance must see an unsynced append"
+                assert twin.append("v", 1, records(1, "w"), sync=False) == 2
+                want += records(1, "w")
+                _raises(
+                    ConflictError,
+                    lambda: store.append("v", 1, records(1, "x"), sync=False),
+                    "an unsynced append at a head a second instance moved",
+                )
+            finally:
+                twin.close()
+        if harness.reopen is not None:
+            store = harness.reopen(store)  # the last writes were unsynced ones
+            _same(store.read("v"), want, 1)
+    finally:
+        store.close()
+
+
+@_check
 def check_racing_appends_have_one_winner(harness: StoreHarness) -> None:
     threads_count, rounds, batch = 6, 12, 3
     store = harness.open()

@@ -97,12 +97,19 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
             except LoomError:
                 return 0
 
-        @rule(stream=st.sampled_from(STREAMS), batch=_records, twin=st.booleans())
-        def append_at_head(self, stream: str, batch: list[NewRecord], twin: bool) -> None:
+        @rule(
+            stream=st.sampled_from(STREAMS),
+            batch=_records,
+            twin=st.booleans(),
+            sync=st.booleans(),
+        )
+        def append_at_head(
+            self, stream: str, batch: list[NewRecord], twin: bool, sync: bool
+        ) -> None:
             expected = self.model_head(stream)
             self.both(
-                f"append({stream!r}, {expected}, {len(batch)} records)",
-                lambda s: s.append(stream, expected, batch),
+                f"append({stream!r}, {expected}, {len(batch)} records, sync={sync})",
+                lambda s: s.append(stream, expected, batch, sync=sync),
                 twin,
             )
             self.after_write(stream)
@@ -112,14 +119,15 @@ def store_machine(harness: StoreHarness) -> type[RuleBasedStateMachine]:
             offset=st.integers(-5, 5).filter(bool),
             batch=_records,
             twin=st.booleans(),
+            sync=st.booleans(),
         )
         def append_at_wrong_head(
-            self, stream: str, offset: int, batch: list[NewRecord], twin: bool
+            self, stream: str, offset: int, batch: list[NewRecord], twin: bool, sync: bool
         ) -> None:
             expected = max(0, self.model_head(stream) + offset)
             self.both(
-                f"append({stream!r}, {expected}, {len(batch)} records)",
-                lambda s: s.append(stream, expected, batch),
+                f"append({stream!r}, {expected}, {len(batch)} records, sync={sync})",
+                lambda s: s.append(stream, expected, batch, sync=sync),
                 twin,
             )
             self.after_write(stream)
