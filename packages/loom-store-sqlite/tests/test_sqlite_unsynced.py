@@ -8,6 +8,7 @@ import sqlite3
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from loom_kernel.spi import NewRecord, PendingAppend
@@ -144,5 +145,34 @@ def test_a_group_syncs_unless_every_append_in_it_is_unsynced(
             thread.join(10)
         assert heads == {"a": 2, "b": 2, "c": 1}
         assert store.levels == [NORMAL, level], "the second group commits b and c together"
+    finally:
+        store.close()
+
+
+class _NoWal(sqlite3.Connection):
+    """A connection on which turning WAL on does nothing (as on a file system with
+    no shared memory): the database stays in its rollback journal."""
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        if sql == "PRAGMA journal_mode=WAL":
+            sql = "PRAGMA journal_mode"
+        return super().execute(sql, *args)
+
+
+def test_in_a_rollback_journal_every_commit_syncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    connect = sqlite3.connect
+
+    def without_wal(*args: Any, **options: Any) -> sqlite3.Connection:
+        return connect(*args, factory=_NoWal, **options)
+
+    monkeypatch.setattr(sqlite3, "connect", without_wal)
+    store = SeenStore(str(tmp_path / "u.db"))
+    try:
+        assert raw_connection(store).execute("PRAGMA journal_mode").fetchone() == ("delete",)
+        store.append("s", 0, _records(1), sync=False)
+        store.append("s", 1, _records(1), sync=False)
+        assert store.levels == [FULL, FULL], "NORMAL in a rollback journal risks the file"
     finally:
         store.close()

@@ -91,10 +91,7 @@ class SqliteStore(Appends, JournalStore):
         self._left_to_users: set[sqlite3.Connection] = set()
         self._closed = False
         self._group = GroupCommit(self._commit_group)
-        self._syncs_each_commit = not self._memory and self._options.synchronous in (
-            "full",
-            "extra",
-        )
+        self._syncs_each_commit = False  # until the database is known to be in WAL mode
         self._wal: WalIndex | None = None
         self._stamped = StampedHeads()
         self._last_leader = 0  # the thread that led the last group (`_witness`)
@@ -108,6 +105,14 @@ class SqliteStore(Appends, JournalStore):
         try:
             ensure_schema(self._keeper, path)
             self._kinds.learn(self._keeper)
+            # An unsynced commit relies on the WAL's order (see `_synced_as`): in a
+            # rollback journal (WAL refused: no shared memory on the file system, say),
+            # NORMAL could even corrupt the database on a power loss: every commit syncs.
+            self._syncs_each_commit = (
+                not self._memory
+                and self._options.synchronous in ("full", "extra")
+                and self._keeper.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+            )
         except sqlite3.Error as exc:
             self.close()
             raise store_error(f"cannot prepare sqlite database {path!r}", exc) from exc
