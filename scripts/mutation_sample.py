@@ -98,6 +98,7 @@ class Mutant:
     operator: str
     statement_line: int  # the first line of the statement holding it (what coverage sees)
     text: str  # the source line it is on, stripped (what an equivalent entry is anchored to)
+    at_import: bool = False  # outside every function body: it runs as the module is imported
 
     @property
     def id(self) -> str:
@@ -211,7 +212,9 @@ def _all_mutants(packages: list[str]) -> list[Mutant]:
             source_lines = source.splitlines()
             tree = ast.parse(source)
             statements = _statement_lines(tree)
+            bodies = _function_bodies(tree)
             for number, (node, operator) in enumerate(_sites(tree)):
+                line = statements.get(id(node), getattr(node, "lineno", 0))
                 found.append(
                     Mutant(
                         package,
@@ -220,11 +223,24 @@ def _all_mutants(packages: list[str]) -> list[Mutant]:
                         getattr(node, "lineno", 0),
                         getattr(node, "col_offset", 0),
                         operator,
-                        statements.get(id(node), getattr(node, "lineno", 0)),
+                        line,
                         source_lines[getattr(node, "lineno", 1) - 1].strip(),
+                        not any(first <= line <= last for first, last in bodies),
                     )
                 )
     return found
+
+
+def _function_bodies(tree: ast.Module) -> list[tuple[int, int]]:
+    """The lines of every function's (and lambda's) body: what runs when it is called,
+    not as its module is imported (its decorators and defaults do)."""
+    bodies = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            bodies.append((node.body[0].lineno, node.end_lineno or node.body[-1].lineno))
+        elif isinstance(node, ast.Lambda):
+            bodies.append((node.body.lineno, node.body.end_lineno or node.body.lineno))
+    return bodies
 
 
 def _statement_lines(tree: ast.Module) -> dict[int, int]:
@@ -284,7 +300,13 @@ def _coverage(scratch: Path, packages: list[str], timeout: float) -> Coverage:
 
 def _tests_for(mutant: Mutant, lines: Coverage) -> list[str] | None:
     """The tests that run the mutant's line; None for the package's whole suite (a line
-    run at import time), [] when no test runs it."""
+    run at import time), [] when no test runs it.
+
+    A line outside every function body runs at import time whatever coverage says:
+    a module imported before coverage starts (by a pytest plugin that an entry point
+    loads first) has none of its import-time lines measured."""
+    if mutant.at_import:
+        return None
     by_line = lines.get(str(mutant.path), {})
     # A statement spread over lines (a multi-line condition) may record no event on
     # its first line, only on the lines of its parts: the mutant's own line counts too.
