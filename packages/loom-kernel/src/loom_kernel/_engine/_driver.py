@@ -223,14 +223,20 @@ class Driver:
         return attrs.evolve(view, owner_seen_at=seen.seen_at)
 
     def append(
-        self, state: ExecutionState, events: list[Event], control: DriveControl | None = None
+        self,
+        state: ExecutionState,
+        events: list[Event],
+        control: DriveControl | None = None,
+        *,
+        sync: bool = True,
     ) -> None:
-        """Journal `events` at the state's position, after what the drive holds pending."""
+        """Journal `events` at the state's position, after what the drive holds pending
+        (unsynced with `sync` False: see `JournalStore.append`)."""
         stream = stream_of(state.id)
         now = self.clock()
         pending = control.pending if control is not None else []
         records = pending + [encode_event(e, now) for e in events]
-        self.store.append(stream, state.position - len(pending), records)
+        self.store.append(stream, state.position - len(pending), records, sync=sync)
         pending.clear()
         for event in events:
             state.apply(event)
@@ -372,7 +378,9 @@ class Driver:
         if self.driven_now(state, besides=1):  # besides this recover
             return False
         try:  # a claim even of a run with no owner (1.16) or ours: it is a fresh sighting
-            self.append(state, [ExecutionClaimed(me, owner)])
+            # Unsynced: the drive's next record is synced and makes it durable too; a
+            # power loss that takes it stops every owner, so none is lost with it.
+            self.append(state, [ExecutionClaimed(me, owner)], sync=False)
         except ConflictError:
             return False  # another taker, a cancel or the owner itself moved first
         if owner is not None and owner != me:
