@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from loom_kernel import Engine
-from loom_kernel._core import ID_ALPHABET
+from loom_kernel._core import ID_ALPHABET, events_stream, inbox_stream
 from loom_kernel.spi import MAX_ID_LENGTH, InvalidIdError, validate_prefix, validate_stream_id
 from loom_kernel.testing import BAD_IDS
 
@@ -140,3 +140,17 @@ def test_the_id_limit_is_two_hundred_characters() -> None:
 def test_an_unhashable_id_is_an_invalid_id_not_a_type_error() -> None:
     with pytest.raises(InvalidIdError):
         validate_stream_id(["ex", "1"])
+
+
+@pytest.mark.parametrize("generation", [0, -1, 2.5, "2", None])
+def test_a_run_numbered_other_than_by_an_int_from_one_names_no_stream(generation: Any) -> None:
+    """A generation read from a damaged record names no inbox or events stream: it is
+    refused, never turned into a stream nobody else would read ("in~0/...")."""
+    for name in (inbox_stream, events_stream):
+        with pytest.raises(InvalidIdError, match="generation"):
+            name("run-1", generation)
+
+
+def test_the_first_run_of_an_id_and_its_later_ones_have_streams_of_their_own() -> None:
+    assert (inbox_stream("run-1"), events_stream("run-1")) == ("inbox/run-1", "events/run-1")
+    assert (inbox_stream("run-1", 2), events_stream("run-1", 3)) == ("in~2/run-1", "ev~3/run-1")

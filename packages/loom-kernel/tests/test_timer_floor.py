@@ -12,10 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from loom_kernel import (
+    ConflictError,
     Context,
     Engine,
     InvalidArgumentError,
     MemoryStore,
+    NotSuspendedError,
     Status,
     StoreUnavailableError,
     flow,
@@ -510,3 +512,20 @@ def test_a_floor_that_cannot_be_read_as_a_hint_is_added_is_logged_and_the_hint_k
         TimerIndex(store, clock).add("r", 0, BASE + 30)
     assert "timer floor: StoreUnavailableError: the floor cannot be read" in caplog.text
     assert store.head(OVERDUE) == 1, "kept where any poll finds it"
+
+
+@pytest.mark.parametrize(
+    "moved", [ConflictError("ex/ghost", 3, 4), NotSuspendedError("ghost", "running")]
+)
+def test_a_hint_whose_wake_met_another_writer_is_offered_again(moved: Exception) -> None:
+    store, clock = MemoryStore(), FakeClock(BASE)
+    TimerIndex(store, clock).add("ghost", 0, clock.now + 30)
+    clock.advance(60)
+
+    def moved_first(_entry: Any) -> bool:
+        raise moved
+
+    woken, failures = TimerIndex(store, clock).fire_due(clock.now, moved_first)
+    assert (woken, failures) == ([], [])
+    woken, _ = TimerIndex(store, clock).fire_due(clock.now, lambda _entry: True)
+    assert woken == ["ghost"], "the hint must stay for the next poll, not be dropped"
