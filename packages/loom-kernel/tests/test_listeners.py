@@ -51,3 +51,17 @@ def test_start_returns_the_run_as_its_listeners_left_it() -> None:
     box = sandbox(auto_approved, listeners=[approve_at_once])
     run = box.engine.start("auto_approved")
     assert (run.status, run.result) == (Status.COMPLETED, "yes")
+
+
+def test_a_listener_bug_is_logged_with_its_traceback_as_it_happens(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    def fragile(_engine: Engine, _execution: Execution) -> None:
+        raise ValueError("a listener bug")
+
+    engine = Engine(MemoryStore(), [waits], listeners=[fragile])
+    with caplog.at_level("ERROR", logger="loom"), pytest.raises(ValueError, match="bug"):
+        engine.start("waits", key="k")
+    (logged,) = [r for r in caplog.records if "failed" in r.getMessage()]
+    assert "on 'k' failed" in logged.getMessage()
+    assert logged.exc_info is not None, "the traceback is in the log"

@@ -291,3 +291,34 @@ def test_a_send_from_a_step_to_a_run_held_by_something_else_is_delivered_at_its_
         holder.join(10)
     assert engine.get("t").result == "hello", "delivered as the lock was released"
     assert len(parts_of(engine).driver.locks) == 0
+
+
+def test_a_send_from_a_step_whose_wake_fails_is_logged_and_the_message_kept(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The send landed; only waking the run failed (a store fault): the sending step
+    goes on, the failure is logged, and the message waits for the next delivery."""
+    from loom_kernel import StoreUnavailableError
+
+    @flow(name="inbox.notifies_flaky")
+    def notifies(ctx: Context, target: str) -> Any:
+        return ctx.step("send", lambda: ctx.engine.send(target, "hello", topic="t"))
+
+    @flow(name="inbox.listens_flaky")
+    def listens(ctx: Context, _input: Any) -> Any:
+        return ctx.receive("t")
+
+    engine = Engine(MemoryStore(), [notifies, listens], listeners=[])
+    engine.start("inbox.listens_flaky", key="t")
+    delivery = parts_of(engine).delivery
+
+    def failing(_execution_id: str, **_options: Any) -> Any:
+        raise StoreUnavailableError("the store went away")
+
+    delivery.deliver = failing  # type: ignore[method-assign,assignment]
+    with caplog.at_level(logging.WARNING, logger="loom"):
+        assert engine.start("inbox.notifies_flaky", "t", key="s").status is Status.COMPLETED
+    assert "t: a message was sent, its wake failed: the store went away" in caplog.text
+    del delivery.deliver
+    engine.recover()
+    assert engine.get("t").result == "hello"
