@@ -14,7 +14,8 @@ its line (stopping at the first failure, slow tests excluded; a line no test run
 survives without a run; a line run at import time gets the package's whole suite),
 and puts the module back. A mutant is caught when a test fails (or the run times out).
 
-Mutant ids (`package/module:line:col:operator`) are stable for a given source, so a mutant
+Mutant ids (`loom_kernel/_core/_codec.py:41:0:delete statement`: the module under its
+package's `src`, then line, column, operator) are stable for a given source, so a mutant
 judged unable to change behaviour (an equivalent mutant) can be listed in the
 `--equivalent` file and left out of the score. The score is printed with the survivors.
 Not part of CI: a run of 200 mutants takes about half an hour on two cores.
@@ -101,8 +102,13 @@ class Mutant:
     at_import: bool = False  # outside every function body: it runs as the module is imported
 
     @property
+    def module(self) -> str:
+        """The module's path in its package's source, e.g. `loom_kernel/_core/_codec.py`."""
+        return "/".join(self.path.parts[self.path.parts.index("src") + 1 :])
+
+    @property
     def id(self) -> str:
-        return f"{self.path.parent.name}/{self.path.name}:{self.line}:{self.column}:{self.operator}"
+        return f"{self.module}:{self.line}:{self.column}:{self.operator}"
 
 
 def _is_export_list(node: ast.AST) -> bool:
@@ -427,7 +433,7 @@ def _equivalents(listing: Path, mutants: list[Mutant]) -> set[str]:
     id gives. An entry that no longer matches anything is reported, not guessed.
     """
     found: set[str] = set()
-    modules = {f"{mutant.path.parent.name}/{mutant.path.name}" for mutant in mutants}
+    modules = {mutant.module for mutant in mutants}
     for number, raw in enumerate(listing.read_text().splitlines(), 1):
         if not raw.strip() or raw.lstrip().startswith("#"):
             continue
@@ -440,7 +446,7 @@ def _equivalents(listing: Path, mutants: list[Mutant]) -> set[str]:
         candidates = [
             mutant
             for mutant in mutants
-            if f"{mutant.path.parent.name}/{mutant.path.name}" == module
+            if mutant.module == module
             and mutant.column == int(column)
             and mutant.operator == operator
             and mutant.text == match["anchor"]
