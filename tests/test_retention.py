@@ -136,6 +136,7 @@ def test_sweeps_keep_what_is_not_ended_or_still_awaited(new_store: StoreFactory)
     clock.advance(10_000)
     swept = engine.gc(Retention(keep_for=0))
     assert swept.deleted == ("done",)
+    assert swept.kept == 1, "the child, past its retention but awaited, is counted kept"
     assert engine.get("parked").status is Status.SUSPENDED
     assert engine.get("queued").status is Status.RUNNING
     assert engine.get("child-of-1").status is Status.COMPLETED, "its parent may await it"

@@ -282,6 +282,10 @@ def test_a_damaged_index_record_falls_back_to_the_journals_and_is_rewritten(
     with caplog.at_level("WARNING", logger="loom"):
         assert [e.id for e in engine.executions(status="failed")] == ["f"]
     assert "listing every journal instead" in caplog.text, "the fallback is said"
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="loom"):
+        assert {run.id for run in engine.runs()} == {"p", "f"}
+    assert "listing every journal instead" in caplog.text, "so is the listing's"
     assert engine.recover() == []
     assert [hint.execution_id for hint in parts_of(engine).driver.runs.open_runs()] == [
         parked.id
