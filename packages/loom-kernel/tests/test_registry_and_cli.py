@@ -286,3 +286,21 @@ def test_loom_ls_into_a_pipe_closed_early_ends_quietly(tmp_path: Path) -> None:
     assert header.split() == [b"ID", b"FLOW", b"STATUS", b"STARTED", b"ENDED", b"WAITING", b"ON"]
     assert first.startswith(b"run-00")
     assert b"Traceback" not in err, err.decode()
+
+
+def test_loom_gc_takes_its_retention_and_blob_options(capsys: pytest.CaptureFixture[str]) -> None:
+    from loom_kernel import Engine, flow
+
+    def once(_ctx: Any, _input: object) -> int:
+        return 1
+
+    url = "memory://cli-gc"
+    engine = Engine(open_store(url), [flow(once, name="once")], listeners=[])
+    for number in range(3):
+        engine.start("once", key=f"g-{number}")
+    assert main(["gc", "--store", url, "--keep-last", "1"]) == 0
+    assert len(engine.runs(status="completed")) == 1, "the newest one kept"
+    capsys.readouterr()
+    # Parsed (not argparse's exit 2), and refused by the store: no blobs here.
+    assert main(["gc", "--store", url, "--keep-last", "1", "--blobs", "--grace", "0s"]) == 1
+    assert "the store has no blob store" in capsys.readouterr().err
