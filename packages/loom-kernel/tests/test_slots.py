@@ -55,6 +55,10 @@ def test_a_run_queued_for_a_slot_is_queued_once() -> None:
     assert not slots.submit(Task("b", _idle), queue=True), "queued already"
     assert len(slots._backlog) == 1
     assert len(submitted) == 1
+    assert slots.stats.in_flight == 1, "the stats count the run in its slot"
+    slots.next_up([Task("c", _idle)])  # handed to the slot next, ahead of the backlog
+    assert not slots.submit(Task("c", _idle), queue=True), "c is queued already"
+    assert [task.execution_id for task in slots._backlog] == ["c", "b"]
 
 
 def test_a_visit_that_raises_a_bug_is_logged_and_counted(caplog: Any) -> None:
