@@ -181,3 +181,51 @@ def test_a_damaged_queue_record_is_mended_by_a_worker(caplog: pytest.LogCaptureF
         store.read("queues/q/0")
     kinds = [record.kind for record in store.read("queues/q/0", trimmed.value.floor)]
     assert kinds[0] == "loom.queue.checkpoint", "the damage was trimmed off"
+
+
+class _TrimsRefused(MemoryStore):
+    """A store whose trims of one queue partition fail: a rewrite cannot finish."""
+
+    def trim(self, stream: str, before: int) -> None:
+        if stream == "queues/q/0":
+            raise StoreUnavailableError("trims are refused here")
+        super().trim(stream, before)
+
+
+def test_a_damaged_partition_that_cannot_be_mended_is_said_and_each_meeting_counted_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = _TrimsRefused()
+    engine = _engine(store, Queue("q"))
+    head = store.head("queues/q/0")
+    store.append("queues/q/0", head, [NewRecord("loom.queue.add", b"{not json", 0.0)])
+    with caplog.at_level("WARNING", logger="loom"), Worker(engine, idle_poll=0.01) as worker:
+        deadline = time.monotonic() + 10
+        while worker.stats.failures < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert any(m.startswith("loom: queue q/0 not mended: ") for m in caplog.messages)
+    said = [m for m in caplog.messages if m.startswith("loom: queue q/0: ")]
+    assert worker.stats.failures == len(said), "one failure for each time the damage is met"
+
+
+class _PartitionAway(MemoryStore):
+    """A store whose reads of one queue partition fail (a store fault, not damage)."""
+
+    def _read(self, stream: str, after: int, limit: int | None) -> list[Any]:
+        if stream == "queues/q/0":
+            raise StoreUnavailableError("this partition is away")
+        return super()._read(stream, after, limit)
+
+
+def test_a_partition_the_store_cannot_read_is_said_and_each_meeting_counted_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    store = _PartitionAway()
+    engine = _engine(store, Queue("q"))
+    with caplog.at_level("WARNING", logger="loom"), Worker(engine, idle_poll=0.01) as worker:
+        deadline = time.monotonic() + 10
+        while worker.stats.failures < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    said = [m for m in caplog.messages if m.startswith("loom: queue q/0: this partition")]
+    assert said, "the fault is said, with the partition"
+    assert worker.stats.failures == len(said), "one failure for each time the fault is met"
