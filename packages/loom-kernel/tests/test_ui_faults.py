@@ -1,6 +1,6 @@
-"""The web view's own faults, served in this process: a page that fails is a 500 that
-says so and is logged (never a dropped answer), and `loom ui` on a port another
-process holds is one line and status 1."""
+"""The web view in this process: a page that fails is a 500 that says so and is logged
+(never a dropped answer), `loom ui` on a port another process holds is one line and
+status 1, the run list's start filter, and a tree of runs cut at the page's depth."""
 
 from __future__ import annotations
 
@@ -54,3 +54,45 @@ def test_loom_ui_on_a_port_already_taken_is_one_line(
         )
         assert _ui._run(args) == 1
     assert f"loom: cannot serve on 127.0.0.1:{args.port}:" in capsys.readouterr().err
+
+
+def _site_of(engine: Any) -> Any:
+    from loom_kernel._hosting._ui_pages import Site
+
+    return Site(engine, None)
+
+
+def test_the_run_list_since_a_moment_shows_the_runs_started_since() -> None:
+    from loom_kernel import Engine, flow
+    from loom_kernel._hosting._ui_pages import runs_page
+
+    @flow(name="ui.quick")
+    def quick(_ctx: Any, _input: Any) -> int:
+        return 1
+
+    engine = Engine(MemoryStore(), [quick], listeners=[])
+    engine.start("ui.quick", key="recent-run")
+    shown = runs_page(_site_of(engine), {"since": ["1d"]})
+    assert "recent-run" in shown, "a run started within the day is listed"
+
+
+def test_a_tree_deeper_than_the_page_shows_is_cut_not_failed() -> None:
+    from loom_kernel import Engine, flow
+    from loom_kernel._hosting._ui_pages import TREE_DEPTH, run_page
+
+    @flow(name="ui.leaf")
+    def leaf(_ctx: Any, _input: Any) -> int:
+        return 1
+
+    engine = Engine(MemoryStore(), [leaf], listeners=[])
+    run = "root"
+    engine.start("ui.leaf", key=run)
+    for _ in range(TREE_DEPTH + 2):
+        child = f"{run}/c"
+        engine.start("ui.leaf", key=child, parent=run)
+        run = child
+    shown = run_page(_site_of(engine), "root")
+    assert "root/c/c" in shown
+    assert "root" + "/c" * (TREE_DEPTH + 2) not in shown, "cut at the page's depth"
+    assert "</span></li>" in shown, "the deepest run shown has nothing under it"
+    assert "None" not in shown
