@@ -1,0 +1,52 @@
+"""The blob store's public face (`BlobStore`, here `MemoryBlobs` and `FsspecBlobs` on a
+folder): every key is checked before it becomes a path or an object key, and a store
+with nothing half written has no leftovers to count."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from loom_kernel.spi import BlobStore, FsspecBlobs, InvalidIdError, MemoryBlobs
+
+BAD_KEYS: tuple[Any, ...] = ("../escape", "sha256:../../x", "sha256:" + "A" * 64, "", None, 7)
+
+
+def _memory(_folder: Path) -> BlobStore:
+    return MemoryBlobs()
+
+
+def _folder(folder: Path) -> BlobStore:
+    return FsspecBlobs(f"file://{folder}")
+
+
+@pytest.fixture(params=[_memory, _folder], ids=["memory", "fsspec"])
+def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
+    make: Callable[[Path], BlobStore] = request.param
+    return make(tmp_path / "blobs")
+
+
+@pytest.mark.parametrize("key", BAD_KEYS)
+def test_every_call_checks_its_key_first(blobs: BlobStore, key: Any) -> None:
+    calls: list[Callable[[], object]] = [
+        lambda: blobs.put(key, b"x"),
+        lambda: blobs.get(key),
+        lambda: blobs.exists(key),
+        lambda: blobs.delete(key),
+        lambda: blobs.discard(key),
+        lambda: blobs.restore(key),
+        lambda: blobs.purge(key),
+    ]
+    for call in calls:
+        with pytest.raises(InvalidIdError):
+            call()
+
+
+def test_a_blob_reads_back_and_nothing_is_left_half_written(blobs: BlobStore) -> None:
+    key = "sha256:" + hashlib.sha256(b"payload").hexdigest()
+    blobs.put(key, b"payload")
+    assert blobs.get(key) == b"payload"
+    assert blobs.remove_leftovers(float("inf")) == 0
