@@ -5,6 +5,7 @@ with nothing half written has no leftovers to count."""
 from __future__ import annotations
 
 import hashlib
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -50,3 +51,18 @@ def test_a_blob_reads_back_and_nothing_is_left_half_written(blobs: BlobStore) ->
     blobs.put(key, b"payload")
     assert blobs.get(key) == b"payload"
     assert blobs.remove_leftovers(float("inf")) == 0
+
+
+def test_a_discarded_blob_is_in_the_trash_since_the_moment_it_was_discarded(
+    blobs: BlobStore,
+) -> None:
+    """The collector purges the trash a grace after each discard: a discard's time read
+    back wrong (late or early by a fraction) would purge too soon, or never."""
+    key = "sha256:" + hashlib.sha256(b"old").hexdigest()
+    blobs.put(key, b"old")
+    before = time.time()
+    blobs.discard(key)
+    after = time.time()
+    ((trashed, at),) = list(blobs.trashed())
+    assert trashed == key
+    assert before - 0.002 <= at <= after + 0.002
