@@ -53,7 +53,7 @@ def tolerant(ctx: Context, _input: Any) -> Any:
     try:
         await_child(ctx, broken, None)
     except ChildFailedError as exc:
-        return {"caught": exc.error_type, "message": exc.error_message}
+        return {"caught": exc.error_type, "message": exc.error_message, "said": str(exc)}
     return "unreachable"
 
 
@@ -125,6 +125,7 @@ def test_child_failure_and_cancellation_reach_the_parent() -> None:
     assert engine.start("tolerant", key="t").result == {
         "caught": "ValueError",
         "message": "card declined",
+        "said": "child 't/c0' failed: ValueError: card declined",
     }
     engine.start("cancel_tolerant", key="ct")
     engine.cancel("ct/c0", "no longer needed")
