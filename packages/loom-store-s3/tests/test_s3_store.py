@@ -760,3 +760,27 @@ def test_large_payloads_in_the_batches_without_blobs(moto_server: Any) -> None:
     store.append("big", 0, [NewRecord("k", payload, 1.0), NewRecord("k", b"small", 2.0)])
     assert [r.payload for r in store.read("big")] == [payload, b"small"]
     store.close()
+
+
+def test_the_bucket_blob_store_lists_trashes_restores_and_purges(moto_server: Any) -> None:
+    """The blobs of a store on S3 (beside its journals, under the store's prefix): what
+    the collector walks (`entries`, `trashed`) and what it does to a blob."""
+    import hashlib
+
+    store = moto_server.store()
+    blobs = store.blobs
+    assert blobs is not None
+    key = "sha256:" + hashlib.sha256(b"a blob").hexdigest()
+    blobs.put(key, b"a blob")
+    assert [name for name, _at in blobs.entries()] == [key]
+    blobs.discard(key)
+    assert list(blobs.entries()) == []
+    assert [name for name, _at in blobs.trashed()] == [key]
+    assert blobs.get(key) == b"a blob", "a read brings a trashed blob back"
+    assert ([n for n, _ in blobs.entries()], list(blobs.trashed())) == ([key], [])
+    blobs.discard(key)
+    assert blobs.restore(key)
+    blobs.discard(key)
+    blobs.purge(key)
+    assert (list(blobs.entries()), list(blobs.trashed())) == ([], [])
+    assert not blobs.restore(key), "nothing is left to bring back"

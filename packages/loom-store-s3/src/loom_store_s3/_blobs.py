@@ -70,9 +70,9 @@ class BucketBlobs(BlobStore):
         self._transport.delete([self._key(key)])
 
     def _in_trash(self, key: str) -> list[str]:
-        base = self._root + "trash/"
-        digest = key.removeprefix("sha256:")
-        return sorted(base + name for name, _at in self._listed(base + digest + "."))
+        """The keys of the blob's copies in the trash, oldest first."""
+        copies = self._root + "trash/" + key.removeprefix("sha256:") + "."
+        return sorted(copies + stamp for stamp, _at in self._listed(copies))
 
     def _restore(self, key: str) -> bool:
         copies = self._in_trash(key)
