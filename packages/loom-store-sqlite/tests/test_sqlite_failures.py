@@ -10,9 +10,15 @@ from typing import Any
 
 import pytest
 from loom_kernel import Context, Engine, flow, open_store
-from loom_kernel.spi import NewRecord, SchemaError, StoreMisconfiguredError, StoreUnavailableError
+from loom_kernel.spi import (
+    LoomError,
+    NewRecord,
+    SchemaError,
+    StoreMisconfiguredError,
+    StoreUnavailableError,
+)
 from loom_store_sqlite import SqliteStore, open_sqlite_store
-from loom_store_sqlite.testing import open_connections
+from loom_store_sqlite.testing import open_connections, raw_connection
 
 
 def _records(count: int, tag: str = "r") -> list[NewRecord]:
@@ -121,3 +127,26 @@ def test_a_database_whose_tables_are_gone_fails_each_call_with_the_stores_error(
     with pytest.raises(StoreUnavailableError, match=f"{says}: no such table"):
         call(store)
     store.close()
+
+
+def test_an_authorizer_that_refuses_is_a_misconfiguration_that_says_so(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "auth.db"))
+    try:
+        raw_connection(store).set_authorizer(lambda *_args: sqlite3.SQLITE_DENY)
+        with pytest.raises(StoreMisconfiguredError, match="an authorizer"):
+            store.read("s")
+    finally:
+        raw_connection(store).set_authorizer(None)
+        store.close()
+
+
+def test_a_row_of_a_kind_no_kind_has_is_an_error_not_a_record(tmp_path: Path) -> None:
+    store = SqliteStore(str(tmp_path / "kinds.db"))
+    try:
+        store.append("s", 0, _records(1))
+        connection = raw_connection(store)
+        connection.execute("UPDATE loom_rows SET kind = 999")
+        with pytest.raises(LoomError, match="kind number 999"):
+            store.read("s")
+    finally:
+        store.close()
