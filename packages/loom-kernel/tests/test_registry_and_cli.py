@@ -294,10 +294,17 @@ def test_loom_gc_takes_its_retention_and_blob_options(capsys: pytest.CaptureFixt
     def once(_ctx: Any, _input: object) -> int:
         return 1
 
+    def waits(ctx: Any, _input: object) -> Any:
+        return ctx.receive()
+
     url = "memory://cli-gc"
     engine = Engine(open_store(url), [flow(once, name="once")], listeners=[])
     for number in range(3):
         engine.start("once", key=f"g-{number}")
+    parked = Engine(open_store(url), [flow(waits, name="waits")], listeners=[])
+    parked.start("waits", key="w")
+    assert main(["send", "w", '"hello"', "--store", url]) == 0, "a send that landed is a 0"
+    assert "w: message 1 in its inbox" in capsys.readouterr().out
     assert main(["gc", "--store", url, "--keep-last", "1"]) == 0
     assert len(engine.runs(status="completed")) == 1, "the newest one kept"
     capsys.readouterr()
