@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 from chain_helpers import FLOWS, receipts
-from loom_kernel import Context, Engine, InvalidArgumentError, MemoryStore, Status, flow
+from loom_kernel import (
+    Context,
+    Engine,
+    InvalidArgumentError,
+    MemoryStore,
+    SchemaError,
+    Status,
+    flow,
+)
 from loom_kernel.testing import Interleaving
 from loom_orchestration import (
     chain_runs,
@@ -156,3 +164,16 @@ def test_a_second_rotate_in_one_run_fails_the_run() -> None:
     assert run.status is Status.FAILED
     assert run.error is not None
     assert "rotated already" in run.error.message
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [b"{not json", b'{"kind": "message"}', b'{"kind": "gift", "name": null, "key": null}'],
+)
+def test_a_damaged_chain_inbox_item_is_a_schema_error_naming_where(payload: bytes) -> None:
+    from loom_kernel.spi import Record
+    from loom_orchestration._chains._inbox import KIND, _decode
+
+    with pytest.raises(SchemaError, match="a damaged chain inbox item") as caught:
+        _decode(Record(3, KIND, payload, 1.0), "chain-inbox/c")
+    assert (caught.value.stream, caught.value.position) == ("chain-inbox/c", 3)

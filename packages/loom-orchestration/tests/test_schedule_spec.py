@@ -149,3 +149,11 @@ def test_the_longest_name_still_names_valid_runs() -> None:
     name = "x" * MAX_NAME_LENGTH
     create_schedule(engine, name, "f", cron="* * * * *")
     Engine.stream_of(run_id(name, _utc(2026, 12, 7, 3, 4, 5) + 0.123))  # a valid id
+
+
+@pytest.mark.parametrize("flow_name", ["", None, 7])
+def test_a_schedule_of_no_flow_name_is_refused(flow_name: Any) -> None:
+    engine = Engine(MemoryStore(), [], listeners=[])
+    with pytest.raises(InvalidArgumentError, match="a schedule's flow is a flow name"):
+        create_schedule(engine, "s", flow_name, cron="* * * * *")
+    assert engine.store.streams() == []
