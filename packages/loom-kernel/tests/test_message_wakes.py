@@ -256,22 +256,30 @@ def test_a_resume_from_a_step_waits_half_a_lease_for_a_run_another_drive_holds()
     assert issubclass(RunBusyError, LoomError)
 
 
+@flow(name="inbox.notifies")
+def notifies(ctx: Context, target: str) -> Any:
+    return ctx.step("send", lambda: ctx.engine.send(target, "hello", topic="t"))
+
+
+@flow(name="inbox.listens_once")
+def listens_once(ctx: Context, _input: Any) -> Any:
+    return ctx.receive("t")
+
+
+def _sender_and_its_target() -> Engine:
+    """An engine whose run "t" is parked at its receive, and that hosts a flow whose
+    step sends to a run."""
+    engine = Engine(MemoryStore(), [notifies, listens_once], listeners=[])
+    engine.start("inbox.listens_once", key="t")
+    return engine
+
+
 def test_a_send_from_a_step_to_a_run_held_by_something_else_is_delivered_at_its_release() -> None:
     """The target is parked at its receive, its lock held by something that will not
     read its inbox (a migration's replay, say): the send does not wait, and the
     message is delivered by whoever releases the lock, with no worker running."""
     released, holding = threading.Event(), threading.Event()
-
-    @flow(name="inbox.notifies")
-    def notifies(ctx: Context, target: str) -> Any:
-        return ctx.step("send", lambda: ctx.engine.send(target, "hello", topic="t"))
-
-    @flow(name="inbox.listens_once")
-    def listens_once(ctx: Context, _input: Any) -> Any:
-        return ctx.receive("t")
-
-    engine = Engine(MemoryStore(), [notifies, listens_once], listeners=[])
-    engine.start("inbox.listens_once", key="t")
+    engine = _sender_and_its_target()
 
     def hold_it() -> None:
         with parts_of(engine).driver.locks.hold("t"):
@@ -300,16 +308,7 @@ def test_a_send_from_a_step_whose_wake_fails_is_logged_and_the_message_kept(
     goes on, the failure is logged, and the message waits for the next delivery."""
     from loom_kernel import StoreUnavailableError
 
-    @flow(name="inbox.notifies_flaky")
-    def notifies(ctx: Context, target: str) -> Any:
-        return ctx.step("send", lambda: ctx.engine.send(target, "hello", topic="t"))
-
-    @flow(name="inbox.listens_flaky")
-    def listens(ctx: Context, _input: Any) -> Any:
-        return ctx.receive("t")
-
-    engine = Engine(MemoryStore(), [notifies, listens], listeners=[])
-    engine.start("inbox.listens_flaky", key="t")
+    engine = _sender_and_its_target()
     delivery = parts_of(engine).delivery
 
     def failing(_execution_id: str, **_options: Any) -> Any:
@@ -317,7 +316,7 @@ def test_a_send_from_a_step_whose_wake_fails_is_logged_and_the_message_kept(
 
     delivery.deliver = failing  # type: ignore[method-assign,assignment]
     with caplog.at_level(logging.WARNING, logger="loom"):
-        assert engine.start("inbox.notifies_flaky", "t", key="s").status is Status.COMPLETED
+        assert engine.start("inbox.notifies", "t", key="s").status is Status.COMPLETED
     assert "t: a message was sent, its wake failed: the store went away" in caplog.text
     del delivery.deliver
     engine.recover()
