@@ -295,11 +295,11 @@ def _approve_gated(engine: Engine, waiting: set[str]) -> None:
 def test_worker_processes_killed_at_random_end_every_run_and_journal_no_step_twice(
     target: _Target, tmp_path: Path, kills: int
 ) -> None:
-    """3 `loom worker` processes drive a few hundred runs with steps, timers, gates and
+    """3 `loom worker` processes drive 200 runs (80 on RGW) with steps, timers, gates and
     children while workers are SIGKILLed (and replaced) at random: every run ends, no
     step is journaled twice, and a side effect repeats only for a step in flight at a
     kill (at most the concurrency per kill); with no kill, none repeats."""
-    runs = 200
+    runs = 200 if target.url.startswith(("sqlite", "postgres")) else 80  # 200 took 100 s
     side = tmp_path / "side-effects.txt"
     side.touch()
     rng = random.Random(20261202 + kills)

@@ -23,7 +23,7 @@ from loom_orchestration import create_schedule, get_schedule, pause_schedule
 from process_targets import Target, loom_worker, make_target
 
 HERE = Path(__file__).parent
-CHAOS_SECONDS = 60.0
+CHAOS_SECONDS = 40.0
 
 
 @pytest.fixture(params=["sqlite", "rgw", "postgres"])
