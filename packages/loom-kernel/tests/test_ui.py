@@ -201,6 +201,11 @@ def test_actions_need_the_views_token_and_its_own_origin(acting: str) -> None:
     )
     assert code == 400
     assert "is JSON" in refused
+    for step in ("x", "1.5", "-1"):
+        code, refused, _ = _post(
+            acting + "runs/order-7/retry", {"token": token[1], "from_step": step}
+        )
+        assert (code, "from_step is a whole number" in refused) == (400, True), step
 
 
 def test_the_queues_page_shows_limits_and_what_waits(acting: str, site: str) -> None:

@@ -158,6 +158,14 @@ def test_a_run_named_like_the_chains_but_started_by_hand_is_not_routed_to() -> N
     assert [m.message for m in e.inbox("h@2")] == ["c"]
 
 
+def test_a_run_started_by_hand_under_the_next_number_is_not_listed_as_the_chains() -> None:
+    e = _engine()
+    start_chain(e, "n", "chain.pairs", {"limit": 9, "got": []})
+    e.start("chain.relay", {"not": "a chain run"}, key="n@2")
+    assert [run.id for run in chain_runs(e, "n")] == ["n@1"]
+    assert current_run(e, "n").id == "n@1"
+
+
 def test_a_second_rotate_in_one_run_fails_the_run() -> None:
     e = _engine()
     run = start_chain(e, "t", "chain.twice")

@@ -128,6 +128,25 @@ def test_a_gate_is_re_established_by_the_successor_and_a_chain_resume_reaches_it
     assert current_run(e, "late").result == {"kind": "timeout", "name": None, "value": None}
 
 
+def test_a_gate_without_a_deadline_is_handed_on_and_a_bad_deadline_fails_the_rotation() -> None:
+    e = _engine()
+    start_chain(e, "open", "chain.gated", {"deadline": None})
+    successor = current_run(e, "open")
+    assert (successor.id, successor.status, successor.wake_at) == (
+        "open@2",
+        Status.SUSPENDED,
+        None,
+    ), "parked at the gate with no timer"
+    resume_chain(e, "open", "yes", on="approve")
+    assert current_run(e, "open").result == {"kind": "gate", "name": "approve", "value": "yes"}
+    for number, deadline in enumerate(["soon", True, [1600.0]]):
+        start_chain(e, f"bad{number}", "chain.gated", {"deadline": deadline})
+        (run,) = chain_runs(e, f"bad{number}")
+        assert run.status is Status.FAILED, deadline
+        assert run.error is not None
+        assert "a suspension's deadline is Unix seconds or None" in run.error.message
+
+
 def test_a_chain_resume_waits_for_a_run_parked_at_its_gate() -> None:
     e = _engine()
     start_chain(e, "w", "chain.relay")

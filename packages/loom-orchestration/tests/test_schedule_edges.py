@@ -6,11 +6,13 @@ damaged record is reported, listed around and deletable."""
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from typing import Any
 
 import pytest
-from loom_kernel import InvalidArgumentError, MemoryStore, SchemaError, Status
+from loom_kernel import ConflictError, InvalidArgumentError, MemoryStore, SchemaError, Status
 from loom_kernel.spi import NewRecord, Record
 from loom_kernel.testing import FakeClock
 from loom_orchestration import (
@@ -27,6 +29,21 @@ from loom_orchestration._schedules import _poller
 from loom_orchestration._schedules._api import scan_schedules
 from loom_orchestration._schedules._poller import SchedulePoller
 from schedule_helpers import BASE, engine, runs_of
+
+
+class CountsConflicts(MemoryStore):
+    """A store that counts the appends refused for a conflict, per stream."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conflicts: Counter[str] = Counter()
+
+    def append(self, stream: str, expected: int, *args: Any, **kwargs: Any) -> int:
+        try:
+            return super().append(stream, expected, *args, **kwargs)
+        except ConflictError:
+            self.conflicts[stream] += 1
+            raise
 
 
 class BrokenReads(MemoryStore):
@@ -126,6 +143,33 @@ def test_a_trigger_never_takes_a_ticks_id_and_two_in_a_millisecond_are_two_runs(
     assert "sched/s@2026-12-07T00:01:00Z" in [run.id for run in runs]
     assert len(runs) == get_schedule(e, "s").counts.started == 3
     assert e.get("sched/s@2026-12-07T00:01:00.000Z").input["tick"] == "2026-12-07T00:01:00.000Z"
+
+
+def test_a_trigger_of_a_schedule_made_again_in_the_same_millisecond_is_a_new_run() -> None:
+    """The old schedule's trigger run is in no state of the new one: its id is seen
+    taken in the store."""
+    clock = FakeClock(BASE)
+    e = engine(MemoryStore(), clock)
+    create_schedule(e, "s", "tick", cron="0 0 1 1 *", overlap="allow_all", input="old")
+    clock.advance(30)
+    assert trigger_schedule(e, "s") == "sched/s@2026-12-07T00:01:00.000Z"
+    delete_schedule(e, "s")
+    create_schedule(e, "s", "tick", cron="0 0 1 1 *", overlap="allow_all", input="new")
+    again = trigger_schedule(e, "s")
+    assert again == "sched/s@2026-12-07T00:01:00.001Z"
+    assert again is not None
+    assert e.get(again).input["input"] == "new"
+
+
+def test_one_fire_deciding_many_ticks_never_conflicts_with_its_own_appends() -> None:
+    """Each decision is appended at the head the last one left: a fire alone in the
+    store meets no conflict, however many ticks it catches up."""
+    store, clock = CountsConflicts(), FakeClock(BASE)
+    e = engine(store, clock)
+    create_schedule(e, "s", "tick", cron="* * * * * *", overlap="allow_all")
+    clock.advance(250)  # 250 ticks: three decisions (each starts at most 100)
+    assert len(fire_due_schedules(e)) == 250
+    assert store.conflicts == Counter()
 
 
 def test_a_backfill_over_a_tick_due_now_starts_it_once() -> None:
