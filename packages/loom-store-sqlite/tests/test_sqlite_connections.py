@@ -277,6 +277,35 @@ def test_a_store_does_not_cross_a_fork_its_child_is_refused_at_each_call(
     assert _run_script(script) == "0 1 2"
 
 
+def test_a_store_closed_in_a_forked_child_never_frees_its_parents_connections(
+    tmp_path: Path,
+) -> None:
+    """A connection freed in the child would run SQLite's close there, on the parent's
+    file and its shared WAL index: the child's close keeps every inherited connection
+    alive (never freed, so never closed), however the store is dropped."""
+    script = f"""
+        import gc, os, sqlite3
+        from loom_kernel.spi import NewRecord
+        from loom_store_sqlite import SqliteStore
+        store = SqliteStore({str(tmp_path / "kept.db")!r})
+        store.append("p", 0, [NewRecord("k", b"1", 1.0)])
+        def connections():
+            gc.collect()
+            return sum(isinstance(o, sqlite3.Connection) for o in gc.get_objects())
+        pid = os.fork()
+        if pid == 0:
+            before = connections()
+            store.close()
+            store.close()
+            del store
+            os._exit(0 if connections() == before > 0 else 1)
+        _, status = os.waitpid(pid, 0)
+        store.append("p", 1, [NewRecord("k", b"2", 1.0)])
+        print(os.waitstatus_to_exitcode(status), store.head("p"))
+        """
+    assert _run_script(script) == "0 2"
+
+
 def test_a_database_open_when_the_process_forked_is_refused_to_the_childs_new_stores(
     tmp_path: Path,
 ) -> None:
