@@ -4,6 +4,7 @@ refuses inside a group fails alone, the others landing."""
 
 from __future__ import annotations
 
+import secrets
 import threading
 from typing import Any
 
@@ -212,4 +213,35 @@ def test_a_row_lock_held_elsewhere_fails_only_its_own_append_of_a_group(
     assert batch[1].error is None
     assert store.head("y") == 1
     assert store.head("x") == 1
+    store.close()
+
+
+def test_a_group_whose_commit_fails_as_lost_is_never_applied_again_on_its_connection(
+    postgres_server: PostgresServer,
+) -> None:
+    """A group's COMMIT fails with a lost-connection error while the connection still
+    reads as open: the connection cannot be trusted, so no append of the group goes
+    again alone on it (as after an append's own error); each confirms by its commit id,
+    and none landed."""
+    import psycopg
+    from loom_kernel.spi import AmbiguousWriteError
+
+    schema = f"lost_{secrets.token_hex(4)}"
+    store = postgres_server.store(schema)
+    with psycopg.connect(postgres_server.url, autocommit=True) as admin:
+        # Test scaffolding: a COMMIT holding a "zz-lost" record fails as a server shut
+        # down does (SQLSTATE 57P01), the connection left open.
+        admin.execute(
+            f"CREATE FUNCTION {schema}.lost_commit() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN RAISE EXCEPTION 'as if shut down' USING ERRCODE = '57P01'; END $$; "
+            f"CREATE CONSTRAINT TRIGGER lost AFTER INSERT ON {schema}.loom_records "
+            "DEFERRABLE INITIALLY DEFERRED FOR EACH ROW "
+            f"WHEN (NEW.stream = 'zz-lost') EXECUTE FUNCTION {schema}.lost_commit()"
+        )
+    group = [_pending(store, "pair", 0), _pending(store, "pair", 1), _pending(store, "zz-lost", 0)]
+    store._commit_group(group)
+    assert [type(append.error) for append in group] == [AmbiguousWriteError] * 3
+    assert (store.head("pair"), store.head("zz-lost")) == (0, 0), "applied again alone"
+    store.append("pair", 0, _record("after"))  # the store goes on
+    assert store.head("pair") == 1
     store.close()
