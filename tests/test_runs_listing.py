@@ -218,6 +218,11 @@ def test_runs_agree_with_the_journals(steps: Sequence[tuple[str, bool]]) -> None
         if flow_name == "list.parks" and settle:
             engine.resume(f"run-{number:02d}", "yes", on="approve")
     for reader in (engine, _engine(store, clock)):
-        listed = {run.id: (run.status, run.flow, run.parent) for run in reader.runs()}
+        runs = reader.runs()
+        listed = {run.id: (run.status, run.flow, run.parent) for run in runs}
         truth = {e.id: (e.status, e.flow, e.parent) for e in reader.executions()}
         assert listed == truth
+        newest_first = sorted(
+            runs, key=lambda run: (run.started_at is None, -(run.started_at or 0.0), run.id)
+        )
+        assert runs == newest_first, "newest start first, ties by id, unknown starts last"

@@ -38,12 +38,14 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Final, NamedTuple
 
 import attrs
 
+from loom_kernel._coordination._filed import decode_filed
 from loom_kernel._coordination._streams import StreamFolds, retained
 from loom_kernel._core import ConflictError, LoomError, NewRecord, Record, SchemaError, Status
 from loom_kernel._spi import JournalStore
@@ -115,15 +117,17 @@ Closing = tuple[float, int, float | None, str | None]
 
 class EndedEntry(NamedTuple):
     """An ended run as the index files it (see `RunIndex.ended_entries`): a named
-    tuple, as a listing makes one per ended run in the store."""
+    tuple, as a listing makes one per ended run in the store, with the fields of the
+    engine's `RunSummary` in its order (so a listing makes a summary of it as it is)."""
 
     execution_id: str
-    status: Status
     flow: str
-    ended_at: float
-    generation: int
+    status: Status
     started_at: float | None
+    ended_at: float
+    waiting_on: None  # an ended run waits on nothing
     parent: str | None
+    generation: int
 
 
 @attrs.define
@@ -323,18 +327,38 @@ class RunIndex:
         the status streams, then the runs closed but not moved yet. An id may repeat
         (a run filed twice, or two runs of one id); an entry an older Loom filed has
         no start time or parent (None) and gives the time it was filed as its end."""
+        new = tuple.__new__  # EndedEntry's own __new__ costs a Python call a run
         for partition in self.partitions():
             for status in ENDED:
                 stream = _ended_stream(status, partition)
                 for record in retained(self._store, stream) or []:
-                    for entry in _entries(record, stream):
-                        yield _ended_entry(entry, status, record.timestamp)
+                    filed = decode_filed(record.payload)
+                    if filed is None:  # no msgspec, or a batch only the checks can judge
+                        for entry in _entries(record, stream):
+                            yield _ended_entry(entry, status, record.timestamp)
+                        continue
+                    filed_at = record.timestamp
+                    for run in filed:
+                        at = filed_at if math.isnan(run.at) else run.at
+                        yield new(
+                            EndedEntry,
+                            (
+                                run.id,
+                                run.flow,
+                                status,
+                                run.started,
+                                at,
+                                None,
+                                run.parent,
+                                run.generation,
+                            ),
+                        )
             found = self._folds.read(_open_stream(partition))
             for execution_id, status, flow in found.closed.values():
                 at, generation, started, parent = found.closed_at.get(
                     execution_id, (self._clock(), 1, None, None)
                 )
-                yield EndedEntry(execution_id, status, flow, at, generation, started, parent)
+                yield EndedEntry(execution_id, flow, status, started, at, None, parent, generation)
 
     def ended_in(self, partition: str) -> Iterator[tuple[str, Status, float, int]]:
         """(id, status, when it was closed, generation) of the runs one partition files
@@ -467,7 +491,7 @@ def _ended_entry(entry: list[Any], status: Status, filed_at: float) -> EndedEntr
     generation = int(entry[3]) if len(entry) > 3 else 1
     started = None if len(entry) <= 4 or entry[4] is None else float(entry[4])
     parent = None if len(entry) <= 5 else entry[5]
-    return EndedEntry(str(entry[0]), status, str(entry[1]), at, generation, started, parent)
+    return EndedEntry(str(entry[0]), str(entry[1]), status, started, at, None, parent, generation)
 
 
 def _entries(record: Record, stream: str) -> list[list[Any]]:

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import datetime
+from operator import itemgetter
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Final
 
 from loom_kernel._coordination import (
     ENDED,
-    EndedEntry,
     execution_ids,
     first_timestamp,
     last_record,
@@ -51,6 +52,16 @@ from loom_kernel._replay import consumed_positions
 __all__ = ["EventLooks", "Reading"]
 
 logger = logging.getLogger("loom")
+
+#: A run as a listing holds it until it is returned: `RunSummary`'s fields, in order.
+_Row = tuple[str, str, Status, float | None, float | None, str | None, str | None, int]
+_ID: Final = itemgetter(0)
+
+
+def _newest_first(row: _Row) -> float:
+    """A sort key: the later a run started the smaller; a run of no known start last."""
+    began = row[3]
+    return math.inf if began is None else -began
 
 
 class Reading:
@@ -142,37 +153,44 @@ class Reading:
             isinstance(limit, bool) or not isinstance(limit, int) or limit < 0
         ):
             raise InvalidArgumentError(f"limit is an int >= 0 or None, not {limit!r}")
-        found = self._summaries(prefix, wanted is None or bool(wanted - set(ENDED)), unreadable)
-        kept = [
-            run
-            for run in found
-            if (wanted is None or run.status in wanted)
-            and (flow is None or run.flow == flow)
-            and (moment is None or (run.started_at is not None and run.started_at >= moment))
-        ]
-        kept.sort(key=lambda run: (run.started_at is None, -(run.started_at or 0.0), run.id))
-        return kept if limit is None else kept[:limit]
+        rows = self._summaries(prefix, wanted is None or bool(wanted - set(ENDED)), unreadable)
+        if wanted is not None or flow is not None or moment is not None:
+            rows = [
+                row
+                for row in rows
+                if (wanted is None or row[2] in wanted)
+                and (flow is None or row[1] == flow)
+                and (moment is None or (row[3] is not None and row[3] >= moment))
+            ]
+        # Newest start first, runs of no known start last, ties by id: two sorts, each
+        # by a key cheaper than one tuple made per run (the sort is stable).
+        rows.sort(key=_ID)
+        rows.sort(key=_newest_first)
+        return [RunSummary(*row) for row in (rows if limit is None else rows[:limit])]
 
     def _summaries(
         self,
         prefix: str,
         open_wanted: bool,
         unreadable: Callable[[str, SchemaError], None] | None,
-    ) -> Iterator[RunSummary]:
-        """Every run whose id starts with `prefix`: an ended run as the run index files
-        it, an open one (and every run of a store not indexed yet) from its journal."""
+    ) -> list[_Row]:
+        """Every run whose id starts with `prefix`, as a row of `RunSummary`'s fields:
+        an ended run as the run index files it, an open one (and every run of a store
+        not indexed yet) from its journal."""
         driver = self._driver
         runs = driver.runs
         try:
             indexed = runs.built()
-            ended: dict[str, EndedEntry] = {}
+            ended: dict[str, _Row] = {}
             started: dict[str, float | None] = {}
             if indexed:
                 for entry in runs.ended_entries():
-                    if entry.execution_id.startswith(prefix):
-                        known = ended.get(entry.execution_id)
-                        if known is None or known.generation <= entry.generation:
-                            ended[entry.execution_id] = entry
+                    execution_id = entry[0]
+                    if prefix and not execution_id.startswith(prefix):
+                        continue
+                    known = ended.setdefault(execution_id, entry)
+                    if known is not entry and known[7] <= entry[7]:  # the later generation
+                        ended[execution_id] = entry
                 for hint in runs.open_runs():
                     if hint.execution_id.startswith(prefix):
                         started[hint.execution_id] = hint.started
@@ -181,33 +199,25 @@ class Reading:
             indexed = False
         if not indexed:
             ended, started = {}, dict.fromkeys(execution_ids(driver.store, prefix))
-        for entry in ended.values():
-            if entry.execution_id in started:
-                continue  # open again (a later run of the id): its journal tells
-            began = entry.started_at
-            if began is None:  # filed by an older Loom: its first record tells
-                began = first_timestamp(driver.store, stream_of(entry.execution_id))
-            yield RunSummary(
-                entry.execution_id,
-                entry.flow,
-                entry.status,
-                began,
-                entry.ended_at,
-                None,
-                entry.parent,
-                entry.generation,
-            )
+        for execution_id in started.keys() & ended.keys():
+            del ended[execution_id]  # open again (a later run of the id): its journal tells
+        rows = list(ended.values())
+        for number, row in enumerate(rows):
+            if row[3] is None:  # filed by an older Loom: its first record tells
+                began = first_timestamp(driver.store, stream_of(row[0]))
+                rows[number] = (*row[:3], began, *row[4:])
         for execution_id, began in started.items():
             summary = self._summary_of(execution_id, began, unreadable)
-            if summary is not None and (open_wanted or summary.status.finished):
-                yield summary
+            if summary is not None and (open_wanted or summary[2].finished):
+                rows.append(summary)
+        return rows
 
     def _summary_of(
         self,
         execution_id: str,
         began: float | None,
         unreadable: Callable[[str, SchemaError], None] | None,
-    ) -> RunSummary | None:
+    ) -> _Row | None:
         """A run as its journal tells it; None when there is no such run."""
         driver = self._driver
         try:
@@ -226,7 +236,7 @@ class Reading:
         if execution.status.finished:
             last = last_record(driver.store, stream)
             ended_at = None if last is None else last.timestamp
-        return RunSummary(
+        return (
             execution.id,
             execution.flow,
             execution.status,
