@@ -806,3 +806,42 @@ def test_an_engine_that_only_starts_runs_keeps_the_index_compact() -> None:
     fresh = _engine(store)
     assert fresh.recover() == []
     assert len(fresh.runs(status="failed")) == len(range(0, 3_000, 7))
+
+
+def test_runs_deleted_by_retention_leave_every_listing_of_the_index() -> None:
+    """The sweep rewrites each status stream without the runs it deleted and trims what
+    was there before: a listing from the index never shows a deleted run again."""
+    from loom_kernel import Retention
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    for number in range(6):
+        engine.start("work", "fail" if number % 3 == 0 else "done", key=f"old-{number}")
+    engine.start("work", "park", key="parked")
+    clock.advance(600)
+    engine.start("work", "done", key="new")
+    deleted = engine.gc(Retention(keep_for=300)).deleted
+    assert sorted(deleted) == [f"old-{number}" for number in range(6)]
+    for reader in (engine, _engine(store, clock)):
+        assert sorted(run.id for run in reader.runs()) == ["new", "parked"]
+        assert [run.id for run in reader.runs(status="failed")] == []
+
+
+def test_forgotten_runs_leave_their_status_streams_for_good() -> None:
+    """`forget` rewrites a status stream without the runs and trims the batches before
+    it: no listing finds them again, and a later run of one of the ids is kept."""
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    index = RunIndex(store, clock)
+    ids = [f"r{n}" for n in range(400) if partition_of(f"r{n}") == "0"][:4]
+    index.index_ended([(run, Status.COMPLETED, "work") for run in ids[:2]])
+    index.index_ended([(run, Status.COMPLETED, "work") for run in ids[2:]])
+    index.index_ended([(ids[0], Status.COMPLETED, "work")], {ids[0]: (2_000.0, 2, None, None)})
+    index.forget("0", {ids[0]: 1, ids[1]: 1})
+    listed = sorted((entry.execution_id, entry.generation) for entry in index.ended_entries())
+    assert listed == [(ids[0], 2), (ids[2], 1), (ids[3], 1)]
+    assert sorted(index.ended(Status.COMPLETED)) == [
+        (ids[0], "work"),
+        (ids[2], "work"),
+        (ids[3], "work"),
+    ]
+    assert [r.position for r in store.read("runs/completed/0", 3)] == [4], "the rest trimmed"
