@@ -8,9 +8,11 @@
 Each mutant is one small change to one module, made on its syntax tree: a statement
 deleted, `return X` made `return None`, a comparison or a boolean flipped, an integer
 constant off by one. The sampler copies the source tree to a scratch directory once,
-runs each package's tests there once under coverage to learn which tests run each
-line, then for each sampled mutant writes the mutated module, runs the tests that run
-its line (stopping at the first failure, slow tests excluded; a line no test runs
+runs each package's tests there once under coverage, then the top-level tests (the
+packages and stores together) under coverage of every sampled package, to learn which
+tests run each line; then for each sampled mutant it writes the mutated module, runs
+the tests that run its line (stopping at the first failure; slow tests, which start
+processes coverage does not follow, and Ceph RGW's excluded; a line no test runs
 survives without a run; a line run at import time gets the package's whole suite),
 and puts the module back. A mutant is caught when a test fails (or the run times out).
 
@@ -56,6 +58,9 @@ PACKAGES = {
         ["packages/loom-orchestration/tests"],
     ),
 }
+#: The tests of the packages together (the runtime on every store, its processes): run
+#: for a mutant when they reach its line, as the package's own tests are.
+TOP_LEVEL = "tests"
 GROUPS = {
     "kernel": ["kernel"],
     "stores": ["sqlite", "s3", "postgres"],
@@ -265,43 +270,65 @@ Coverage = dict[str, dict[int, set[str]]]
 
 
 def _coverage(scratch: Path, packages: list[str], timeout: float) -> Coverage:
-    """Run each package's tests once under coverage, one context per test."""
-    import coverage  # noqa: PLC0415 (a dev dependency, only this script needs it)
-
+    """Run each package's tests once under coverage, one context per test; then the
+    top-level tests (`tests/`: the stores and packages together) under coverage of
+    every sampled package, so a mutant is also run against those that reach its line."""
     lines: Coverage = {}
     for package in packages:
         source, tests = PACKAGES[package]
-        data_file = scratch / f".coverage-{package}"
-        run = subprocess.run(
-            [
-                *_pytest_command("0"),
-                f"--cov={scratch / source}",
-                "--cov-context=test",
-                "--cov-report=",
-                *(str(scratch / test) for test in tests),
-            ],
-            cwd=scratch,
-            env={**_environment(scratch), "COVERAGE_FILE": str(data_file)},
-            capture_output=True,
-            text=True,
-            timeout=timeout * 4,
-            check=False,
-        )
-        if run.returncode != 0:
-            raise SystemExit(
-                f"{package}'s tests failed under coverage, so no mutant can be judged:\n"
-                + "\n".join(run.stdout.splitlines()[-120:])
-            )
-        data = coverage.CoverageData(basename=str(data_file))
-        data.read()
-        for measured in data.measured_files():
-            by_line = lines.setdefault(str(Path(measured).relative_to(scratch)), {})
-            for line, contexts in data.contexts_by_lineno(measured).items():
-                tests_here = by_line.setdefault(line, set())
-                tests_here.update(
-                    context.split("|")[0] for context in contexts if context.split("|")[0]
-                )
+        _measure(scratch, package, sources=[source], tests=tests, timeout=timeout, lines=lines)
+    everything = [PACKAGES[package][0] for package in packages]
+    _measure(
+        scratch, "top-level", sources=everything, tests=[TOP_LEVEL], timeout=timeout, lines=lines
+    )
     return lines
+
+
+def _measure(
+    scratch: Path,
+    name: str,
+    *,
+    sources: list[str],
+    tests: list[str],
+    timeout: float,
+    lines: Coverage,
+) -> None:
+    """Run `tests` under coverage of `sources`, adding to `lines` which test ran which
+    line."""
+    import coverage  # noqa: PLC0415 (a dev dependency, only this script needs it)
+
+    data_file = scratch / f".coverage-{name}"
+    run = subprocess.run(
+        [
+            *_pytest_command("0"),
+            "-k",
+            "not rgw",
+            *(f"--cov={scratch / source}" for source in sources),
+            "--cov-context=test",
+            "--cov-report=",
+            *(str(scratch / test) for test in tests),
+        ],
+        cwd=scratch,
+        env={**_environment(scratch), "COVERAGE_FILE": str(data_file)},
+        capture_output=True,
+        text=True,
+        timeout=timeout * 4,
+        check=False,
+    )
+    if run.returncode != 0:
+        raise SystemExit(
+            f"{name}'s tests failed under coverage, so no mutant can be judged:\n"
+            + "\n".join(run.stdout.splitlines()[-120:])
+        )
+    data = coverage.CoverageData(basename=str(data_file))
+    data.read()
+    for measured in data.measured_files():
+        by_line = lines.setdefault(str(Path(measured).relative_to(scratch)), {})
+        for line, contexts in data.contexts_by_lineno(measured).items():
+            tests_here = by_line.setdefault(line, set())
+            tests_here.update(
+                context.split("|")[0] for context in contexts if context.split("|")[0]
+            )
 
 
 def _tests_for(mutant: Mutant, lines: Coverage) -> list[str] | None:
@@ -388,6 +415,10 @@ def _pytest_command(workers: str) -> list[str]:
         str(PER_TEST_SECONDS),
         "-n",
         workers,
+        # Not the project's loadgroup: with -n 0 it still leaves coverage's per-test
+        # contexts empty, so every mutant ran its package's whole suite.
+        "--dist",
+        "no" if workers == "0" else "load",
     ]
 
 
