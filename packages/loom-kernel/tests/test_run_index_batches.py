@@ -81,9 +81,9 @@ def test_the_typed_decoder_lists_what_the_checks_by_hand_list(
     with monkeypatch.context() as patched:
         patched.setattr(_run_index, "decode_filed", lambda payload: None)
         by_hand = _listed(payload)
-    assert typed == by_hand
-    if isinstance(typed, list) and isinstance(by_hand, list):  # of one type (1 == 1.0)
-        assert [type(v) for e in typed for v in e] == [type(v) for e in by_hand for v in e]
+    # By their reprs: of one type (1 == 1.0, but not as text), and "NaN" filed as a
+    # time (float() takes it) equal to itself.
+    assert repr(typed) == repr(by_hand)
 
 
 def test_the_batches_loom_writes_take_the_typed_path() -> None:
