@@ -845,3 +845,31 @@ def test_forgotten_runs_leave_their_status_streams_for_good() -> None:
         (ids[3], "work"),
     ]
     assert [r.position for r in store.read("runs/completed/0", 3)] == [4], "the rest trimmed"
+
+
+class NotesUnsynced(MemoryStore):
+    """Notes the kind of each record appended unsynced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unsynced: list[str] = []
+
+    def _append_unsynced(self, stream: str, expected: int, records: Any) -> int:
+        self.unsynced.extend(record.kind for record in records)
+        return super()._append_unsynced(stream, expected, records)
+
+
+def test_only_a_start_hint_and_a_close_go_unsynced() -> None:
+    """A start's hint (its start record, synced, follows at once) and a close (recover()
+    closes a run again) may wait for the next sync; a nudge, a drop, a batch of ended
+    runs and the built marker are synced as they are written."""
+    store, clock = NotesUnsynced(), FakeClock(1_000.0)
+    index = RunIndex(store, clock)
+    index.opened("a", "work", None, sync=False)
+    index.opened("b", "work", None)
+    index.nudged("b", "work")
+    index.closed("a", Status.COMPLETED, "work")
+    index.dropped("b")
+    index.index_ended([("c", Status.FAILED, "work")])
+    index.mark_built()
+    assert store.unsynced == ["loom.run.open", "loom.run.closed"]
