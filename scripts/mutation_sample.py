@@ -11,10 +11,11 @@ constant off by one. The sampler copies the source tree to a scratch directory o
 runs each package's tests there once under coverage, then the top-level tests (the
 packages and stores together) under coverage of every sampled package, to learn which
 tests run each line; then for each sampled mutant it writes the mutated module, runs
-the tests that run its line (stopping at the first failure; slow tests, which start
-processes coverage does not follow, and Ceph RGW's excluded; a line no test runs
-survives without a run; a line run at import time gets the package's whole suite),
-and puts the module back. A mutant is caught when a test fails (or the run times out).
+the tests that run its line (stopping at the first failure; slow tests and Ceph
+RGW's excluded), and if they pass, its package's whole suite (a test may run the line
+in a process of its own, which coverage does not follow); a line no test runs in
+pytest's own process, or one run at import time, gets the whole suite at once.
+Then it puts the module back. A mutant is caught when a test fails (or the run times out).
 
 Mutant ids (`loom_kernel/_core/_codec.py:41:0:delete statement`: the module under its
 package's `src`, then line, column, operator) are stable for a given source, so a mutant
@@ -363,13 +364,17 @@ def _run(scratch: Path, mutant: Mutant, timeout: float, lines: Coverage) -> str:
     """'caught', 'survived' or 'timeout' (caught) for one mutant."""
     tests = _tests_for(mutant, lines)
     if tests == []:
-        return "survived"  # no test runs its line
+        tests = None  # no test runs its line in pytest's process: the whole suite
     target = scratch / mutant.path
     original = target.read_text()
     mutated = ast.unparse(_mutate(ast.parse(original), mutant.number))
     target.write_text(mutated)
     try:
         code = _pytest(scratch, mutant.package, timeout, tests)
+        if code == 0 and tests is not None:
+            # Tests that run the line in a process of their own (the command line's)
+            # are not seen by coverage: a survivor goes to its package's whole suite.
+            code = _pytest(scratch, mutant.package, timeout)
         outcome = "survived" if code == 0 else "caught"
     except subprocess.TimeoutExpired:
         outcome = "timeout"
