@@ -74,7 +74,9 @@ def test_describe_says_what_a_run_is_and_waits_for(url: str) -> None:
     assert "waiting on gate 'approve'" in text
     assert "child order-7/c0 (ops.parks): suspended" in text
     assert "published 'progress': 1" in text
-    data = json.loads(loom(url, "describe", "inbox-1", "--json").stdout)
+    described = loom(url, "describe", "inbox-1", "--json")
+    assert described.returncode == 0, described.stderr
+    data = json.loads(described.stdout)
     assert data["status"] == "suspended"
     assert data["topics"] == ["orders"]
     assert data["inbox"] == {"messages": 1, "unread": 1}
