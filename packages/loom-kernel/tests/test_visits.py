@@ -8,6 +8,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import pytest
 from loom_kernel import Context, Engine, MemoryStore, flow
 from loom_kernel._engine import parts_of
 from loom_kernel._hosting._slots import Slots, WorkerStats
@@ -67,3 +68,37 @@ def test_a_run_not_started_yet_is_looked_at_again_by_a_few_polls_then_left_to_sw
     visits._look_again("r")
     assert "r" not in slots._look_again_after
     assert "r" not in visits._not_started
+
+
+def test_a_partition_the_store_cannot_read_is_counted_and_the_others_are_visited(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from loom_kernel._coordination import partition_of
+    from loom_kernel.spi import StoreUnavailableError
+
+    first = "runs/open/0"
+
+    class FailsOnePartition(MemoryStore):
+        failing = False
+
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            if self.failing and stream == first:
+                raise StoreUnavailableError("the store is away for this one")
+            return super()._read(stream, after, limit)
+
+    store = FailsOnePartition()
+    engine = _engine(store)
+    keys = [k for k in (f"k{n}" for n in range(100)) if partition_of(k) != "0"][:2]
+    blocked = next(k for k in (f"b{n}" for n in range(100)) if partition_of(k) == "0")
+    handles = [engine.enqueue("three", key, key=key) for key in [blocked, *keys]]
+    visits, slots = _visits(engine)
+    stats = slots.stats  # the WorkerStats the visits count into
+    with ThreadPoolExecutor(2) as pool:
+        slots.open(pool, None)
+        store.failing = True
+        assert visits.visit_open(sweep=True) == 2, "the others, past the one it cannot read"
+        assert stats.failures == 1
+        assert "run index partition 0: the store is away for this one" in caplog.text
+        assert [h.result(timeout=10) for h in handles[1:]] == [
+            [f"{k}:{i}" for i in range(3)] for k in keys
+        ]
