@@ -100,6 +100,36 @@ def test_a_damaged_hint_is_quarantined_and_reported_and_the_others_fire() -> Non
     assert engine.fire_due_timers() == [], "reported once: the damaged hint is gone"
 
 
+def test_a_damaged_hint_whose_copy_fails_is_kept_until_it_is_copied() -> None:
+    """The quarantine's append fails: the damaged hint stays in its bucket (it is
+    never dropped uncopied), the others fire, and the next fire copies it."""
+    from loom_kernel.spi import StoreUnavailableError
+
+    class QuarantineAway(MemoryStore):
+        away = True
+
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            if stream == QUARANTINE and self.away:
+                raise StoreUnavailableError("the quarantine is away")
+            return super()._append(stream, expected, records)
+
+    store, clock = QuarantineAway(), FakeClock()
+    engine = _engine(store, clock)
+    first = engine.start("nap", 30)
+    (bucket,) = TimerIndex(store, clock).buckets()
+    store.append(bucket, store.head(bucket), [NewRecord("loom.timer", b"{not json", clock())])
+    clock.advance(60)
+    with pytest.raises(StoreUnavailableError):
+        engine.fire_due_timers()
+    assert engine.get(first.id).status is Status.COMPLETED
+    assert store.head(QUARANTINE) == 0
+    store.away = False
+    with pytest.raises(SchemaError, match="quarantine"):
+        engine.fire_due_timers()
+    (copied,) = store.read(QUARANTINE)
+    assert json.loads(copied.payload)["payload"] == "{not json"
+
+
 def test_a_damaged_hint_behind_one_not_yet_due_is_quarantined_once() -> None:
     store, clock = MemoryStore(), FakeClock(6000.0)  # the start of a minute
     engine = _engine(store, clock)
