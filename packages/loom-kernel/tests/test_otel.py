@@ -166,3 +166,4 @@ def test_the_engine_and_its_worker_report_their_counts_as_metrics() -> None:
     assert found["loom.worker.drives"][0][1] >= 1
     assert found["loom.queue.waiting"] == [({**me, "loom.queue": "bulk"}, 0)]
     assert found["loom.steps"] == [(me, 5)]
+    assert found["loom.takeovers"] == [(me, 0)], "a queued run has no owner to take from"

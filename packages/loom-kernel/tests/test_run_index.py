@@ -873,3 +873,33 @@ def test_only_a_start_hint_and_a_close_go_unsynced() -> None:
     index.index_ended([("c", Status.FAILED, "work")])
     index.mark_built()
     assert store.unsynced == ["loom.run.open", "loom.run.closed"]
+
+
+def test_a_sweep_of_a_store_not_indexed_yet_deletes_nothing_and_is_done() -> None:
+    """Journals written before the store had a run index: a sweep cannot tell which
+    runs ended (recover() builds the index), so it deletes nothing and says it is done
+    (`loom gc` loops while a sweep says there is more)."""
+    from loom_kernel import Retention
+
+    store = MemoryStore()
+    store.append("ex/old", 0, [NewRecord("k", b"{}", 0.0)])
+    swept = _engine(store).gc(Retention(keep_for=0))
+    assert (swept.deleted, swept.more) == ((), False)
+
+
+def test_an_engine_caching_one_run_reads_only_what_follows_its_fold() -> None:
+    class CountsRecords(MemoryStore):
+        read_back = 0
+
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            records = super()._read(stream, after, limit)
+            if stream.startswith("ex/"):
+                self.read_back += len(records)
+            return records
+
+    store = CountsRecords()
+    engine = _engine(store, cache_size=1)
+    engine.start("work", "done", key="only")
+    store.read_back = 0
+    assert engine.get("only").status is Status.COMPLETED
+    assert store.read_back == 0, "its fold, from the cache: no record read again"
