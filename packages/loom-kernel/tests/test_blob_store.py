@@ -48,9 +48,15 @@ def test_every_call_checks_its_key_first(blobs: BlobStore, key: Any) -> None:
 
 def test_a_blob_reads_back_and_nothing_is_left_half_written(blobs: BlobStore) -> None:
     key = "sha256:" + hashlib.sha256(b"payload").hexdigest()
+    assert not blobs.exists(key)
     blobs.put(key, b"payload")
+    assert blobs.exists(key)
     assert blobs.get(key) == b"payload"
     assert blobs.remove_leftovers(float("inf")) == 0
+    blobs.discard(key)
+    assert not blobs.exists(key), "in the trash, not live"
+    assert blobs.restore(key)
+    assert blobs.exists(key)
 
 
 def test_a_discarded_blob_is_in_the_trash_since_the_moment_it_was_discarded(

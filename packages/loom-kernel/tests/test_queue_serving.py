@@ -417,6 +417,24 @@ def test_a_sweep_leaves_an_admission_this_worker_holds_for_its_next_free_slot() 
     assert (engine.queue("q").waiting, engine.queue("q").active) == ([handle.id], [])
 
 
+def test_a_restart_gives_back_what_the_earlier_process_admitted_never_its_own() -> None:
+    """Once the process that last beat under this worker's id has exited, its fresh
+    admissions are given back at once; those this process made itself are kept."""
+    store = MemoryStore()
+    clock = FakeClock()
+    engine = _engine(store, Queue("q", concurrency=4), clock=clock)
+    earlier = engine.enqueue("parks", "earlier", queue="q")
+    book = parts_of(engine).enqueueing.book
+    book.take("q", 0, book.read("q", 0), [earlier.id], engine.worker_id)  # not by this one
+    own = engine.enqueue("parks", "own", queue="q")
+    serving, _slots = _serving(engine, concurrency=2)
+    queue = book.queues["q"]
+    tasks = serving._admit(queue, 0, 1)
+    assert [task.execution_id for task in tasks] == [own.id]
+    assert serving._reap(queue, 0, book.read("q", 0), earlier_exited=True) is True
+    assert (engine.queue("q").waiting, engine.queue("q").active) == ([earlier.id], [own.id])
+
+
 # -- takers that stop ------------------------------------------------------------------
 
 
