@@ -185,3 +185,13 @@ def test_a_damaged_chain_inbox_item_is_a_schema_error_naming_where(payload: byte
     with pytest.raises(SchemaError, match="a damaged chain inbox item") as caught:
         _decode(Record(3, KIND, payload, 1.0), "chain-inbox/c")
     assert (caught.value.stream, caught.value.position) == ("chain-inbox/c", 3)
+
+
+def test_a_chain_inbox_record_of_another_kind_is_a_schema_error_however_it_reads() -> None:
+    from loom_kernel.spi import Record
+    from loom_orchestration._chains._inbox import _decode
+
+    payload = b'{"kind": "message", "name": null, "key": null, "value": 1}'
+    with pytest.raises(SchemaError, match=r"unknown kind 'loom\.other'") as caught:
+        _decode(Record(4, "loom.other", payload, 1.0), "chain-inbox/c")
+    assert (caught.value.kind, caught.value.position) == ("loom.other", 4)
