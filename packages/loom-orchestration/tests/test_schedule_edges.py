@@ -86,6 +86,22 @@ def test_a_schedule_whose_fire_raises_any_error_stops_no_other() -> None:
     assert [len(runs_of(e, name)) for name in ("b", "c")] == [2, 2]
 
 
+def test_a_buffered_tick_starts_as_the_run_before_it_ends_not_at_the_next_fire() -> None:
+    """The listener of a scheduled run's end fires its schedule: the tick it buffered
+    starts then, with no poll and no fire_due_schedules."""
+    e = engine()
+    create_schedule(e, "s", "lasts", cron="* * * * *", input=30, overlap="buffer_one")
+    e.clock.advance(90)  # type: ignore[attr-defined]  # 00:02:00: 01:00 runs, 02:00 waits
+    fire_due_schedules(e)
+    (first,) = runs_of(e, "s")
+    assert len(get_schedule(e, "s").buffered) == 1
+    e.clock.advance(31)  # type: ignore[attr-defined]  # 01:00's run, started at 02:00, slept 30 s
+    e.fire_due_timers()
+    assert e.get(first.id).status is Status.COMPLETED
+    assert len(runs_of(e, "s")) == 2, "02:00 started as 01:00's run ended"
+    assert get_schedule(e, "s").buffered == ()
+
+
 def test_ticks_buffered_start_at_once_when_the_policy_becomes_allow_all() -> None:
     e = engine()
     create_schedule(e, "s", "lasts", cron="* * * * *", input=3600, overlap="buffer_all")
