@@ -70,3 +70,17 @@ def test_timeout_zero_is_valid() -> None:
 def test_a_url_of_another_scheme_is_refused_by_the_sqlite_opener(url: str) -> None:
     with pytest.raises(InvalidArgumentError, match="not a sqlite store URL"):
         open_sqlite_store(url)
+
+
+def test_a_store_opened_only_if_it_exists_opens_one_and_creates_none(tmp_path: Path) -> None:
+    from loom_kernel.spi import StoreMisconfiguredError
+
+    url = f"sqlite:///{tmp_path}/there.db"
+    with open_store(url) as made:
+        made.append("s", 0, [NewRecord("k", b"1", 1.0)])
+    with open_store(url, create=False) as existing:
+        assert existing.head("s") == 1
+    missing = tmp_path / "typo.db"
+    with pytest.raises(StoreMisconfiguredError, match="no SQLite database at"):
+        open_store(f"sqlite:///{missing}", create=False)
+    assert not missing.exists(), "nothing created"
