@@ -419,3 +419,47 @@ def test_a_call_handed_over_as_the_drive_ends_is_refused_not_left_unanswered() -
         assert isinstance(error, LoopStoppedError)
     finally:
         loop.close()
+
+
+def test_a_call_refused_at_once_does_not_bring_a_held_cancel_forward() -> None:
+    """A cancel held back by a call lands at the task's second await that is not a
+    call, however many calls end meanwhile: one refused at once (its executor shut
+    down) while the delivery is already due must not schedule a second look, which
+    would count the same await twice and land the cancel one await early."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from loom_kernel._replay import LoopStoppedError, Servant
+    from loom_kernel._replay._servant import unwrap
+
+    loop = asyncio.new_event_loop()
+    executor = ThreadPoolExecutor(1)
+    servant = Servant(loop, executor)
+    reached: list[str] = []
+
+    async def run() -> list[Any]:
+        task = asyncio.current_task()
+        assert task is not None
+
+        def cancel_during_the_call() -> str:
+            loop.call_soon_threadsafe(task.cancel, "held")
+            return "done"
+
+        assert unwrap(await servant.call(cancel_during_the_call)) == "done"
+        executor.shutdown(wait=True)
+        with pytest.raises(LoopStoppedError):
+            unwrap(await servant.call(print))  # refused without a wait
+        try:
+            for await_number in (1, 2, 3):
+                reached.append(f"before await {await_number}")
+                await asyncio.sleep(0)
+        except asyncio.CancelledError as cancel:
+            task.uncancel()
+            return list(cancel.args)
+        return []
+
+    try:
+        assert loop.run_until_complete(asyncio.wait_for(run(), 10)) == ["held"]
+        assert reached == ["before await 1", "before await 2"]
+    finally:
+        executor.shutdown()
+        loop.close()
