@@ -273,10 +273,17 @@ class RunIndex:
         self,
         runs: Iterable[tuple[str, Status, str]],
         at: Mapping[str, Closing] | None = None,
+        *,
+        sync: bool = True,
     ) -> None:
         """File finished runs (id, status, flow) under their status, each with when it
         was closed, its generation, when it started and its parent (`at`, where known:
-        retention measures from its close, listings show its times)."""
+        retention measures from its close, listings show its times).
+
+        With `sync` False the batches are appended unsynced (`JournalStore.append`):
+        for a compaction, whose checkpoint, appended synced right after, makes them
+        durable too (a power loss before it loses both, and the partition still holds
+        the runs closed, to be moved again)."""
         by_stream: dict[str, list[list[Any]]] = {}
         for execution_id, status, flow in runs:
             stream = _ended_stream(status, partition_of(execution_id))
@@ -285,7 +292,7 @@ class RunIndex:
                 entry.extend(at[execution_id])
             by_stream.setdefault(stream, []).append(entry)
         for stream, batch in sorted(by_stream.items()):
-            self._add(stream, NewRecord(_ENDED_KIND, _dump({"runs": batch}), 0.0))
+            self._add(stream, NewRecord(_ENDED_KIND, _dump({"runs": batch}), 0.0), sync=sync)
 
     # -- reading ----------------------------------------------------------------
 
@@ -447,7 +454,7 @@ class RunIndex:
                             closing = (ended_at or {}).get(execution_id, (0.0, 1, None, None))
                             self.closed(execution_id, status, flow, closing[1], closing[3])
                     break
-                self.index_ended(closed.values(), ended_at)
+                self.index_ended(closed.values(), ended_at, sync=False)
                 merged = {**opened, **hints}
                 body = {"open": [_hint_data(h) for i, h in merged.items() if i not in ended]}
                 checkpoint = NewRecord(_CHECKPOINT, _dump(body), self._clock())
@@ -462,7 +469,7 @@ class RunIndex:
         """Move closed runs to their status streams, then checkpoint and trim (a run
         opened or closed meanwhile: compacted on a later read)."""
         try:
-            self.index_ended(found.closed.values(), found.closed_at)
+            self.index_ended(found.closed.values(), found.closed_at, sync=False)
             hints = [_hint_data(hint) for hint in found.open.values()]
             record = NewRecord(_CHECKPOINT, _dump({"open": hints}), self._clock())
             self._folds.checkpoint(found.stream, found, record)
