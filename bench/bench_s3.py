@@ -10,6 +10,9 @@ Ceph RGW). Work: durable steps through the engine (workflows of 10 steps, and on
 run of 200 steps) against `put_object(IfNoneMatch="*")` calls of the same size, in
 alternating rounds; then a cold resume of a run of 1,000 steps parked at a gate,
 by a new engine on a new store (requests counted by operation, and milliseconds);
+then a run taken over: a process that journaled its start and one step is killed
+(SIGKILL, as it makes its second step) and a new engine's `recover()` takes the run
+over at once and drives its other TAKEN_OVER steps (requests counted, per step);
 then CONCURRENT runs at once: a `Worker` of CONCURRENT slots driving as many 10-step
 workflows (enqueued, handed to its slots), against CONCURRENT threads of raw
 conditional PUTs, as many as the workflows' steps, in alternating rounds.
@@ -18,7 +21,11 @@ conditional PUTs, as many as the workflows' steps, in alternating rounds.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +39,8 @@ from timing import seconds_in_threads
 
 ROUNDS = 5
 CONCURRENT = 32
+TAKEN_OVER = 200
+_DIE = "LOOM_BENCH_DIE_AT_STEP_2"
 BODY = b'{"v":1,"commit":"0123456789abcdef0123456789abcdef","start":7,"count":1}\n' + b"x" * 90
 
 
@@ -53,6 +62,54 @@ def parked(ctx: Context, count: int) -> Any:
     for index in range(count):
         ctx.step(f"s{index}", lambda index=index: {"n": index})
     return ctx.suspend("go")
+
+
+def _second_step() -> dict[str, int]:
+    if os.environ.get(_DIE):  # the process dies before its second step is journaled
+        os.kill(os.getpid(), signal.SIGKILL)
+    return {"n": 1}
+
+
+@flow(name="bench.left")
+def left(ctx: Context, count: int) -> int:
+    ctx.step("s0", lambda: {"n": 0})
+    ctx.step("s1", _second_step)
+    for index in range(2, count):
+        ctx.step(f"s{index}", lambda index=index: {"n": index})
+    return count
+
+
+def _taken_over(server: S3Server, bucket: str, client: Any, requests: RequestCounter) -> None:
+    """Requests per step of a run whose process was killed mid-run, taken over by
+    `recover()` (as a worker's sweep does), all of it and the steps' share."""
+    url = f"s3://{bucket}/taken?endpoint_url={server.endpoint_url}"
+    engine = Engine(_store(server, bucket, client, "taken"), [left], listeners=[])
+    engine.start("bench.left", 2)  # the store indexed, as one in use is
+    child = subprocess.run(
+        [sys.executable, __file__, "--leave-running", url, str(TAKEN_OVER + 1)],
+        env={**os.environ, **server.environment(), _DIE: "1"},
+        check=False,
+    )
+    assert child.returncode == -signal.SIGKILL, child.returncode
+    requests.take()
+    (run,) = engine.recover()
+    taken = requests.take()
+    view = engine.get(run)
+    assert (view.status.value, view.result) == ("completed", TAKEN_OVER + 1), view
+    total = sum(taken.values())
+    puts = taken.get("PutObject", 0)
+    print(
+        f"| requests per step of a run taken over ({TAKEN_OVER} steps left, "
+        f"`recover()`) | {total / TAKEN_OVER:.2f} in all {taken}; "
+        f"{puts / TAKEN_OVER:.2f} PUTs (goal <= 1.2) |"
+    )
+
+
+def _leave_running(url: str, count: int) -> None:
+    """In a child process: start a run of `left` (which kills this process)."""
+    from loom_kernel import open_store
+
+    Engine(open_store(url), [left], listeners=[]).start("bench.left", count)
 
 
 def _raw_puts(client: Any, bucket: str, count: int) -> float:
@@ -161,14 +218,19 @@ def _measure(server: S3Server) -> None:
         f"| cold resume of a 1,000-step run | {total} requests {cold_requests}, "
         f"{cold_ms:.0f} ms = {cold_ms / raw_ms:.0f}x one PUT |"
     )
+    _taken_over(server, bucket, client, requests)
     _measure_at_once(server)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--server", choices=("rgw", "moto", "both"), default="both")
-    chosen = parser.parse_args().server
-    on_servers(chosen, _measure)
+    parser.add_argument("--leave-running", nargs=2, help=argparse.SUPPRESS)
+    arguments = parser.parse_args()
+    if arguments.leave_running:
+        _leave_running(arguments.leave_running[0], int(arguments.leave_running[1]))
+        return
+    on_servers(arguments.server, _measure)
 
 
 if __name__ == "__main__":
