@@ -576,3 +576,29 @@ def test_a_version_that_is_neither_a_flow_nor_a_name_is_refused(to: Any) -> None
     box.engine.start("counter", 0, key="versioned")
     with pytest.raises(InvalidArgumentError, match="a version is a Flow"):
         box.engine.replay_check("versioned", to=to)
+
+
+def test_a_run_of_a_flow_this_engine_does_not_register_is_left_to_one_that_does() -> None:
+    """A run whose flow this engine has no version of at all: a resume is journaled
+    and the run left running, not driven; recover() and a drive asked for by id
+    leave it too, the drive refusing it by name (UnknownFlowError, naming what this
+    engine registers); an engine with its code finishes it."""
+    from loom_kernel import Engine, MemoryStore, Status
+    from loom_kernel._engine import parts_of
+
+    store = MemoryStore()
+    parked = Engine(store, [order_v1], listeners=[]).start("order", key="o")
+
+    @flow(name="refund", version="1")
+    def refund(ctx: Context, _input: Any) -> Any:
+        return ctx.suspend("go")
+
+    other = Engine(store, [refund], listeners=[])
+    assert other.resume(parked.id, "yes", on="manager").status is Status.RUNNING
+    head = store.head(f"ex/{parked.id}")
+    assert other.recover() == []
+    driver = parts_of(other).driver
+    with pytest.raises(UnknownFlowError, match=r"'order'.*registered: refund"):
+        driver.flows.pinned(driver.view(parked.id, lambda state: state))
+    assert store.head(f"ex/{parked.id}") == head
+    assert Engine(store, [order_v1], listeners=[]).recover() == [parked.id]
