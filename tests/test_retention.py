@@ -197,6 +197,15 @@ def test_retention_refuses_what_it_cannot_mean() -> None:
         Engine(MemoryStore()).gc()
 
 
+def test_retention_takes_timedeltas_and_the_least_of_each_bound() -> None:
+    from datetime import timedelta
+
+    given = Retention(keep_for=timedelta(days=1), every=timedelta(minutes=5), batch=1)
+    assert (given.keep_for, given.every, given.batch) == (86_400.0, 300.0, 1)
+    least = Retention(keep_for=0, keep_last=0, every=0.001)
+    assert (least.keep_for, least.keep_last, least.every) == (0.0, 0, 0.001)
+
+
 def test_a_worker_sweeps_on_its_cadence() -> None:
     store = MemoryStore()
     engine = Engine(store, FLOWS, listeners=[], retention=Retention(keep_for=0, every=0.05))
