@@ -115,6 +115,14 @@ def test_a_run_started_without_a_key_gets_a_uuid7_that_sorts_by_its_start(
     assert first < second, "a later start sorts after: new journals land side by side"
     many = {_starts.fresh_execution_id() for _ in range(20_000)}
     assert len(many) == 20_000, "74 random bits: no two alike, within a millisecond too"
+    parsed_many = [uuid.UUID(made) for made in many]
+    assert {(p.version, p.variant) for p in parsed_many} == {(7, uuid.RFC_4122)}
+    ones = zeros = 0
+    for p in parsed_many:
+        ones |= p.int
+        zeros |= ~p.int
+    random_bits = ((1 << 80) - 1) & ~((0xF << 76) | (0x3 << 62))
+    assert bin(ones & zeros & random_bits).count("1") == 74, "every random bit varies"
     now[0] = -5_000_000_000  # a clock before 1970 counts as 1970
     assert uuid.UUID(_starts.fresh_execution_id()).int >> 80 == 0
 
