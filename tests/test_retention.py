@@ -338,6 +338,28 @@ def test_a_crash_at_every_store_call_of_a_sweep_loses_nothing_live(
         assert engine.start("ret.once", "again", key="a").result == "again", at
 
 
+def test_a_sweep_finishes_a_deletion_an_interrupt_left_and_says_so() -> None:
+    """A deletion whose record landed but whose streams were not yet gone (the
+    sweeper died between): the next sweep finishes it and reports it as finished,
+    not deleted (it was deleted before)."""
+    from loom_kernel._core import encode_event
+    from loom_kernel.events import ExecutionDeleted
+
+    store, clock = MemoryStore(), FakeClock(1_000.0)
+    engine = _engine(store, clock)
+    engine.start("ret.parks", "x", key="a")
+    engine.send("a", "go", topic="go")
+    assert engine.get("a").status is Status.COMPLETED
+    head = store.head("ex/a")
+    store.append("ex/a", head, [encode_event(ExecutionDeleted(2, "retention"), clock())])
+    assert "inbox/a" in set(store.streams())
+    clock.advance(10)
+    swept = _engine(store, clock).gc(Retention(keep_for=0))
+    assert (swept.deleted, swept.finished) == ((), ("a",))
+    assert "inbox/a" not in set(store.streams())
+    assert [h.event.KIND for h in engine.history("a")] == ["EXECUTION_DELETED"]
+
+
 def test_loom_gc_on_the_command_line(tmp_path: Path) -> None:
     url = f"sqlite:///{tmp_path}/loom.db"
     with open_store(url) as store:
