@@ -24,7 +24,7 @@ from loom_kernel._hosting._deploy import load_queues
 from loom_kernel._hosting._store_option import add_store_option
 from loom_kernel._spi import collect_blobs, open_store
 
-__all__ = ["add_operate_commands", "run_times", "since"]
+__all__ = ["add_operate_commands", "run_started", "since"]
 
 _Handler = Callable[[argparse.Namespace], int]
 
@@ -157,20 +157,14 @@ def described(engine: Engine, execution: Execution) -> dict[str, Any]:
     }
 
 
-def run_times(engine: Engine, execution: Execution) -> tuple[float | None, float | None]:
-    """When a run started and (if it has) ended, from its first and last records (its
-    start is unknown once compaction trimmed its first record)."""
-    stream = engine.stream_of(execution.id)
+def run_started(engine: Engine, execution: Execution) -> float | None:
+    """When a run started, from its first record (unknown, None, once compaction
+    trimmed that record)."""
     try:
-        first = engine.store.read(stream, 0, 1)
+        first = engine.store.read(engine.stream_of(execution.id), 0, 1)
     except TrimmedError:
-        first = []
-    started = first[0].timestamp if first else None
-    ended = None
-    if execution.status.finished:
-        last = engine.store.read(stream, execution.position - 1, 1)
-        ended = last[0].timestamp if last else None
-    return started, ended
+        return None
+    return first[0].timestamp if first else None
 
 
 _UNITS: Final = {"s": 1, "m": 60, "h": 3600, "d": 86400}

@@ -18,7 +18,7 @@ import attrs
 
 from loom_kernel._core import EXECUTION_PREFIX, ExecutionNotFoundError, InvalidArgumentError, Status
 from loom_kernel._engine import Engine, Execution, parts_of
-from loom_kernel._hosting._operate import described, run_times, since
+from loom_kernel._hosting._operate import described, run_started, since
 from loom_kernel._tools import format_timeline
 
 __all__ = ["Site", "not_found", "page", "queues_page", "run_page", "runs_page"]
@@ -122,7 +122,7 @@ def _started_since(
     engine: Engine, runs: Iterator[Execution], moment: float | None
 ) -> Iterator[tuple[Execution, float | None]]:
     for run in runs:
-        started, _ended = run_times(engine, run)
+        started = run_started(engine, run)
         if moment is None or (started is not None and started >= moment):
             yield run, started
 
