@@ -96,3 +96,31 @@ def test_a_tree_deeper_than_the_page_shows_is_cut_not_failed() -> None:
     assert "root" + "/c" * (TREE_DEPTH + 2) not in shown, "cut at the page's depth"
     assert "</span></li>" in shown, "the deepest run shown has nothing under it"
     assert "None" not in shown
+
+
+def test_a_form_up_to_the_largest_is_read_and_one_byte_more_refused_unread() -> None:
+    """An action's form of exactly 1 MiB (docs/operating.md) is read (and then judged:
+    here it has no token, a 403); one byte more is a 413 before any of it is read."""
+    import http.client
+
+    server = _ui.serve(MemoryStore(), "127.0.0.1", 0, allow_actions=True)
+    serving = threading.Thread(target=server.serve_forever, daemon=True)
+    serving.start()
+    try:
+        port = int(server.server_address[1])
+        for size, expected in ((1024 * 1024, 403), (1024 * 1024 + 1, 413)):
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+            try:
+                connection.putrequest("POST", "/runs/x/cancel")
+                connection.putheader("Content-Type", "application/x-www-form-urlencoded")
+                connection.putheader("Content-Length", str(size))
+                connection.endheaders()
+                if expected == 403:
+                    connection.send(b"a" * size)
+                assert connection.getresponse().status == expected, size
+            finally:
+                connection.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+        serving.join(10)
