@@ -660,3 +660,43 @@ def test_a_worker_without_the_code_of_any_waiting_run_does_not_say_it_is_there()
         slots.open(pool, None)
         assert serving.serve(sweep=False) == 4, "the whole cap: nobody else is there"
         slots.close()
+
+
+def test_a_beat_that_fails_after_a_queued_run_was_let_go_running_is_logged(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A queued run whose drive let it go running is beaten for at once (the beat
+    says this worker no longer drives it); a beat that fails then is a warning, and
+    the worker goes on (the run waits again, and a later admission drives it)."""
+    from loom_kernel._engine._enqueueing import QueuedDrive
+
+    engine = _engine(MemoryStore(), Queue("q", concurrency=1))
+    enqueueing = parts_of(engine).enqueueing
+    drive_queued = enqueueing.drive_queued
+    let_go = threading.Event()
+
+    def let_go_running_once(execution_id: str) -> Any:
+        if not let_go.is_set():
+            let_go.set()
+            return QueuedDrive.LEFT_RUNNING
+            yield  # a drive: a generator
+        return (yield from drive_queued(execution_id))
+
+    heartbeat = parts_of(engine).driver.heartbeat
+    beat = heartbeat.beat
+    failed = threading.Event()
+
+    def failing_for_the_let_go() -> None:
+        if let_go.is_set() and not failed.is_set():
+            failed.set()
+            raise StoreUnavailableError("the beats cannot be written")
+        beat()
+
+    monkeypatch.setattr(enqueueing, "drive_queued", let_go_running_once)
+    monkeypatch.setattr(heartbeat, "beat", failing_for_the_let_go)
+    handle = engine.enqueue("busy", {"tag": "q", "s": 0.0}, queue="q")
+    with caplog.at_level(logging.WARNING, logger="loom"), Worker(engine, idle_poll=0.05):
+        assert handle.result(timeout=30) == "q"
+    assert failed.is_set()
+    said = "a beat letting a run go: StoreUnavailableError: the beats cannot be written"
+    assert said in caplog.text

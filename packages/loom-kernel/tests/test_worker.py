@@ -33,6 +33,10 @@ def test_bad_arguments_are_refused() -> None:
             Worker(engine, concurrency=bad)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgumentError, match="idle_poll"):
         Worker(engine, idle_poll=float("nan"))
+    for bad_grace in (-0.5, float("nan"), float("inf"), None, "5"):
+        with pytest.raises(InvalidArgumentError, match="grace is a number of seconds >= 0"):
+            Worker(engine, grace=bad_grace)  # type: ignore[arg-type]
+    Worker(engine, grace=0)  # no grace: a stop releases its drives at once
     with pytest.raises(InvalidArgumentError, match="timeout"):
         engine.enqueue("three", "x").result(timeout=-1)
 
