@@ -506,3 +506,29 @@ def test_driving_counts_drives_within_the_queue_cap_not_busy_slots() -> None:
         assert _driven(worker, 10) == 10
     assert most == 6
     assert worker.stats.driving == 0
+
+
+def test_a_poll_that_fails_is_logged_counted_once_and_the_worker_polls_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    engine = _engine(MemoryStore())
+    worker = Worker(engine, idle_poll=0.02)
+    poll = worker._pollers.poll
+    calls: list[int] = []
+
+    def fails_once() -> int:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("a poller's bug")
+        return poll()
+
+    worker._pollers.poll = fails_once  # type: ignore[method-assign]
+    with caplog.at_level("ERROR", logger="loom"), worker:
+        deadline = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert len(calls) >= 3, "it polled on"
+    assert worker.stats.failures == 1
+    said = [r for r in caplog.records if r.getMessage().startswith("loom: a poll of worker ")]
+    assert len(said) == 1, caplog.text
+    assert said[0].exc_info is not None

@@ -111,7 +111,11 @@ def test_an_async_step_that_exits_leaves_the_workers_loop_running_for_other_runs
     assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
 
 
-def test_a_sync_step_that_exits_leaves_the_workers_loop_running_for_other_runs() -> None:
+def test_a_sync_step_that_exits_leaves_the_workers_loop_running_for_other_runs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The exit is the drive's failure, said as such (not a cancel of the flow's task,
+    which the step's caller got meanwhile), and the loop goes on for other runs."""
     loops_seen.clear()
 
     @flow(name="loop.exits")
@@ -121,7 +125,10 @@ def test_a_sync_step_that_exits_leaves_the_workers_loop_running_for_other_runs()
 
     store = MemoryStore()
     engine = Engine(store, [exits, shared], listeners=[])
-    with Worker(engine, concurrency=2, idle_poll=0.02) as worker:
+    with (
+        caplog.at_level("WARNING", logger="loom"),
+        Worker(engine, concurrency=2, idle_poll=0.02) as worker,
+    ):
         engine.enqueue("loop.exits", None, key="x")
         deadline = time.monotonic() + 10
         while not loops_seen and time.monotonic() < deadline:
@@ -131,6 +138,10 @@ def test_a_sync_step_that_exits_leaves_the_workers_loop_running_for_other_runs()
         assert worker.stats.failures >= 1  # each visit of it exits again
     assert worker.stats.in_flight == 0, "the exit freed its slot"
     assert loops_seen[0] is loops_seen[1], "the second run ran on the same, living loop"
+    said = [r for r in caplog.records if r.getMessage() == "loom: working on x failed"]
+    assert said, caplog.text
+    assert all(r.exc_info is not None and r.exc_info[0] is SystemExit for r in said)
+    assert "cancelled" not in caplog.text
     exited = engine.get("x")
     assert exited.status is Status.RUNNING, "a step cut short journals nothing"
     assert "STEP_COMPLETED" not in [record[1] for record in store.read("ex/x")]
