@@ -9,7 +9,16 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from loom_kernel import AsyncContext, Engine, Flow, MemoryStore, RetryPolicy, Status, flow
+from loom_kernel import (
+    AsyncContext,
+    Engine,
+    Flow,
+    MemoryStore,
+    RetryPolicy,
+    Status,
+    StepFailedError,
+    flow,
+)
 from loom_kernel.testing import FakeClock
 
 #: Each test runs with a loop per drive and on one loop of another thread.
@@ -113,6 +122,57 @@ def test_async_step_failure_is_catchable() -> None:
 
     engine = Engine(MemoryStore(), [careful], sleep=lambda _s: None)
     assert engine.start("careful").result == "StepFailedError"
+
+
+def test_an_async_flows_steps_are_tried_as_the_policy_says_and_count_their_tries() -> None:
+    """Sync and async step functions alike: a first try that succeeds is attempt 1, a
+    step that fails twice is tried a third time under attempts=3 and journals 3; one
+    that keeps failing is tried exactly `attempts` times."""
+    tries: dict[str, int] = {}
+
+    def flaky(name: str, failures: int) -> Any:
+        def run() -> str:
+            tries[name] = tries.get(name, 0) + 1
+            if tries[name] <= failures:
+                raise RuntimeError(f"{name} try {tries[name]}")
+            return name
+
+        return run
+
+    def asynchronous(call: Any) -> Any:
+        async def run() -> Any:
+            return call()
+
+        return run
+
+    policy = RetryPolicy(attempts=3, backoff=0)
+
+    @flow(name="async.tries")
+    async def tries_flow(ctx: AsyncContext, _input: Any) -> Any:
+        done = [
+            await ctx.step("first", flaky("first", 0), retry=policy),
+            await ctx.step("third", flaky("third", 2), retry=policy),
+            await ctx.step("a-third", asynchronous(flaky("a-third", 2)), retry=policy),
+        ]
+        try:
+            await ctx.step("never", flaky("never", 99), retry=policy)
+        except StepFailedError:
+            done.append("failed")
+        return done
+
+    store = MemoryStore()
+    engine = Engine(store, [tries_flow], sleep=lambda _s: None, listeners=[])
+    run = engine.start("async.tries", key="t")
+    assert run.result == ["first", "third", "a-third", "failed"]
+    assert tries == {"first": 1, "third": 3, "a-third": 3, "never": 3}
+    from loom_kernel.events import StepCompleted
+
+    attempts = {
+        entry.event.name: entry.event.attempts
+        for entry in engine.history("t")
+        if isinstance(entry.event, StepCompleted)
+    }
+    assert attempts == {"first": 1, "third": 3, "a-third": 3}
 
 
 @pytest.mark.parametrize("payloads", [["a", "b", "c"]])

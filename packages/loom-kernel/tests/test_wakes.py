@@ -85,3 +85,33 @@ def test_a_worker_polls_when_woken_and_lets_go_when_it_stops() -> None:
         assert polled.wait(pause)
         assert polls[-1] - last < pause / 2, "polled at its pace, not when woken"
     assert store.subscribers == []
+
+
+def test_a_store_whose_wake_ups_fail_is_polled_and_the_worker_stops_cleanly(
+    caplog: Any,
+) -> None:
+    """A subscription the store refuses: said once, the worker polls instead, drives
+    the work and stops cleanly (nothing to let go of)."""
+
+    class RefusesWakes(WakingStore):
+        def subscribe_wakes(self, wake: Callable[[], None]) -> Callable[[], None]:
+            raise ConnectionError("no listener today")
+
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value or Exception())
+    try:
+        engine = Engine(RefusesWakes(), [receives, sleeps], listeners=[])
+        with caplog.at_level("WARNING", logger="loom"):
+            worker = Worker(engine, idle_poll=0.02)
+            with worker:
+                handle = engine.enqueue("wakes.receives", None, key="r")
+                deadline = time.monotonic() + 10
+                while engine.get("r").waiting_on is None and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert engine.get("r").waiting_on is not None, "driven to its receive"
+    finally:
+        threading.excepthook = previous
+    assert handle.id == "r"
+    assert errors == []
+    assert "no wake-ups from the store (no listener today); polling only" in caplog.text

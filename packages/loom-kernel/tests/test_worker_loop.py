@@ -312,3 +312,20 @@ def test_a_workers_stop_releases_its_awaiting_async_runs_for_another_to_finish()
     assert sorted(ran) == sorted(
         [("before", n) for n in range(runs)] + [("after", n) for n in range(runs)]
     ), "each step once, across the two workers"
+
+
+def test_an_async_run_on_a_workers_loop_publishes_its_events() -> None:
+    """`ctx.set_event` hands its write to the executor that serves the run's calls:
+    made there on the flow's behalf, it is the flow's own call, not another task's."""
+
+    @flow(name="loop.publishes")
+    async def publishes(ctx: AsyncContext, _input: Any) -> Any:
+        await ctx.set_event("stage", "half")
+        await ctx.step("s", instant)
+        await ctx.set_event("stage", "whole")
+        return "published"
+
+    engine = Engine(MemoryStore(), [publishes], listeners=[])
+    with Worker(engine, concurrency=2, idle_poll=0.02):
+        assert engine.enqueue("loop.publishes", None, key="p").result(timeout=20) == "published"
+    assert engine.get_events("p") == {"stage": "whole"}
