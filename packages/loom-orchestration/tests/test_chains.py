@@ -211,3 +211,27 @@ def test_an_async_flow_rotates_and_re_establishes_with_awaits() -> None:
     assert second.input["carry"] == {"got": "one"}
     resume_chain(e, "as", "approved", on="approve")
     assert current_run(e, "as").result == "approved"
+
+
+def test_finding_the_current_run_again_reads_two_heads() -> None:
+    """Routing by a chain's name remembers the newest run it found: finding it again
+    reads two heads (that run's, and its would-be successor's), however long the
+    chain grew."""
+    from loom_orchestration._chains._routing import current
+
+    store = MemoryStore()
+    e = Engine(store, FLOWS)
+    start_chain(e, "h", "chain.pairs", {"limit": 6, "got": []})
+    for number in range(4):
+        send_to_chain(e, "h", f"m{number}", topic="a")
+    assert current(e, "h") == 3
+    heads: list[str] = []
+    head = store.head
+
+    def counted(stream: str) -> int:
+        heads.append(stream)
+        return head(stream)
+
+    store.head = counted  # type: ignore[method-assign]
+    assert current(e, "h") == 3
+    assert heads == ["ex/h@3", "ex/h@4"]

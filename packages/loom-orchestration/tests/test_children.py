@@ -157,6 +157,26 @@ def test_the_child_survives_its_parent_and_can_still_be_resumed() -> None:
     }
 
 
+def test_a_cancelled_parents_abandoned_child_it_journaled_lives_on() -> None:
+    """A parent cancelled after it journaled a child's start with the default
+    on_parent_close="abandon": the child was known to it and was meant to outlive it,
+    so it is left as it was (only children it never journaled go with it)."""
+
+    @flow
+    def starts_then_waits(ctx: Context, _input: Any) -> Any:
+        child = start_child(ctx, approval, "kept")
+        return [child, ctx.suspend("never")]
+
+    engine = _engine()
+    engine.register(starts_then_waits)
+    waiting = engine.start("starts_then_waits", key="sw")
+    assert waiting.status is Status.SUSPENDED
+    (child,) = [run for run in engine.executions(prefix="sw/") if run.parent == "sw"]
+    assert engine.cancel("sw").status is Status.CANCELLED
+    assert engine.get(child.id).status is Status.SUSPENDED, "abandoned: it lives on"
+    assert engine.resume(child.id, "yes").result == {"request": "kept", "decision": "yes"}
+
+
 def test_on_parent_close_cancel_cancels_the_children() -> None:
     @flow
     def strict_parent(ctx: Context, _input: Any) -> str:
