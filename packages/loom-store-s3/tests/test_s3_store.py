@@ -246,6 +246,12 @@ def test_trim_then_removal_after_retention_keeps_the_first_and_last_batches(
     store.trim("s", 9)  # floor 8: batches 1-2, 3-4, 5-6, 7-8 are below it
     batches = sorted(key for key in _keys(s3_server, store) if "!R" in key)
     assert [int(key[-20:]) for key in batches] == [0, 8, 10]  # first (a stub), 9-10, 11-12
+    from loom_store_s3._batch import decode_batch
+
+    client = s3_server.client()
+    first = client.get_object(Bucket=store.bucket, Key=batches[0])["Body"].read()
+    assert decode_batch(batches[0], first).state == "stub", "its records are gone"
+    assert b"r0" not in first
     assert [r.position for r in store.read("s", 8)] == [9, 10, 11, 12]
     with pytest.raises(TrimmedError):
         store.read("s", 7)
