@@ -102,3 +102,25 @@ def test_a_partition_the_store_cannot_read_is_counted_and_the_others_are_visited
         assert [h.result(timeout=10) for h in handles[1:]] == [
             [f"{k}:{i}" for i in range(3)] for k in keys
         ]
+
+
+def test_a_queued_runs_hint_seen_between_sweeps_is_no_news_to_the_next_sweep() -> None:
+    """A run waiting in a queue is found by its queue's add, so the polls between
+    sweeps leave its hint alone but note it seen; the next sweep then visits it as a
+    run it knew (no second look asked for after the visit)."""
+    from loom_kernel import Queue
+
+    store = MemoryStore()
+    engine = Engine(store, [three], listeners=[], queues=[Queue("q")])
+    engine.enqueue("three", "q", key="waits", queue="q")
+    visits, slots = _visits(engine)
+    asked: list[tuple[str, bool]] = []
+
+    def submit(task: Any, *, queue: bool = False, look_again: bool = False) -> bool:
+        asked.append((task.execution_id, look_again))
+        return True
+
+    slots.submit = submit  # type: ignore[method-assign]
+    assert visits.visit_open(sweep=False) == 0, "left to its queue"
+    assert visits.visit_open(sweep=True) == 1
+    assert asked == [("waits", False)]
