@@ -58,6 +58,22 @@ def test_a_workers_async_runs_share_its_loop_and_write_side_by_side() -> None:
     assert loops_seen[0].is_closed(), "the worker closed its loop as it stopped"
 
 
+def test_a_workers_loop_closes_as_it_stops_though_the_event_loop_policy_changed() -> None:
+    """A program that sets a policy while a worker runs (installing uvloop's, say) leaves
+    the loop's thread with no current loop in the new policy: its stop still cancels
+    what the flows left and closes the loop."""
+    loops_seen.clear()
+    engine = Engine(MemoryStore(), [shared], listeners=[])
+    previous = asyncio.get_event_loop_policy()
+    try:
+        with Worker(engine, concurrency=2, idle_poll=0.02):
+            assert engine.enqueue("loop.shared", 1, key="r").result(timeout=20) == "done"
+            asyncio.set_event_loop_policy(asyncio.DefaultEventLoopPolicy())
+    finally:
+        asyncio.set_event_loop_policy(previous)
+    assert loops_seen[0].is_closed(), "the worker closed its loop as it stopped"
+
+
 def test_a_workers_runs_that_start_children_from_async_steps_do_not_starve_its_executor() -> None:
     count = min(32, (os.cpu_count() or 1) + 4) + 1  # more than asyncio's default executor
 

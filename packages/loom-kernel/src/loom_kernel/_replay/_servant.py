@@ -321,8 +321,10 @@ class LoopThread:
             left = asyncio.all_tasks(loop)
             for task in left:
                 task.cancel()
-            gathered = asyncio.gather(*left, return_exceptions=True)
-            while not gathered.done():
+            # None left: no gather, which would look for the policy's current loop, one
+            # a policy set since the loop started (uvloop's, say) does not know.
+            gathered = asyncio.gather(*left, return_exceptions=True) if left else None
+            while gathered is not None and not gathered.done():
                 # The stop close() queued runs here when a flow's SystemExit or
                 # KeyboardInterrupt ended the loop first: "stopped before Future completed".
                 with contextlib.suppress(RuntimeError):
