@@ -599,6 +599,27 @@ def test_a_compaction_that_fails_is_logged_and_leaves_the_partition_readable(
     assert len(list(engine.executions(status="completed"))) == 40
 
 
+def test_a_writers_compaction_that_cannot_read_its_partition_is_logged_and_starts_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from loom_kernel import StoreUnavailableError
+
+    class UnreadablePartitions(MemoryStore):
+        def _read(self, stream: str, after: int, limit: int | None) -> Any:
+            if stream.startswith("runs/open/"):
+                raise StoreUnavailableError("partition reads are failing")
+            return super()._read(stream, after, limit)
+
+    engine = _engine(UnreadablePartitions())
+    keys = [f"w{n}" for n in range(5000) if partition_of(f"w{n}") == partition_of("w0")][:64]
+    with caplog.at_level("WARNING", logger="loom"):
+        for key in keys:  # the 64th close in one partition has the writer compact it
+            assert engine.start("work", "done", key=key).result == "done"
+    partition = partition_of("w0")
+    assert f"run index {partition} not compacted: " in caplog.text
+    assert "partition reads are failing" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("kind", "data"),
     [
