@@ -4,6 +4,7 @@ session's PostgreSQL cluster (`postgres_server`)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -65,3 +66,9 @@ def loom_worker(
         stderr=log.open("ab"),
         env=environment,
     )
+
+
+def python_path(folder: Path) -> str:
+    """A child process's PYTHONPATH: `folder` (its flows), then this process's own, so
+    a child runs the source this process runs (the mutation sampler's copy of it)."""
+    return os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))

@@ -19,7 +19,7 @@ from loom_kernel import Engine, LoomError, open_store
 from loom_orchestration import chain_runs, current_run, send_to_chain, start_chain
 from loom_orchestration._chains._inbox import items
 from loom_orchestration._chains._routing import FORWARD_KEY
-from process_targets import Target, loom_worker, make_target
+from process_targets import Target, loom_worker, make_target, python_path
 
 HERE = Path(__file__).parent
 
@@ -54,7 +54,7 @@ def test_a_chain_under_sigkilled_workers_receives_each_message_once_in_order(
     seed = random.randrange(2**32)
     chance = random.Random(seed)
     log = tmp_path / "workers.log"
-    environment = {**os.environ, **target.environment, "PYTHONPATH": str(HERE)}
+    environment = {**os.environ, **target.environment, "PYTHONPATH": python_path(HERE)}
     with mock.patch.dict(os.environ, target.environment):
         store = open_store(target.url)
     web = Engine(store, [], listeners=[], worker_id="web")  # no flow code: starts by name

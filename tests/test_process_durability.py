@@ -27,6 +27,7 @@ from loom_kernel import Engine, open_store
 from loom_kernel.events import Status, StepCompleted, decode_events
 from loom_store_postgres.testing import PostgresServer
 from loom_store_s3.testing import S3Server
+from process_targets import python_path
 
 WORKER = Path(__file__).parent / "journal_worker.py"
 
@@ -173,7 +174,7 @@ def _slow_run_in_another_process(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **target.environment, "PYTHONPATH": str(Path(__file__).parent)},
+        env={**os.environ, **target.environment, "PYTHONPATH": python_path(Path(__file__).parent)},
     )
     deadline = time.monotonic() + 60
     while not (side.exists() and side.read_text()) and time.monotonic() < deadline:
@@ -252,7 +253,7 @@ def _loom_worker(target: _Target, side: Path, log: Path) -> subprocess.Popen[byt
         env={
             **os.environ,
             **target.environment,
-            "PYTHONPATH": str(SOAK_FLOWS_DIR),
+            "PYTHONPATH": python_path(SOAK_FLOWS_DIR),
             "LOOM_SOAK_SIDE": str(side),
         },
     )
@@ -414,7 +415,11 @@ def test_loom_worker_exits_after_its_grace_though_a_thread_an_async_flow_left_ru
             ],
             stdout=subprocess.DEVNULL,
             stderr=log.open("ab"),
-            env={**os.environ, "PYTHONPATH": str(SOAK_FLOWS_DIR), "LOOM_SOAK_SIDE": str(side)},
+            env={
+                **os.environ,
+                "PYTHONPATH": python_path(SOAK_FLOWS_DIR),
+                "LOOM_SOAK_SIDE": str(side),
+            },
         )
         try:
             handle = engine.enqueue("soak_strays", key="strays")
@@ -439,7 +444,7 @@ def _message_process(target: _Target, side: Path, *args: str) -> subprocess.Pope
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, **target.environment, "PYTHONPATH": str(Path(__file__).parent)},
+        env={**os.environ, **target.environment, "PYTHONPATH": python_path(Path(__file__).parent)},
     )
 
 

@@ -17,7 +17,7 @@ from unittest import mock
 import pytest
 from loom_kernel import Engine, Status, open_store
 from loom_kernel.events import StepCompleted, decode_events
-from process_targets import Target, loom_worker, make_target
+from process_targets import Target, loom_worker, make_target, python_path
 
 HERE = Path(__file__).parent
 
@@ -28,7 +28,7 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
 
 
 def _environment(target: Target, side: Path, hold: Path | None = None) -> dict[str, str]:
-    extra = {"LOOM_QUEUE_SIDE": str(side), "PYTHONPATH": str(HERE)}
+    extra = {"LOOM_QUEUE_SIDE": str(side), "PYTHONPATH": python_path(HERE)}
     if hold is not None:
         extra["LOOM_QUEUE_HOLD"] = str(hold)
     return {**os.environ, **target.environment, **extra}

@@ -20,7 +20,7 @@ import pytest
 from loom_kernel import Engine, Status, open_store
 from loom_kernel.events import StepCompleted, decode_events
 from loom_orchestration import create_schedule, get_schedule, pause_schedule
-from process_targets import Target, loom_worker, make_target
+from process_targets import Target, loom_worker, make_target, python_path
 
 HERE = Path(__file__).parent
 CHAOS_SECONDS = 40.0
@@ -51,7 +51,7 @@ def test_a_per_second_schedule_under_sigkilled_workers_starts_each_tick_once(
         **os.environ,
         **target.environment,
         "LOOM_SCHEDULE_SIDE": str(side),
-        "PYTHONPATH": str(HERE),
+        "PYTHONPATH": python_path(HERE),
     }
     with mock.patch.dict(os.environ, target.environment):
         store = open_store(target.url)

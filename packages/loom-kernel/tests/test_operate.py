@@ -154,7 +154,11 @@ def test_queues_shows_each_queues_limits_waiting_and_active(url: str, tmp_path: 
         )
         for number in range(3):
             engine.enqueue("ops.listens", key=f"mail-{number}", queue="mail")
-    environment = {**os.environ, "LOOM_STORE": url, "PYTHONPATH": str(tmp_path)}
+    environment = {
+        **os.environ,
+        "LOOM_STORE": url,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])),
+    }
     done = subprocess.run(
         [sys.executable, "-m", "loom_kernel", "queues", "--queues", "ops_queues:QUEUES"],
         capture_output=True,

@@ -182,3 +182,24 @@ def test_a_start_another_worker_took_over_mid_drive_says_so_in_its_view(
     assert (view.status, view.owner) == (Status.RUNNING, "other")
     assert view.owner_seen_at is not None
     assert "f: other took this run over during its drive here" in caplog.text
+
+
+def test_a_start_cancelled_from_another_engine_mid_drive_is_no_take_over(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The drive stops at its next append, as when another worker claims the run, but
+    the run ended: its view is the cancelled run, with no word of a take-over."""
+    store = MemoryStore()
+    other = Engine(store, [], listeners=[], worker_id="other")
+
+    @flow(name="cancelled_meanwhile")
+    def cancelled_meanwhile(ctx: Context, _input: None) -> str:
+        ctx.step("cancelled", lambda: other.cancel("c", reason="from afar") and "done")
+        return "finished"
+
+    engine = Engine(store, [cancelled_meanwhile], listeners=[], worker_id="here")
+    with caplog.at_level("WARNING", logger="loom"):
+        view = engine.start("cancelled_meanwhile", key="c")
+    assert view.status is Status.CANCELLED
+    assert view.owner is None
+    assert "took this run over" not in caplog.text

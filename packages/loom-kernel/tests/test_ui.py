@@ -51,7 +51,11 @@ def _serving(url: str, *options: str) -> Iterator[str]:
         [sys.executable, "-m", "loom_kernel", "ui", "--port", "0", *options],
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "LOOM_STORE": url, "PYTHONPATH": str(_HERE)},
+        env={
+            **os.environ,
+            "LOOM_STORE": url,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(_HERE), os.environ.get("PYTHONPATH")])),
+        },
     )
     try:
         assert server.stderr is not None
@@ -91,6 +95,8 @@ def test_the_run_list_pages_and_filters(site: str) -> None:
     status, page, headers = _get(site)
     assert status == 200
     assert headers["Content-Security-Policy"].startswith("default-src 'none'")
+    assert headers["X-Frame-Options"] == "DENY"
+    assert headers["Referrer-Policy"] == "same-origin"
     assert page.count("<tr><td>") == 50, "a page of 50"
     assert "/runs/bad-00" in page
     assert "Next page" in page
@@ -249,8 +255,9 @@ def test_the_view_answers_to_its_own_address_only(acting: str) -> None:
 
 def test_odd_queries_are_a_400_and_a_done_code_cannot_put_words_on_a_page(site: str) -> None:
     for query in ("?since=%C2%B2d", "?since=" + "9" * 400 + "d", "?since=" + "9" * 5000 + "d"):
-        code, _, _ = _get(site + query)
+        code, said, _ = _get(site + query)
         assert code == 400, query
+        assert "<p>InvalidArgumentError: " in said, "the page says why"
     _, page, _ = _get(site + "runs/order-7?done=Session+expired:+log+in+at+evil.example")
     assert "evil.example" not in page
     _, sent, _ = _get(site + "runs/order-7?done=sent&n=3")

@@ -58,7 +58,7 @@ class LocalSlots(Protocol):
     def hand(
         self,
         execution_id: str,
-        drive: Callable[[], Drive[str]],
+        drive: Callable[[], Drive[None]],
         let_go: Callable[[], None],
         flow: str,
     ) -> bool:
@@ -203,7 +203,7 @@ class Enqueueing:
                 other.wake()
         return RunHandle(driver, execution_id)
 
-    def _drive_handed(self, state: ExecutionState, handoff: contextlib.ExitStack) -> Drive[str]:
+    def _drive_handed(self, state: ExecutionState, handoff: contextlib.ExitStack) -> Drive[None]:
         """Drive a run `enqueue` started as this engine's own and handed to a worker's
         free slot, as `start` would have inline: no claim, no poll."""
         driver = self._driver
@@ -215,7 +215,6 @@ class Enqueueing:
         finally:
             handoff.close()
         driver.settled(execution)
-        return execution_id
 
     def queue_up(self, place: QueuePlace, execution_id: str, flow: str, code: str) -> None:
         """Have a queued run whose start or wake landed wait on its queue, and wake

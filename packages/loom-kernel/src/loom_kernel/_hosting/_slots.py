@@ -275,7 +275,7 @@ class Slots:
     def hand(
         self,
         execution_id: str,
-        drive: Callable[[], Drive[str]],
+        drive: Callable[[], Drive[None]],
         let_go: Callable[[], None],
         flow: str,
     ) -> bool:
