@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import inspect
 import logging
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, cast
 
 import pytest
 from async_helpers import _slow_step, instant
@@ -26,7 +29,7 @@ from loom_kernel import (
     StepFailedError,
     flow,
 )
-from loom_kernel._replay import _servant
+from loom_kernel._replay import FlowPass, Unwind, _servant, drive_on_loop
 from loom_kernel.spi import NewRecord
 
 
@@ -463,3 +466,54 @@ def test_a_call_refused_at_once_does_not_bring_a_held_cancel_forward() -> None:
     finally:
         executor.shutdown()
         loop.close()
+
+
+def test_a_pass_asked_as_the_loop_closes_is_closed_not_left_never_awaited() -> None:
+    """A worker's drive on its loop is cancelled (the loop is closing) while a sync part
+    runs; that part asks for another pass of the flow's code: the pass never starts, its
+    coroutine is closed (no "never awaited" warning later) and the drive unwinds."""
+
+    class Passes:  # what drive_on_loop asks of a pass's context
+        def served_by(self, servant: object) -> None:
+            pass
+
+        async def run(self, flow: Any) -> Any:
+            return await flow
+
+    async def first() -> str:
+        return "first"
+
+    async def second() -> str:
+        return "second"
+
+    later = second()
+    in_part, go_on = threading.Event(), threading.Event()
+
+    def drive() -> Generator[FlowPass, Any, str]:
+        assert (yield FlowPass(cast(Any, Passes()), first())) == "first"
+        in_part.set()  # a sync part, on the executor
+        go_on.wait(10)
+        try:
+            yield FlowPass(cast(Any, Passes()), later)
+        except Unwind as unwind:
+            return f"unwound: {unwind.error}"
+        return "the second pass ran"
+
+    running = drive()
+    asked = next(running)
+
+    async def main() -> Any:
+        with ThreadPoolExecutor(2) as executor:
+            rest = drive_on_loop(running, asked, contextvars.copy_context(), executor)
+            task = asyncio.ensure_future(rest)
+            await asyncio.to_thread(in_part.wait, 10)
+            task.cancel()  # as the worker's loop, closing, cancels its tasks
+            await asyncio.sleep(0.05)
+            go_on.set()
+            return await task
+
+    assert asyncio.run(main()) == (
+        "unwound: the event loop running the flow is closing",
+        None,
+    )
+    assert inspect.getcoroutinestate(later) == "CORO_CLOSED"
