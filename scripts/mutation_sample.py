@@ -14,7 +14,9 @@ tests run each line; then for each sampled mutant it writes the mutated module, 
 the tests that run its line (stopping at the first failure; slow tests and Ceph
 RGW's excluded), and if they pass, its package's whole suite (a test may run the line
 in a process of its own, which coverage does not follow); a line no test runs in
-pytest's own process, or one run at import time, gets the whole suite at once.
+pytest's own process, or one run at import time, gets the whole suite at once. A
+mutant that survives those meets last the tests, of any package or the top-level
+ones, that run some line of its module (a class field only a top-level test uses).
 Then it puts the module back. A mutant is caught when a test fails (or the run times out).
 
 Mutant ids (`loom_kernel/_core/_codec.py:41:0:delete statement`: the module under its
@@ -360,6 +362,16 @@ def _tests_for(mutant: Mutant, lines: Coverage) -> list[str] | None:
     return sorted(tests) if tests else None
 
 
+def _module_tests(mutant: Mutant, lines: Coverage) -> list[str]:
+    """The tests outside the mutant's package (the top-level ones, another package's)
+    that run some line of its module: for a line run at import time (a field of a
+    class, a constant), the tests that use what it defines, wherever they live."""
+    own = tuple(PACKAGES[mutant.package][1])  # run already, as its package's suite
+    by_line = lines.get(str(mutant.path), {})
+    found = {test for tests in by_line.values() for test in tests}
+    return sorted(test for test in found if "rgw" not in test and not test.startswith(own))
+
+
 def _run(scratch: Path, mutant: Mutant, timeout: float, lines: Coverage) -> str:
     """'caught', 'survived' or 'timeout' (caught) for one mutant."""
     tests = _tests_for(mutant, lines)
@@ -375,6 +387,11 @@ def _run(scratch: Path, mutant: Mutant, timeout: float, lines: Coverage) -> str:
             # Tests that run the line in a process of their own (the command line's)
             # are not seen by coverage: a survivor goes to its package's whole suite.
             code = _pytest(scratch, mutant.package, timeout)
+        others = _module_tests(mutant, lines)
+        if code == 0 and others:
+            # The package's suite is not every test of it: the top-level tests reach
+            # the module too (a class field only they construct).
+            code = _pytest(scratch, mutant.package, timeout, others)
         outcome = "survived" if code == 0 else "caught"
     except subprocess.TimeoutExpired:
         outcome = "timeout"

@@ -251,6 +251,26 @@ def test_a_writer_racing_the_collector_never_loses_its_blob(
     assert json.loads(store.read("s")[0].payload) == "w" * BIG
 
 
+def test_a_writer_stalled_past_the_trash_puts_its_deleted_blob_again() -> None:
+    """Two collections between the blob and its record: the first moved the blob to the
+    trash, the second, a grace later, deleted it; the writer writes it again."""
+    clock = FakeClock(1_000.0)
+    blobs = MemoryBlobs(clock)
+
+    class Stalled(MemoryStore):
+        def _append(self, stream: str, expected: int, records: Any) -> int:
+            for _ in range(2):
+                clock.advance(100)
+                collect_blobs(self, grace=10, now=clock)
+            assert list(blobs.entries()) == [] and list(blobs.trashed()) == []
+            return super()._append(stream, expected, records)
+
+    store = Stalled()
+    store.use_blobs(blobs)
+    store.append("s", 0, [NewRecord("k", json.dumps("w" * BIG).encode(), 1.0)])
+    assert json.loads(store.read("s")[0].payload) == "w" * BIG
+
+
 @pytest.mark.parametrize("scheme", ["memory", "file"])
 def test_fsspec_blobs_by_url(scheme: str, tmp_path: Path) -> None:
     url = f"memory://blobs-{random.random()}" if scheme == "memory" else f"file://{tmp_path}/b"
