@@ -5,15 +5,17 @@ trace of the caller that started it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pytest
-from loom_kernel import Context, Engine, MemoryStore, RetryPolicy, flow
+from loom_kernel import Context, Engine, MemoryStore, RetryPolicy, StoreUnavailableError, flow
 from loom_kernel.otel import instrument, uninstrument
+from loom_kernel.spi import NewRecord
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import StatusCode
 
 tries = {"flaky": 0}
 
@@ -167,3 +169,25 @@ def test_the_engine_and_its_worker_report_their_counts_as_metrics() -> None:
     assert found["loom.queue.waiting"] == [({**me, "loom.queue": "bulk"}, 0)]
     assert found["loom.steps"] == [(me, 5)]
     assert found["loom.takeovers"] == [(me, 0)], "a queued run has no owner to take from"
+
+
+def test_a_drive_that_raises_ends_its_span_with_the_error(
+    spans: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    class StepsFail(MemoryStore):
+        def append(
+            self, stream: str, expected: int, records: Sequence[NewRecord], *, sync: bool = True
+        ) -> int:
+            if any(record.kind == "STEP_COMPLETED" for record in records):
+                raise StoreUnavailableError("the disk is gone")
+            return super().append(stream, expected, records, sync=sync)
+
+    provider, exporter = spans
+    engine = Engine(StepsFail(), [order], listeners=[])
+    instrument(engine, provider)
+    with pytest.raises(StoreUnavailableError):
+        engine.start("otel.order", key="o-3")
+    [drive] = _named(exporter.get_finished_spans(), "drive ")
+    assert [event.name for event in drive.events] == ["exception"]
+    assert drive.status.status_code is StatusCode.ERROR
+    assert drive.status.description == "StoreUnavailableError: the disk is gone"
