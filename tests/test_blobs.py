@@ -262,7 +262,8 @@ def test_a_writer_stalled_past_the_trash_puts_its_deleted_blob_again() -> None:
             for _ in range(2):
                 clock.advance(100)
                 collect_blobs(self, grace=10, now=clock)
-            assert list(blobs.entries()) == [] and list(blobs.trashed()) == []
+            assert list(blobs.entries()) == []
+            assert list(blobs.trashed()) == []
             return super()._append(stream, expected, records)
 
     store = Stalled()
