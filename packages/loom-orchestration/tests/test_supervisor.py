@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Status, flow
+from loom_kernel._engine._listeners import installed_listeners
 from loom_kernel.testing import FakeClock
 from loom_orchestration import (
     ChildFailedError,
@@ -307,3 +308,37 @@ def test_a_second_supervision_with_the_same_child_names_fails_clearly() -> None:
     assert run.status is Status.FAILED
     assert run.error is not None
     assert "already started by this run" in run.error.message
+
+
+def test_a_group_restart_starts_a_running_transient_child_again() -> None:
+    """Stopped by the restart (its cancel), not ended by itself: a transient child
+    starts again with the group, as a permanent one does."""
+    specs = [ChildSpec("a", worker), ChildSpec("b", worker, restart="transient")]
+    engine = _engine(specs, strategy="one_for_all")
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    assert _status(engine, "sup/b@0") is Status.CANCELLED
+    assert _status(engine, "sup/b@1") is Status.SUSPENDED
+
+
+def test_a_child_cancelled_by_hand_as_a_group_restart_nears_ends_as_it_did() -> None:
+    """An operator cancelled the transient child between its sibling's failure and the
+    supervisor's restart: the restart's cancel finds it ended by itself (another
+    reason), and it is not started again (a transient child restarts on a failure)."""
+
+    def cancel_b_first(engine: Engine, execution: Any) -> None:
+        if execution.id == "sup/a@0" and execution.status is Status.FAILED:
+            engine.cancel("sup/b@0", "by hand")
+
+    specs = [ChildSpec("a", worker), ChildSpec("b", worker, restart="transient")]
+    engine = Engine(
+        MemoryStore(),
+        [worker, _supervisor(specs, strategy="one_for_all")],
+        clock=FakeClock(),
+        listeners=[cancel_b_first, *installed_listeners()],  # before the parent hears
+    )
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    assert engine.get("sup/b@0").cancel_reason == "by hand"
+    assert "sup/b@1" not in _children(engine)
+    assert _status(engine, "sup/a@1") is Status.SUSPENDED

@@ -117,10 +117,8 @@ def do_pending(engine: Engine, name: str, state: ScheduleState) -> None:
             continue
 
 
-def running(engine: Engine, execution_id: str | None) -> bool:
+def running(engine: Engine, execution_id: str) -> bool:
     """Whether a schedule's last run still runs (parked counts: it has not ended)."""
-    if execution_id is None:
-        return False
     try:
         return not engine.get(execution_id).status.finished
     except ExecutionNotFoundError:
