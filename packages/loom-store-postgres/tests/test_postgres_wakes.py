@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import psycopg
+import pytest
 from loom_kernel import Context, Engine, Worker, flow
 from loom_kernel.spi import NewRecord, SupportsWakeups
 from loom_store_postgres import PostgresStore
@@ -60,16 +61,19 @@ def test_a_store_with_notify_off_sends_and_hears_nothing(postgres_server: Postgr
 
 
 def test_a_killed_listening_connection_listens_again_and_wakes_for_what_it_missed(
-    postgres_server: PostgresServer,
+    postgres_server: PostgresServer, caplog: pytest.LogCaptureFixture
 ) -> None:
     store = postgres_server.store()
     woken, _unsubscribe = _counting(store)
-    with psycopg.connect(store.conninfo, autocommit=True) as admin:
-        killed = admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
-        ).fetchall()
-    assert killed, "no listening connection found"
-    assert woken.wait(10.0), "no wake after listening again"
+    with caplog.at_level("WARNING", logger="loom"):
+        with psycopg.connect(store.conninfo, autocommit=True) as admin:
+            killed = admin.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE query LIKE 'LISTEN%%'"
+            ).fetchall()
+        assert killed, "no listening connection found"
+        assert woken.wait(10.0), "no wake after listening again"
+    assert "failed (" in caplog.text
+    assert "polling until it listens again" in caplog.text
     woken.clear()
     store.append("timers/000000000001", 0, [NewRecord("k", b"{}", 1.0)])
     assert woken.wait(5.0)
