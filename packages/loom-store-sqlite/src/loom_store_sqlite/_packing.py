@@ -33,7 +33,10 @@ _DICTIONARY: Final = (
     b'{"v":"1.21.0","d":{"index":0,"name":"","result":null,"attempts":1}}'
 )
 #: Raw deflate (no header or checksum: the row's own integrity is SQLite's) with a
-#: 1 KiB window, which holds the dictionary and a payload up to `PACK_AT_MOST`.
+#: 1 KiB window: the dictionary (519 bytes) and the payload's first 505 bytes; a
+#: payload's later bytes match only the 1 KiB before them. (A wider window packs a
+#: longer payload smaller, and a reader of this one reads it, the dictionary being in
+#: its window; the rows this writes are kept as they have been.)
 _WINDOW_BITS: Final = -10
 #: Payloads longer than this are kept as they are: their row's overhead is already
 #: small beside them, and deflating them costs more time than it saves room.
