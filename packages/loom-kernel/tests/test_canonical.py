@@ -136,6 +136,7 @@ def test_shared_but_acyclic_values_are_fine() -> None:
         ([b"x"], "bytes is not a JSON value"),
         ([object()], "object is not a JSON value"),
         ([2**53 + 1], "no IEEE-754 double with the same digits"),
+        ([-(2**53) - 1], "no IEEE-754 double with the same digits"),
         ([10**400], "no IEEE-754 double with the same digits"),
         ({"k": "\ud800"}, "lone surrogate"),
         ({"\udfff": 1}, "lone surrogate"),

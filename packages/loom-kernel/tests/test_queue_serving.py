@@ -619,6 +619,29 @@ def test_a_worker_keeps_the_places_it_holds_itself_under_its_own_id() -> None:
     assert engine.queue("q").waiting == [handle.id], "given back when let go"
 
 
+def test_another_workers_admission_is_not_taken_for_one_held_under_this_id(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A partition holding only another worker's admission holds nothing an earlier
+    process under this worker's id left: no warning of a shared id, and the partition
+    is not looked at for such places again."""
+    store, clock = MemoryStore(), FakeClock()
+    first = _engine(store, Queue("q"), worker_id="pod-1", clock=clock)
+    second = _engine(store, Queue("q"), worker_id="pod-2", clock=clock)
+    serving_first, _ = _serving(first)
+    serving_second, _ = _serving(second)
+    first.enqueue("parks", "p", queue="q")
+    admitted = serving_first._admit(parts_of(first).enqueueing.book.queues["q"], 0, 1)
+    assert len(admitted) == 1
+    with caplog.at_level("WARNING", logger="loom"):
+        queue = parts_of(second).enqueueing.book.queues["q"]
+        assert serving_second._serve_partition(queue, 0, sweep=False) == 0
+    assert "held under worker id" not in caplog.text
+    assert ("q", 0) in serving_second._no_earlier
+    assert admitted[0].let_go is not None
+    admitted[0].let_go()
+
+
 def test_two_workers_on_a_capped_queue_both_drive_its_runs_not_one_standing_by() -> None:
     """The first worker took every place of the cap and, as each run ended, the next
     at once: the second worker drove nothing until the first was killed. A worker
