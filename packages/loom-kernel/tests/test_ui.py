@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import subprocess
 import sys
 import urllib.error
@@ -245,6 +246,12 @@ def test_the_view_answers_to_its_own_address_only(acting: str) -> None:
     own = urllib.parse.urlsplit(acting).netloc
     assert _raw(acting, "GET", "/runs/order-7", {"Host": own}) == 200
     assert _raw(acting, "GET", "/runs/order-7", {"Host": "evil.example:1"}) == 421
+    parts = urllib.parse.urlsplit(acting)
+    with socket.create_connection((parts.hostname or "", parts.port or 0), timeout=30) as raw:
+        raw.sendall(b"GET /runs/order-7 HTTP/1.0\r\nHost: evil.example:1\r\n\r\n")
+        answer = b"".join(iter(lambda: raw.recv(65536), b""))
+    assert answer.count(b"HTTP/1.") == 1, "one answer, the refusal, and no page after it"
+    assert b"order-7" not in answer
     forged = {"Host": "evil.example:1", "Origin": "http://evil.example:1"}
     assert _raw(acting, "POST", "/runs/order-7/cancel", forged) == 421
     bad_length = {"Host": own, "Content-Length": "-1"}
