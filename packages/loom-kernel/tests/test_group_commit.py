@@ -7,6 +7,7 @@ import threading
 from typing import Any
 
 import pytest
+from loom_kernel import StoreUnavailableError
 from loom_kernel._spi import _group_commit as _group
 from loom_kernel._spi._group_commit import GroupCommit, PendingAppend
 
@@ -56,4 +57,47 @@ def test_a_follower_taken_into_a_group_finds_its_verdict_with_its_wake_lost(
         thread.join(10)
     assert groups == [["a"], ["b", "c"]]
     assert ended == {"a": "landed", "b": "landed", "c": "landed"}
+    assert not commits.leading
+
+
+def test_a_follower_of_a_group_whose_commit_was_interrupted_is_told_to_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """B leads a group holding C and its commit is interrupted before any verdict: B's
+    caller gets the interrupt, C's a StoreUnavailableError (landed or not, unknown),
+    never a "landed" for a write that may be lost."""
+    monkeypatch.setattr(_group, "LOOK_AGAIN", 0.01)
+    first_in, let_first_go = threading.Event(), threading.Event()
+
+    def commit(appends: list[PendingAppend]) -> None:
+        if appends[0].stream == "a":
+            first_in.set()
+            assert let_first_go.wait(10)
+        else:
+            raise KeyboardInterrupt  # in B's thread, before any verdict
+
+    commits = GroupCommit(commit)
+    ended: dict[str, Any] = {}
+
+    def submit(stream: str) -> None:
+        try:
+            commits.submit(PendingAppend(stream, 0, []))
+            ended[stream] = "landed"
+        except BaseException as exc:  # any ending is recorded
+            ended[stream] = exc
+
+    threads = {name: threading.Thread(target=submit, args=(name,), daemon=True) for name in "abc"}
+    threads["a"].start()
+    assert first_in.wait(10)
+    for name in "bc":
+        threads[name].start()
+        while not any(queued.stream == name for queued in commits._queue):
+            threading.Event().wait(0.001)
+    let_first_go.set()
+    for thread in threads.values():
+        thread.join(10)
+    assert ended["a"] == "landed"
+    assert isinstance(ended["b"], KeyboardInterrupt)
+    assert isinstance(ended["c"], StoreUnavailableError)
+    assert "the group's commit was interrupted" in str(ended["c"])
     assert not commits.leading
