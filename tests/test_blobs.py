@@ -272,6 +272,15 @@ def test_a_writer_stalled_past_the_trash_puts_its_deleted_blob_again() -> None:
     assert json.loads(store.read("s")[0].payload) == "w" * BIG
 
 
+def test_the_default_threshold_is_64_kib() -> None:
+    store = _memory()
+    assert store.blobs is not None
+    store.append("s", 0, [NewRecord("k", b"x" * (64 * 1024), 1.0)])
+    assert list(store.blobs.entries()) == [], "64 KiB stays in the journal"
+    store.append("s", 1, [NewRecord("k", b"x" * (64 * 1024 + 1), 1.0)])
+    assert len(list(store.blobs.entries())) == 1, "a byte more goes to the blob store"
+
+
 @pytest.mark.parametrize("scheme", ["memory", "file"])
 def test_fsspec_blobs_by_url(scheme: str, tmp_path: Path) -> None:
     url = f"memory://blobs-{random.random()}" if scheme == "memory" else f"file://{tmp_path}/b"

@@ -104,6 +104,23 @@ def test_a_partition_the_store_cannot_read_is_counted_and_the_others_are_visited
         ]
 
 
+def test_a_damaged_partition_is_counted_said_and_marks_the_index_for_repair(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from loom_kernel.spi import NewRecord
+
+    store = MemoryStore()
+    engine = _engine(store)
+    store.append("runs/open/0", store.head("runs/open/0"), [NewRecord("loom.run.open", b"{", 1.0)])
+    visits, slots = _visits(engine)
+    with ThreadPoolExecutor(2) as pool:
+        slots.open(pool, None)
+        visits.visit_open(sweep=True)
+    assert slots.stats.failures == 1
+    assert visits.repair, "the next poll rebuilds the index"
+    assert "run index partition 0: " in caplog.text
+
+
 def test_a_queued_runs_hint_seen_between_sweeps_is_no_news_to_the_next_sweep() -> None:
     """A run waiting in a queue is found by its queue's add, so the polls between
     sweeps leave its hint alone but note it seen; the next sweep then visits it as a

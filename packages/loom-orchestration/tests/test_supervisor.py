@@ -342,3 +342,27 @@ def test_a_child_cancelled_by_hand_as_a_group_restart_nears_ends_as_it_did() -> 
     assert engine.get("sup/b@0").cancel_reason == "by hand"
     assert "sup/b@1" not in _children(engine)
     assert _status(engine, "sup/a@1") is Status.SUSPENDED
+
+
+def test_a_cancel_a_journal_recorded_as_the_childs_id_starts_the_child_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A journal from before cancels said how the child had ended recorded the cancel
+    step's result as the child's id: the child stopped by the restart starts again."""
+    if _kind["async"]:
+        pytest.skip("the old record is the sync supervisor's")
+    from loom_orchestration import _supervisor as supervisor_module
+
+    perform = supervisor_module._perform
+
+    def as_before(ctx: Any, op: Any) -> Any:
+        result = perform(ctx, op)
+        return result["id"] if isinstance(op, supervisor_module._Cancel) else result
+
+    monkeypatch.setattr(supervisor_module, "_perform", as_before)
+    specs = [ChildSpec("a", worker), ChildSpec("b", worker, restart="temporary")]
+    engine = _engine(specs, strategy="one_for_all")
+    engine.start("supervisor", key="sup")
+    engine.resume("sup/a@0", "fail")
+    assert _status(engine, "sup/b@0") is Status.CANCELLED
+    assert _status(engine, "sup/b@1") is Status.SUSPENDED

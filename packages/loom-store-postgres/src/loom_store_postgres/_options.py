@@ -10,7 +10,7 @@ from typing import Final
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import attrs
-from loom_kernel.spi import InvalidArgumentError
+from loom_kernel.spi import DEFAULT_BLOB_THRESHOLD, InvalidArgumentError
 
 __all__ = ["PostgresOptions", "parse_postgres_url"]
 
@@ -45,7 +45,7 @@ class PostgresOptions:
     pool_max: int = 10
     timeout: float = 10.0
     blobs: str | None = None
-    blob_threshold: int = 64 * 1024
+    blob_threshold: int = DEFAULT_BLOB_THRESHOLD
     notify: bool = True
 
     def __attrs_post_init__(self) -> None:
@@ -101,7 +101,7 @@ class PostgresOptions:
             pool_max=whole("pool_max", 10),
             timeout=timeout,
             blobs=None if blobs is None or blobs.lower() == "none" else blobs,
-            blob_threshold=whole("blob_threshold", 64 * 1024),
+            blob_threshold=whole("blob_threshold", DEFAULT_BLOB_THRESHOLD),
             notify=notify == "on",
         )
 

@@ -7,7 +7,7 @@ from typing import Final
 from urllib.parse import parse_qsl, urlsplit
 
 import attrs
-from loom_kernel.spi import InvalidArgumentError, validate_stream_id
+from loom_kernel.spi import DEFAULT_BLOB_THRESHOLD, InvalidArgumentError, validate_stream_id
 
 from loom_store_s3._layout import MAX_SHARDS
 
@@ -61,7 +61,7 @@ class S3Options:
     attempts: int = attrs.field(default=4)
     workers: int = attrs.field(default=16)
     blobs: str = "bucket"
-    blob_threshold: int = attrs.field(default=64 * 1024)
+    blob_threshold: int = attrs.field(default=DEFAULT_BLOB_THRESHOLD)
 
     @addressing.validator
     def _check_addressing(self, _attribute: object, value: str) -> None:

@@ -11,7 +11,7 @@ from typing import Final
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import attrs
-from loom_kernel.spi import InvalidArgumentError
+from loom_kernel.spi import DEFAULT_BLOB_THRESHOLD, InvalidArgumentError
 
 __all__ = ["SqliteOptions", "parse_store_url"]
 
@@ -37,7 +37,7 @@ class SqliteOptions:
     synchronous: str = "full"
     timeout: float = 10.0
     blobs: str | None = None
-    blob_threshold: int = 64 * 1024
+    blob_threshold: int = DEFAULT_BLOB_THRESHOLD
 
     @classmethod
     def parse(cls, query: str) -> SqliteOptions:
@@ -70,7 +70,7 @@ class SqliteOptions:
             raise InvalidArgumentError(
                 f"timeout must be a finite number of seconds >= 0, not {values['timeout']!r}"
             )
-        threshold = values.get("blob_threshold", str(64 * 1024))
+        threshold = values.get("blob_threshold", str(DEFAULT_BLOB_THRESHOLD))
         if not threshold.isdigit() or int(threshold) < 1:
             raise InvalidArgumentError(
                 f"blob_threshold must be a whole number of bytes >= 1, not {threshold!r}"

@@ -13,7 +13,13 @@ from loom_kernel._core import (
     validate_prefix,
     validate_stream_id,
 )
-from loom_kernel._spi._blobs import blob_key, check_not_a_reference, reference, resolved
+from loom_kernel._spi._blobs import (
+    DEFAULT_BLOB_THRESHOLD,
+    blob_key,
+    check_not_a_reference,
+    reference,
+    resolved,
+)
 
 if TYPE_CHECKING:
     from loom_kernel._spi._blobs import BlobStore
@@ -75,9 +81,9 @@ class JournalStore(abc.ABC):
     #: Where payloads over `blob_threshold` bytes go (`use_blobs`), or None: kept in
     #: the journal (up to `max_record_bytes`).
     blobs: BlobStore | None = None
-    blob_threshold: int = 64 * 1024
+    blob_threshold: int = DEFAULT_BLOB_THRESHOLD
 
-    def use_blobs(self, blobs: BlobStore | None, threshold: int = 64 * 1024) -> None:
+    def use_blobs(self, blobs: BlobStore | None, threshold: int = DEFAULT_BLOB_THRESHOLD) -> None:
         """Keep payloads over `threshold` bytes in `blobs`, each journaled as a small
         reference to it (see docs/retention.md); None keeps them in the journal.
 
