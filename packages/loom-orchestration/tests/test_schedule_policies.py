@@ -98,3 +98,19 @@ def test_cancel_and_terminate_other_end_the_last_run_for_each_new_tick(
     assert counts.started == 5
     assert getattr(counts, how) == 4
     assert all(schedule_of(run.id) == "every" for run in runs_of(e, "every"))
+
+
+def test_cancel_other_with_two_ticks_due_at_once_starts_each_in_turn() -> None:
+    """Fired late, with 02:00 and 03:00 both due: the decision that cancels 01:00's run
+    for 02:00 stops there (the next must see the cancel's outcome), so 02:00's run
+    starts, then is cancelled for 03:00's: no tick is skipped."""
+    e = engine()
+    create_schedule(e, "every", "lasts", cron="* * * * *", input=LASTS, overlap="cancel_other")
+    e.clock.advance(65)  # type: ignore[attr-defined]
+    fire_due_schedules(e)
+    e.clock.advance(120)  # type: ignore[attr-defined]
+    fire_due_schedules(e)
+    statuses = _statuses(e)
+    assert statuses == {"01:00": "cancelled", "02:00": "cancelled", "03:00": "suspended"}
+    counts = get_schedule(e, "every").counts
+    assert (counts.started, counts.cancelled, counts.skipped) == (3, 2, 0)
