@@ -36,25 +36,7 @@ def test_a_follower_taken_into_a_group_finds_its_verdict_with_its_wake_lost(
             wake(append)
 
     monkeypatch.setattr(_group, "_wake", losing_cs_wake)
-    ended: dict[str, Any] = {}
-
-    def submit(stream: str) -> None:
-        try:
-            commits.submit(PendingAppend(stream, 0, []))
-            ended[stream] = "landed"
-        except BaseException as exc:  # any ending is recorded
-            ended[stream] = exc
-
-    threads = {name: threading.Thread(target=submit, args=(name,), daemon=True) for name in "abc"}
-    threads["a"].start()
-    assert first_in.wait(10)
-    for name in "bc":
-        threads[name].start()
-        while not any(queued.stream == name for queued in commits._queue):
-            threading.Event().wait(0.001)
-    let_first_go.set()
-    for thread in threads.values():
-        thread.join(10)
+    ended = _a_then_b_and_c(commits, first_in, let_first_go)
     assert groups == [["a"], ["b", "c"]]
     assert ended == {"a": "landed", "b": "landed", "c": "landed"}
     assert not commits.leading
@@ -77,6 +59,19 @@ def test_a_follower_of_a_group_whose_commit_was_interrupted_is_told_to_retry(
             raise KeyboardInterrupt  # in B's thread, before any verdict
 
     commits = GroupCommit(commit)
+    ended = _a_then_b_and_c(commits, first_in, let_first_go)
+    assert ended["a"] == "landed"
+    assert isinstance(ended["b"], KeyboardInterrupt)
+    assert isinstance(ended["c"], StoreUnavailableError)
+    assert "the group's commit was interrupted" in str(ended["c"])
+    assert not commits.leading
+
+
+def _a_then_b_and_c(
+    commits: GroupCommit, first_in: threading.Event, let_first_go: threading.Event
+) -> dict[str, Any]:
+    """Submit A, and once its commit is in (`first_in`), B and C, which queue; then let
+    A's commit go on (`let_first_go`): how each append ended ("landed" or its error)."""
     ended: dict[str, Any] = {}
 
     def submit(stream: str) -> None:
@@ -96,8 +91,4 @@ def test_a_follower_of_a_group_whose_commit_was_interrupted_is_told_to_retry(
     let_first_go.set()
     for thread in threads.values():
         thread.join(10)
-    assert ended["a"] == "landed"
-    assert isinstance(ended["b"], KeyboardInterrupt)
-    assert isinstance(ended["c"], StoreUnavailableError)
-    assert "the group's commit was interrupted" in str(ended["c"])
-    assert not commits.leading
+    return ended
