@@ -212,6 +212,20 @@ def test_trigger_follows_the_overlap_policy_unless_told_otherwise() -> None:
     assert get_schedule(e, "t").counts.skipped == 1
 
 
+def test_a_schedule_deleted_between_its_listing_and_its_fire_fires_nothing() -> None:
+    """A poller listed it due; it was deleted before the fire: nothing starts, and the
+    fire says there is no such schedule (None)."""
+    from loom_orchestration._schedules._firing import fire_schedule
+
+    e = engine()
+    create_schedule(e, "gone", "tick", cron="* * * * *")
+    delete_schedule(e, "gone")
+    e.clock.advance(600)  # type: ignore[attr-defined]
+    assert fire_schedule(e, "gone") == ([], None)
+    assert fire_schedule(e, "never") == ([], None)
+    assert runs_of(e, "gone") == []
+
+
 def test_create_delete_and_create_again_and_what_is_not_there() -> None:
     e = engine()
     create_schedule(e, "d", "tick", cron="* * * * *")
