@@ -3,7 +3,7 @@
     python3 -m uv run python scripts/mutation_sample.py [--sample 200] [--seed 1]
         [--only kernel|stores|postgres|orchestration]
         [--equivalent scripts/equivalent-mutants.txt]
-        [--mutants ID ...]
+        [--mutants ID ...] [--check-equivalents]
 
 Each mutant is one small change to one module, made on its syntax tree: a statement
 deleted, `return X` made `return None`, a comparison or a boolean flipped, an integer
@@ -549,6 +549,12 @@ def main() -> int:
         help="K/N: run the K-th of N interleaved parts of the sample (N processes, each "
         "with its own scratch copy, share the cores; add their counts for the score)",
     )
+    parser.add_argument(
+        "--check-equivalents",
+        action="store_true",
+        help="only say how many entries of the --equivalent list match a mutant of "
+        "today's tree (each one that matches nothing is named), then exit; without --only",
+    )
     args = parser.parse_args()
     shard, shards = _shard(args.shard)
     # Groups overlap (postgres is one of the stores): each package once.
@@ -557,6 +563,14 @@ def main() -> int:
     )
     mutants = _all_mutants(packages)
     equivalent = _equivalents(args.equivalent, mutants) if args.equivalent.exists() else set()
+    if args.check_equivalents:
+        listed = sum(
+            1
+            for raw in args.equivalent.read_text().splitlines()
+            if raw.strip() and not raw.lstrip().startswith("#")
+        )
+        print(f"{len(equivalent)} of {listed} entries match a mutant of today's tree")
+        raise SystemExit(0 if len(equivalent) == listed else 1)
     if args.mutants:
         wanted = set(args.mutants)
         chosen = [mutant for mutant in mutants if mutant.id in wanted]
