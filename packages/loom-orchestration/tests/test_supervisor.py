@@ -3,7 +3,7 @@ every test runs with the supervisor as a sync flow and as an async one."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import pytest
 from loom_kernel import AsyncContext, Context, Engine, MemoryStore, Status, flow
@@ -310,15 +310,21 @@ def test_a_second_supervision_with_the_same_child_names_fails_clearly() -> None:
     assert "already started by this run" in run.error.message
 
 
-def test_a_group_restart_starts_a_running_transient_child_again() -> None:
-    """Stopped by the restart (its cancel), not ended by itself: a transient child
-    starts again with the group, as a permanent one does."""
-    specs = [ChildSpec("a", worker), ChildSpec("b", worker, restart="transient")]
+def _assert_b_restarted_with_a(restart: Literal["transient", "temporary"]) -> None:
+    """one_for_all over a and b (of `restart`): a fails, and b, stopped by the group's
+    restart, starts again."""
+    specs = [ChildSpec("a", worker), ChildSpec("b", worker, restart=restart)]
     engine = _engine(specs, strategy="one_for_all")
     engine.start("supervisor", key="sup")
     engine.resume("sup/a@0", "fail")
     assert _status(engine, "sup/b@0") is Status.CANCELLED
     assert _status(engine, "sup/b@1") is Status.SUSPENDED
+
+
+def test_a_group_restart_starts_a_running_transient_child_again() -> None:
+    """Stopped by the restart (its cancel), not ended by itself: a transient child
+    starts again with the group, as a permanent one does."""
+    _assert_b_restarted_with_a("transient")
 
 
 def test_a_child_cancelled_by_hand_as_a_group_restart_nears_ends_as_it_did() -> None:
@@ -360,9 +366,4 @@ def test_a_cancel_a_journal_recorded_as_the_childs_id_starts_the_child_again(
         return result["id"] if isinstance(op, supervisor_module._Cancel) else result
 
     monkeypatch.setattr(supervisor_module, "_perform", as_before)
-    specs = [ChildSpec("a", worker), ChildSpec("b", worker, restart="temporary")]
-    engine = _engine(specs, strategy="one_for_all")
-    engine.start("supervisor", key="sup")
-    engine.resume("sup/a@0", "fail")
-    assert _status(engine, "sup/b@0") is Status.CANCELLED
-    assert _status(engine, "sup/b@1") is Status.SUSPENDED
+    _assert_b_restarted_with_a("temporary")
